@@ -1,0 +1,34 @@
+"""aelastic: an asyncio-native elastic launcher for distributed PyTorch.
+
+The rendezvous types and exceptions carry torch's names and semantics. The core never
+imports torch.
+"""
+
+from .rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+    StoreTimeoutError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousGracefulExitError",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousStateError",
+    "RendezvousStoreInfo",
+    "RendezvousTimeoutError",
+    "StoreTimeoutError",
+    "__version__",
+]

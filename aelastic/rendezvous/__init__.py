@@ -1,0 +1,71 @@
+"""Rendezvous: barrier, peer discovery, consistent ranks and a shared store for a run.
+
+``create_handler(params)`` gives the async :class:`DynamicRendezvousHandler` over the
+backend that ``params.backend`` names. The logic lives in the pure :mod:`.core`; the
+handler only drives it over a backend.
+"""
+
+from __future__ import annotations
+
+from ..backends.registry import create_backend
+from .api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousSettings,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+    StoreTimeoutError,
+)
+from .clock import Clock, ManualClock
+from .core import MembershipView
+from .handler import DynamicRendezvousHandler, RendezvousEvent
+from .state import NodeDesc
+
+__all__ = [
+    "Clock",
+    "DynamicRendezvousHandler",
+    "ManualClock",
+    "MembershipView",
+    "NodeDesc",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousEvent",
+    "RendezvousGracefulExitError",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousSettings",
+    "RendezvousStateError",
+    "RendezvousStoreInfo",
+    "RendezvousTimeoutError",
+    "StoreTimeoutError",
+    "create_handler",
+]
+
+
+def create_handler(
+    params: RendezvousParameters, *, clock: Clock | None = None
+) -> DynamicRendezvousHandler:
+    """Create the async rendezvous handler that ``params`` describe.
+
+    Args:
+        params: Backend, endpoint, run id, node bounds and configuration keys
+            (``join_timeout``, ``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``,
+            ``keep_alive_interval``, ``keep_alive_max_attempt``, ``read_timeout``; seconds).
+        clock: Time source (tests); the system clocks by default.
+
+    Raises:
+        ValueError: Unknown backend or invalid parameters.
+        ImportError: The backend's optional dependencies are missing.
+    """
+    settings = RendezvousSettings.from_parameters(params)
+    backend = create_backend(params)
+    kwargs = {} if clock is None else {"clock": clock}
+    return DynamicRendezvousHandler(
+        backend, settings, local_addr=params.local_addr, backend_name=params.backend, **kwargs
+    )

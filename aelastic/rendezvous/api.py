@@ -1,0 +1,323 @@
+"""Public rendezvous types with torch's names and validation rules.
+
+These mirror ``torch.distributed.elastic.rendezvous.api``: the exception tree,
+``RendezvousParameters`` (same ``ValueError`` messages), ``RendezvousStoreInfo`` and
+``RendezvousInfo``. ``RendezvousSettings`` is the validated, typed form of the
+parameters that the pure core works with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+__all__ = [
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousGracefulExitError",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousSettings",
+    "RendezvousStateError",
+    "RendezvousStoreInfo",
+    "RendezvousTimeoutError",
+    "StoreTimeoutError",
+]
+
+
+class RendezvousError(Exception):
+    """Base type for rendezvous errors."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """Raised when a rendezvous is closed."""
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """Raised when a rendezvous did not complete on time."""
+
+
+class RendezvousConnectionError(RendezvousError):
+    """Raised when the connection to a rendezvous backend has failed."""
+
+
+class RendezvousStateError(RendezvousError):
+    """Raised when the state of a rendezvous is corrupt, foreign or of an unknown format."""
+
+
+class RendezvousGracefulExitError(RendezvousError):
+    """Raised when a node was not admitted to the rendezvous and exits gracefully.
+
+    Like torch's, this is a way to unwind the stack, not a failure.
+    """
+
+
+class StoreTimeoutError(RendezvousTimeoutError, TimeoutError):
+    """Raised when a key-value store wait (``get``, ``wait``) runs out of time."""
+
+
+_TRUE = ("1", "true", "t", "yes", "y")
+_FALSE = ("0", "false", "f", "no", "n")
+
+
+class RendezvousParameters:
+    """Hold the parameters to construct a rendezvous handler.
+
+    Args:
+        backend: Name of the backend (``memory``, ``redis``, ``http`` or a registered one).
+        endpoint: Where the backend lives, e.g. ``redis://host:6379/0`` or ``host:port``.
+        run_id: Id of the rendezvous (one per job).
+        min_nodes: Minimum number of nodes to admit.
+        max_nodes: Maximum number of nodes to admit.
+        local_addr: Address of the local node (defaults to the FQDN).
+        **kwargs: Backend and timeout configuration (``join_timeout``, ...).
+
+    Raises:
+        ValueError: The backend name is empty or the node bounds are invalid.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        endpoint: str,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not backend:
+            raise ValueError("The rendezvous backend name must be a non-empty string.")
+        if min_nodes < 1:
+            raise ValueError(
+                f"The minimum number of rendezvous nodes ({min_nodes}) must be greater than zero."
+            )
+        if max_nodes < min_nodes:
+            raise ValueError(
+                f"The maximum number of rendezvous nodes ({max_nodes}) must be greater than or "
+                f"equal to the minimum number of rendezvous nodes ({min_nodes})."
+            )
+        self.backend = backend
+        self.endpoint = endpoint
+        self.run_id = run_id
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.config: dict[str, Any] = kwargs
+        self.local_addr = local_addr
+
+    def __repr__(self) -> str:
+        return (
+            f"RendezvousParameters(backend={self.backend!r}, endpoint={self.endpoint!r}, "
+            f"run_id={self.run_id!r}, min_nodes={self.min_nodes}, max_nodes={self.max_nodes})"
+        )
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Return the value for ``key`` if ``key`` exists, else ``default``."""
+        return self.config.get(key, default)
+
+    def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
+        """Return the value for ``key`` as a ``bool`` (1/true/t/yes/y, 0/false/f/no/n).
+
+        Raises:
+            ValueError: The value does not represent a boolean.
+        """
+        value = self.get(key, default)
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, int):
+            if value in (0, 1):
+                return value == 1
+        elif isinstance(value, str):
+            if value.lower() in _TRUE:
+                return True
+            if value.lower() in _FALSE:
+                return False
+        raise ValueError(
+            f"The rendezvous configuration option '{key}' does not represent a valid boolean value."
+        )
+
+    def get_as_int(self, key: str, default: int | None = None) -> int | None:
+        """Return the value for ``key`` as an ``int``.
+
+        Raises:
+            ValueError: The value does not represent an integer.
+        """
+        value = self.get(key, default)
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"The rendezvous configuration option '{key}' does not represent a valid integer "
+                "value."
+            ) from e
+
+    def get_as_float(self, key: str, default: float | None = None) -> float | None:
+        """Return the value for ``key`` as a finite ``float`` (timeouts accept fractions).
+
+        Raises:
+            ValueError: The value does not represent a finite number.
+        """
+        value = self.get(key, default)
+        if value is None:
+            return None
+        try:
+            number = float(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"The rendezvous configuration option '{key}' does not represent a valid number."
+            ) from e
+        if not math.isfinite(number):
+            raise ValueError(
+                f"The rendezvous configuration option '{key}' must be a finite number."
+            )
+        return number
+
+
+_TIMEOUT_DEFAULTS = {
+    "join": 600.0,
+    "last_call": 30.0,
+    "close": 30.0,
+    "heartbeat": 5.0,
+}
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """The validated settings the pure core and the handler work with (seconds)."""
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0
+    heartbeat_timeout: float = 5.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+    read_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        if self.min_nodes < 1:
+            raise ValueError(
+                f"The minimum number of nodes ({self.min_nodes}) must be greater than zero."
+            )
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(
+                f"The maximum number of nodes ({self.max_nodes}) must be greater than or equal "
+                f"to the minimum number of nodes ({self.min_nodes})."
+            )
+        for name in _TIMEOUT_DEFAULTS:
+            value = getattr(self, f"{name}_timeout")
+            if not value > 0:
+                raise ValueError(f"The {name} timeout ({value}) must be positive.")
+        if not self.keep_alive_interval > 0:
+            raise ValueError(
+                f"The keep-alive interval ({self.keep_alive_interval}) must be positive."
+            )
+        if self.keep_alive_max_attempt < 1:
+            raise ValueError(
+                f"The keep-alive max attempt ({self.keep_alive_max_attempt}) must be at least 1."
+            )
+        if not self.read_timeout > 0:
+            raise ValueError(f"The read timeout ({self.read_timeout}) must be positive.")
+
+    @property
+    def heartbeat_window(self) -> float:
+        """Seconds of silence after which a node is considered dead."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+    @classmethod
+    def from_parameters(cls, params: RendezvousParameters) -> RendezvousSettings:
+        """Build settings from torch-style parameters.
+
+        Raises:
+            ValueError: A value is missing, malformed or out of range.
+            TypeError: ``keep_alive_interval`` or ``keep_alive_max_attempt`` was passed as None.
+        """
+        timeouts: dict[str, float] = {}
+        for name, default in _TIMEOUT_DEFAULTS.items():
+            value = params.get_as_float(f"{name}_timeout")
+            timeouts[f"{name}_timeout"] = default if value is None else value
+        for key in ("keep_alive_interval", "keep_alive_max_attempt"):
+            if key in params.config and params.config[key] is None:
+                raise TypeError(f"You passed '{key}=None' as a rendezvous configuration option")
+        interval = params.get_as_float("keep_alive_interval", 5.0)
+        attempts = params.get_as_int("keep_alive_max_attempt", 3)
+        read_timeout = params.get_as_float("read_timeout", 60.0)
+        assert interval is not None and attempts is not None and read_timeout is not None
+        return cls(
+            run_id=params.run_id,
+            min_nodes=params.min_nodes,
+            max_nodes=params.max_nodes,
+            keep_alive_interval=interval,
+            keep_alive_max_attempt=attempts,
+            read_timeout=read_timeout,
+            **timeouts,
+        )
+
+
+@dataclass
+class RendezvousStoreInfo:
+    """Address and port that workers use to bootstrap their own communication."""
+
+    MASTER_ADDR_KEY: ClassVar[str] = "MASTER_ADDR"
+    MASTER_PORT_KEY: ClassVar[str] = "MASTER_PORT"
+
+    master_addr: str
+    master_port: int
+
+
+StoreT = TypeVar("StoreT")
+
+
+class RendezvousInfo(Generic[StoreT]):
+    """What a completed rendezvous gives a node: store, rank, world size, bootstrap info.
+
+    ``store`` is the async :class:`aelastic.store.Store` from the async handler, a
+    :class:`aelastic.sync.SyncStore` from the sync facade, and a ``torch.distributed.Store``
+    from the torchrun plugin.
+    """
+
+    def __init__(
+        self,
+        store: StoreT,
+        rank: int,
+        world_size: int,
+        bootstrap_store_info: RendezvousStoreInfo | None,
+    ) -> None:
+        self._store = store
+        self._rank = rank
+        self._world_size = world_size
+        self._bootstrap_store_info = bootstrap_store_info
+
+    @property
+    def store(self) -> StoreT:
+        """Store shared by the members of this round."""
+        return self._store
+
+    @property
+    def rank(self) -> int:
+        """Rank of this node within the group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of nodes in the group."""
+        return self._world_size
+
+    @property
+    def bootstrap_store_info(self) -> RendezvousStoreInfo | None:
+        """Where the workers can bootstrap their communication."""
+        return self._bootstrap_store_info
+
+    def __repr__(self) -> str:
+        return (
+            f"RendezvousInfo(rank={self._rank}, world_size={self._world_size}, "
+            f"bootstrap_store_info={self._bootstrap_store_info!r})"
+        )

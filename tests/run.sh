@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up everything the tests need on a fresh machine, then lint, type-check and test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+
+# torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
+"$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+"$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    # The tests start their own redis-server; the packaged service is not needed.
+    $SUDO service redis-server stop >/dev/null 2>&1 || true
+fi
+
+"$PY" -m ruff check aelastic tests benchmarks examples
+"$PY" -m ruff format --check aelastic tests benchmarks examples
+"$PY" -m mypy
+# pytest exits 5 when it collects nothing; set -e turns that into a failure too.
+"$PY" -m pytest "$@"
