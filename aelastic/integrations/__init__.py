@@ -1,0 +1,3 @@
+"""Integrations with other tools (torchrun). Each submodule imports its tool lazily."""
+
+__all__: list[str] = []

@@ -1,0 +1,304 @@
+"""torchrun plugin: aelastic's rendezvous behind torch's own elastic agent.
+
+How it works: torch loads the entry points of the ``torchrun.handlers`` group while
+``torch.distributed.elastic.rendezvous`` is being imported, and calls each with no argument;
+:func:`memory_handler`, :func:`redis_handler` and :func:`http_handler` return
+:func:`create_handler`, which torch later calls with its ``RendezvousParameters`` for
+``--rdzv-backend aelastic-memory|aelastic-redis|aelastic-http``. Torch is imported only then
+(never at module import: torch is half-imported when the entry points load).
+
+The handler drives aelastic's blocking facade (:mod:`aelastic.sync`), and answers with torch's
+types: torch's ``RendezvousInfo`` whose ``store`` is a ``torch.distributed.Store`` subclass over
+aelastic's store of the round (torch's agent assigns ranks and runs its exit barrier on it), and
+whose ``bootstrap_store_info`` says where the workers' store is. As torch does by default, group
+rank 0 hosts a multi-tenant ``TCPStore`` for the workers (a fresh one per round, so no key of an
+earlier round survives) and workers connect to it (``TORCHELASTIC_USE_AGENT_STORE=True``); with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` rank 0 only picks a free port and worker rank 0 hosts it.
+
+One improvement over torch's handler, behind the same method: ``num_nodes_waiting()`` also
+answers 1 when a member of the round left or stopped sending heartbeats, so that torch's agent
+(which polls it) stops its workers and re-rendezvous with the survivors instead of running on
+with a stale world. Set ``--rdzv-conf rescale_on_member_loss=false`` for torch's behaviour.
+Errors are raised as torch's exception types (``RendezvousClosedError``, ``DistStoreError``...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+from .. import sync
+from ..rendezvous import api as aapi
+from ..rendezvous.core import MembershipView
+
+__all__ = [
+    "BACKENDS",
+    "create_handler",
+    "http_handler",
+    "memory_handler",
+    "redis_handler",
+]
+
+#: torchrun backend name -> aelastic backend name.
+BACKENDS = {"aelastic-memory": "memory", "aelastic-redis": "redis", "aelastic-http": "http"}
+
+#: Keys (in the round's store) where group rank 0 publishes the workers' TCPStore.
+_STORE_ADDR_KEY = "torchrun/tcp_store_addr"
+_STORE_PORT_KEY = "torchrun/tcp_store_port"
+
+Creator = Callable[[Any], Any]
+
+
+def memory_handler() -> Creator:
+    """Entry point ``aelastic-memory`` (one node per process only: the state lives in memory)."""
+    return create_handler
+
+
+def redis_handler() -> Creator:
+    """Entry point ``aelastic-redis``: ``--rdzv-endpoint redis://host:port/db``."""
+    return create_handler
+
+
+def http_handler() -> Creator:
+    """Entry point ``aelastic-http``: ``--rdzv-endpoint host:port`` of ``aelastic serve``."""
+    return create_handler
+
+
+def _share_tcp_store() -> bool:
+    return os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
+
+
+@contextlib.contextmanager
+def _torch_errors() -> Iterator[None]:
+    """Re-raise aelastic's errors as torch's types of the same name."""
+    from torch.distributed import DistStoreError
+    from torch.distributed.elastic.rendezvous import api as tapi
+
+    try:
+        yield
+    except aapi.StoreTimeoutError as exc:
+        raise DistStoreError(str(exc)) from exc
+    except aapi.RendezvousError as exc:
+        cls = getattr(tapi, type(exc).__name__, tapi.RendezvousError)
+        raise cls(str(exc)) from exc
+
+
+def _seconds(timeout: timedelta | float | None) -> float | None:
+    if timeout is None:
+        return None
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+@functools.cache
+def _classes() -> tuple[type[Any], type[Any]]:
+    """Build the torch subclasses (torch is imported here, on first use)."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import api as tapi
+
+    class AelasticStore(dist.Store):  # type: ignore[misc]
+        """A ``torch.distributed.Store`` over aelastic's store of one rendezvous round."""
+
+        def __init__(self, store: sync.SyncStore, timeout: timedelta | None = None) -> None:
+            super().__init__()  # the pybind trampoline needs it
+            self._store = store.async_store
+            self.set_timeout(timeout or timedelta(seconds=self._store.timeout))
+
+        def set_timeout(self, timeout: timedelta) -> None:
+            super().set_timeout(timeout)
+            self._store.timeout = timeout.total_seconds()
+
+        def _limit(self, timeout: timedelta | float | None) -> float:
+            seconds = _seconds(timeout)
+            return self._store.timeout if seconds is None else seconds
+
+        def set(self, key: str, value: bytes | str) -> None:
+            with _torch_errors():
+                sync.run(self._store.set(key, value))
+
+        def get(self, key: str) -> bytes:
+            with _torch_errors():
+                return sync.run(self._store.get(key, self._limit(None)))
+
+        def add(self, key: str, amount: int) -> int:
+            with _torch_errors():
+                return sync.run(self._store.add(key, int(amount)))
+
+        def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+            with _torch_errors():
+                return sync.run(self._store.compare_set(key, expected, desired))
+
+        def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+            with _torch_errors():
+                sync.run(self._store.wait(list(keys), self._limit(timeout)))
+
+        def check(self, keys: Sequence[str]) -> bool:
+            with _torch_errors():
+                return sync.run(self._store.check(list(keys)))
+
+        def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+            with _torch_errors():
+                return sync.run(self._store.multi_get(list(keys), self._limit(None)))
+
+        def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+            with _torch_errors():
+                sync.run(self._store.multi_set(list(keys), list(values)))
+
+        def delete_key(self, key: str) -> bool:
+            with _torch_errors():
+                return sync.run(self._store.delete_key(key))
+
+        def num_keys(self) -> int:
+            raise NotImplementedError("aelastic's store does not count its keys")
+
+    class AelasticRendezvousHandler(tapi.RendezvousHandler):  # type: ignore[misc]
+        """torch's ``RendezvousHandler`` over aelastic's rendezvous (see the module doc)."""
+
+        def __init__(
+            self, name: str, handler: sync.SyncRendezvousHandler, rescale_on_member_loss: bool
+        ) -> None:
+            self._name = name
+            self._handler = handler
+            self._rescale_on_member_loss = rescale_on_member_loss
+            self._watch: Any = None  # asyncio.Task[MembershipView] on aelastic's loop
+            self._tcp_store: Any = None
+
+        def __repr__(self) -> str:
+            return f"AelasticRendezvousHandler({self._name!r}, {self._handler!r})"
+
+        @property
+        def use_agent_store(self) -> bool:
+            return _share_tcp_store()
+
+        def get_backend(self) -> str:
+            return self._name
+
+        def get_run_id(self) -> str:
+            return self._handler.get_run_id()
+
+        def next_rendezvous(self) -> Any:
+            self._stop_watch()
+            self._tcp_store = None  # the workers of the last round are gone: drop their store
+            with _torch_errors():
+                info = self._handler.next_rendezvous()
+                store = AelasticStore(info.store)
+                bootstrap = info.bootstrap_store_info
+                if _share_tcp_store():
+                    addr, port = self._host_tcp_store(info.rank, info.store)
+                elif bootstrap is not None:
+                    addr, port = bootstrap.master_addr, bootstrap.master_port
+                else:  # pragma: no cover - aelastic's handler always bootstraps
+                    raise aapi.RendezvousStateError("the round has no bootstrap address")
+            if self._rescale_on_member_loss:
+                self._start_watch()
+            return tapi.RendezvousInfo(
+                store, info.rank, info.world_size, tapi.RendezvousStoreInfo(addr, port)
+            )
+
+        def _host_tcp_store(self, rank: int, store: sync.SyncStore) -> tuple[str, int]:
+            if rank == 0:
+                addr = self._handler.async_handler.node.addr
+                self._tcp_store = dist.TCPStore(
+                    host_name=addr,
+                    port=0,
+                    is_master=True,
+                    multi_tenant=True,
+                    wait_for_workers=False,
+                )
+                port = str(self._tcp_store.port)
+                store.multi_set([_STORE_ADDR_KEY, _STORE_PORT_KEY], [addr, port])
+            addr_b, port_b = sync.run(
+                store.async_store.multi_get([_STORE_ADDR_KEY, _STORE_PORT_KEY])
+            )
+            return addr_b.decode(), int(port_b)
+
+        def is_closed(self) -> bool:
+            with _torch_errors():
+                return self._handler.is_closed()
+
+        def set_closed(self) -> None:
+            with _torch_errors():
+                self._handler.set_closed()
+
+        def num_nodes_waiting(self) -> int:
+            with _torch_errors():
+                waiting = self._handler.num_nodes_waiting()
+            watch = self._watch
+            if waiting == 0 and watch is not None and watch.done() and not watch.cancelled():
+                view = watch.exception() or watch.result()
+                if isinstance(view, MembershipView) and (view.lost or view.removed):
+                    return 1
+            return waiting
+
+        def shutdown(self) -> bool:
+            self._stop_watch()
+            self._tcp_store = None
+            with _torch_errors():
+                return self._handler.shutdown()
+
+        def _start_watch(self) -> None:
+            handler = self._handler.async_handler
+
+            async def spawn() -> Any:
+                import asyncio
+
+                return asyncio.get_running_loop().create_task(handler.watch())
+
+            self._watch = sync.run(spawn())
+
+        def _stop_watch(self) -> None:
+            watch, self._watch = self._watch, None
+            if watch is None:
+                return
+
+            async def cancel() -> None:
+                import asyncio
+
+                watch.cancel()
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait({watch})
+
+            sync.run(cancel())
+
+    return AelasticStore, AelasticRendezvousHandler
+
+
+def create_handler(params: Any) -> Any:
+    """Create torch's handler for torch's ``RendezvousParameters``.
+
+    Args:
+        params: torch's parameters; ``params.backend`` is ``aelastic-memory``,
+            ``aelastic-redis`` or ``aelastic-http``; ``params.config`` holds the
+            ``--rdzv-conf`` keys (``join_timeout``, ``last_call_timeout``, ...).
+
+    Returns:
+        A ``torch.distributed.elastic.rendezvous.RendezvousHandler`` whose
+        ``get_backend()`` is ``params.backend``.
+
+    Raises:
+        ValueError: Unknown backend name or invalid parameters.
+        ImportError: The backend's optional dependencies are missing.
+    """
+    name = params.backend
+    if name not in BACKENDS:
+        raise ValueError(f"aelastic has no torchrun backend '{name}' (known: {sorted(BACKENDS)})")
+    config = dict(params.config)
+    rescale = aapi.RendezvousParameters(name, "", "-", 1, 1, **config).get_as_bool(
+        "rescale_on_member_loss", True
+    )
+    for key in ("rescale_on_member_loss", "timeout"):  # ours, and torch's legacy key
+        config.pop(key, None)
+    aparams = aapi.RendezvousParameters(
+        backend=BACKENDS[name],
+        endpoint=params.endpoint,
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=params.local_addr,
+        **config,
+    )
+    _, handler_cls = _classes()
+    return handler_cls(name, sync.create_handler(aparams), bool(rescale))
