@@ -1,0 +1,36 @@
+"""The async elastic agent: supervise local workers, restart and rescale them, stop cleanly.
+
+``result = await ElasticAgent(spec).run()`` (or ``ElasticAgent(spec).run_sync()`` in a
+plain script) rendezvous with the other nodes through ``spec.rdzv_handler``, starts
+``spec.local_world_size`` workers with torch's environment, restarts them on failure while
+restarts remain, re-rendezvous when the group changes, and returns a :class:`RunResult`.
+"""
+
+from .agent import ElasticAgent
+from .api import (
+    DEFAULT_ROLE,
+    ProcessFailure,
+    RunResult,
+    Std,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from .events import AgentEvent, AgentMetrics, EventKind, EventStream
+
+__all__ = [
+    "DEFAULT_ROLE",
+    "AgentEvent",
+    "AgentMetrics",
+    "ElasticAgent",
+    "EventKind",
+    "EventStream",
+    "ProcessFailure",
+    "RunResult",
+    "Std",
+    "Worker",
+    "WorkerGroup",
+    "WorkerSpec",
+    "WorkerState",
+]
