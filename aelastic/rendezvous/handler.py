@@ -231,13 +231,21 @@ class DynamicRendezvousHandler:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    async def watch(self, min_interval: float = 0.05) -> MembershipView:
+    async def watch(
+        self, min_interval: float = 0.05, since: MembershipView | None = None
+    ) -> MembershipView:
         """Wait until the group of the last completed round changes.
 
         Returns when a node waits to join (``num_nodes_waiting() > 0``), a member of the
         round left or went silent for the heartbeat window, this node was removed, or the
-        run closed. Woken by the backend on every change; re-reads at most every
-        ``min_interval`` seconds, and wakes by itself when a member's heartbeat would expire.
+        run closed. Woken by the backend on every change; a change after a quiet spell is
+        read at once, and reads are at least ``min_interval`` seconds apart. Wakes by itself
+        when a member's heartbeat would expire.
+
+        Args:
+            min_interval: Least time between two reads of the state.
+            since: A view returned before: return only when the group looks different
+                (lets a caller that chose to ignore a change wait for the next one).
 
         Raises:
             RendezvousError: No round has completed (call ``next_rendezvous`` first).
@@ -245,15 +253,18 @@ class DynamicRendezvousHandler:
         if self._round is None:
             raise RendezvousError("watch() needs a completed round: call next_rendezvous()")
         while True:
+            read_at = self._clock.monotonic()
             state, token = await self._read()
             now = self._clock.time()
             current = core.view(state, self._node, self._members, self._round, self._settings, now)
-            if current.changed:
+            if current.changed and current != since:
                 return current
-            expiry = core.member_expiry(state, self._members, self._settings)
+            expiry = core.member_expiry(state, self._members - current.lost, self._settings)
             timeout = _MAX_WAIT if expiry is None else max(expiry - now, 0.0) + 0.01
             await self._backend.wait_for_change(token, min(timeout, _MAX_WAIT))
-            await asyncio.sleep(min_interval)
+            delay = read_at + min_interval - self._clock.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
 
     @contextlib.asynccontextmanager
     async def events(self) -> AsyncIterator[asyncio.Queue[RendezvousEvent]]:
