@@ -275,8 +275,16 @@ def _close(state: RendezvousState, now: float, deadline: float) -> Step:
     return _write(replace(state, closed=True), Transition.MARK_CLOSED)
 
 
-def _heartbeat(state: RendezvousState, node: NodeDesc, now: float, deadline: float) -> Step:
-    if node not in state.last_heartbeats or state.last_heartbeats[node] >= now:
+def _heartbeat(
+    state: RendezvousState,
+    node: NodeDesc,
+    settings: RendezvousSettings,
+    now: float,
+    deadline: float,
+) -> Step:
+    beat = state.last_heartbeats.get(node)
+    # A heartbeat younger than half an interval is fresh enough: the op is done.
+    if beat is None or beat > now - settings.keep_alive_interval / 2:
         return _FINISH
     if now > deadline:
         return Step(Outcome.ERROR_TIMEOUT)
@@ -313,7 +321,7 @@ def step(
     elif op is Op.CLOSE:
         result = _close(pruned, now, deadline)
     else:
-        result = _heartbeat(pruned, node, now, deadline)
+        result = _heartbeat(pruned, node, settings, now, deadline)
     if result.outcome is Outcome.WAIT and pruned is not current:
         # Persist the pruning so that other nodes (and watchers) see it.
         return _write(pruned, Transition.PRUNE)

@@ -45,6 +45,9 @@ _local_ids = itertools.count()
 #: Longest single wait for a change; a safety net, not a poll period.
 _MAX_WAIT = 30.0
 
+#: Writes one operation may make without waiting; more means the core does not settle.
+_MAX_WRITES = 16
+
 
 @dataclass(frozen=True)
 class RendezvousEvent:
@@ -291,6 +294,7 @@ class DynamicRendezvousHandler:
     async def _run(self, op: Op, deadline: float) -> RendezvousState:
         """Carry out ``op`` until it finishes; ``deadline`` is on the monotonic clock."""
         state, token = await self._read()
+        writes = 0
         while True:
             now = self._clock.time()
             wall_deadline = now + (deadline - self._clock.monotonic())
@@ -302,6 +306,11 @@ class DynamicRendezvousHandler:
                     encode_state(result.state), token
                 )
                 if written:
+                    writes += 1
+                    if writes > _MAX_WRITES:
+                        raise RendezvousError(
+                            f"{op.value} did not settle after {_MAX_WRITES} writes: a bug in aelastic"
+                        )
                     self._state, self._token = result.state, token
                     self._emit(op, result)
                     if result.restart_deadline:
@@ -310,6 +319,7 @@ class DynamicRendezvousHandler:
                     self._remember(data, token)
                 state, token = self._state, self._token
             elif outcome is Outcome.WAIT:
+                writes = 0
                 wake = _MAX_WAIT if result.wake_at is None else result.wake_at - now
                 await self._backend.wait_for_change(token, min(max(wake, 0.0), _MAX_WAIT))
                 state, token = await self._read()

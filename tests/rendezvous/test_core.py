@@ -179,8 +179,12 @@ def test_keep_alive_is_due_after_the_interval() -> None:
     due = step(Op.JOIN, state, A, s, T0 + 5, FAR)
     assert due.transition is Transition.KEEP_ALIVE
     assert due.state is not None and due.state.last_heartbeats[A] == T0 + 5
-    beat = step(Op.KEEP_ALIVE, state, A, s, T0 + 1, FAR)
+    assert step(Op.KEEP_ALIVE, state, A, s, T0 + 1, FAR).outcome is Outcome.FINISH
+    beat = step(Op.KEEP_ALIVE, state, A, s, T0 + 2.6, FAR)
     assert beat.transition is Transition.KEEP_ALIVE
+    assert beat.state is not None
+    # One write settles the op.
+    assert step(Op.KEEP_ALIVE, beat.state, A, s, T0 + 2.7, FAR).outcome is Outcome.FINISH
     assert step(Op.KEEP_ALIVE, state, B, s, T0 + 1, FAR).outcome is Outcome.FINISH
 
 

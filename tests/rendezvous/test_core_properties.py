@@ -83,7 +83,7 @@ class World:
             assert result.state is not None
             if self.cas(node, result.state) and result.restart_deadline:
                 node.deadline = self.now + self.settings.join_timeout
-        return Outcome.WAIT
+        raise AssertionError(f"{op} did not settle within 10 writes at a fixed time")
 
     def refresh(self, node: Node) -> None:
         node.cache, node.version = self.state, self.version

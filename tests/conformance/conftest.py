@@ -1,0 +1,68 @@
+"""The backends every conformance test runs on: memory, a real redis-server, a real HTTP server.
+
+Servers are started once per session on free loopback ports; each test uses its own run id,
+so tests never see each other's state.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from aelastic import RendezvousParameters
+
+# Backends whose server helper exists (all three once their modules have landed).
+BACKENDS = ["memory"] + [
+    name
+    for name in ("redis", "http")
+    if (pathlib.Path(__file__).parent.parent / f"_{name}_server.py").exists()
+]
+
+MakeParams = Callable[..., RendezvousParameters]
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    from tests._redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def http_url() -> Iterator[str]:
+    from tests._http_server import HttpServer
+
+    with HttpServer() as server:
+        yield server.url
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+@pytest.fixture
+def endpoint(backend: str, request: pytest.FixtureRequest) -> str:
+    if backend == "memory":
+        return "conformance"
+    url: str = request.getfixturevalue(f"{backend}_url")
+    return url
+
+
+@pytest.fixture
+def make_params(backend: str, endpoint: str, run_id: str) -> MakeParams:
+    """Parameters for this test's run on the backend under test (small timeouts)."""
+
+    def make(min_nodes: int, max_nodes: int, **config: Any) -> RendezvousParameters:
+        conf: dict[str, Any] = {"join_timeout": 20, "last_call_timeout": 0.2, "read_timeout": 10}
+        conf.update(config)
+        return RendezvousParameters(
+            backend, endpoint, run_id, min_nodes, max_nodes, local_addr="127.0.0.1", **conf
+        )
+
+    return make

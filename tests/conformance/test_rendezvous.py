@@ -1,0 +1,213 @@
+"""Rendezvous scenarios that every backend must pass, through the async handler."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import pytest
+
+from aelastic import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+from aelastic.backends.base import NO_STATE
+from aelastic.rendezvous import DynamicRendezvousHandler, RendezvousInfo, create_handler
+from aelastic.rendezvous.state import RendezvousState, decode_state
+from aelastic.store import Store
+
+from .conftest import MakeParams
+
+pytestmark = pytest.mark.anyio
+
+# Generous bound for anything that should happen "promptly" on a shared 2-core machine.
+PROMPT = 10.0
+
+
+@asynccontextmanager
+async def handlers(
+    make: MakeParams, count: int, min_nodes: int, max_nodes: int, **conf: object
+) -> AsyncIterator[list[DynamicRendezvousHandler]]:
+    made = [create_handler(make(min_nodes, max_nodes, **conf)) for _ in range(count)]
+    try:
+        yield made
+    finally:
+        for handler in made:
+            await handler.aclose()
+
+
+async def join_all(group: list[DynamicRendezvousHandler]) -> list[RendezvousInfo[Store]]:
+    with anyio.fail_after(PROMPT):
+        return list(await asyncio.gather(*(h.next_rendezvous() for h in group)))
+
+
+async def stored(handler: DynamicRendezvousHandler) -> RendezvousState:
+    data, _ = await handler.backend.read()
+    assert data is not None
+    return decode_state(data)
+
+
+def assert_one_group(infos: list[RendezvousInfo[Store]], size: int) -> None:
+    assert sorted(i.rank for i in infos) == list(range(size))
+    assert {i.world_size for i in infos} == {size}
+    boot = {
+        (i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
+        for i in infos
+        if i.bootstrap_store_info
+    }
+    assert len(boot) == 1
+
+
+async def test_nodes_form_one_group_with_agreed_ranks(make_params: MakeParams) -> None:
+    async with handlers(make_params, 4, 4, 4) as group:
+        infos = await join_all(group)
+        assert_one_group(infos, 4)
+        state = await stored(group[0])
+        assert state.complete
+        assert {h.node: i.rank for h, i in zip(group, infos)} == dict(state.participants)
+
+
+async def test_last_call_completes_with_min_nodes(make_params: MakeParams) -> None:
+    async with handlers(make_params, 2, 2, 4, last_call_timeout=0.3) as group:
+        start = anyio.current_time()
+        infos = await join_all(group)
+        assert anyio.current_time() - start >= 0.3
+        assert_one_group(infos, 2)
+
+
+async def test_latecomer_waits_and_joins_the_next_round(make_params: MakeParams) -> None:
+    async with handlers(make_params, 3, 2, 3) as group:
+        first, second, late = group
+        infos = await join_all([first, second])
+        round0 = (await stored(first)).round
+        late_join = asyncio.ensure_future(late.next_rendezvous())
+        with anyio.fail_after(PROMPT):
+            seen = await first.watch()
+        assert seen.waiting == 1 and not seen.lost
+        assert await second.num_nodes_waiting() == 1
+        infos = await join_all([first, second])
+        with anyio.fail_after(PROMPT):
+            infos.append(await late_join)
+        assert_one_group(infos, 3)
+        assert (await stored(first)).round == round0 + 1
+
+
+async def test_redundant_node_waits_silently_and_exits_gracefully(make_params: MakeParams) -> None:
+    async with handlers(make_params, 3, 1, 2) as group:
+        first, second, extra = group
+        await join_all([first, second])
+        async with extra.events() as events:
+            extra_join = asyncio.ensure_future(extra.next_rendezvous())
+            with anyio.fail_after(PROMPT):
+                while (await events.get()).transition != "add_to_redundancy_list":
+                    pass
+        assert await first.num_nodes_waiting() == 0
+        await first.set_closed()
+        with anyio.fail_after(PROMPT), pytest.raises(RendezvousGracefulExitError):
+            await extra_join
+
+
+async def test_closed_rendezvous_stays_closed(make_params: MakeParams) -> None:
+    async with handlers(make_params, 2, 1, 1) as (first, other):
+        await join_all([first])
+        assert not await other.is_closed()
+        await first.set_closed()
+        assert await other.is_closed()
+        with pytest.raises(RendezvousClosedError):
+            await other.next_rendezvous()
+        with pytest.raises(RendezvousClosedError):
+            await first.next_rendezvous()
+        await other.set_closed()  # idempotent
+        assert (await stored(first)).closed
+
+
+async def test_shutdown_closes_for_every_node(make_params: MakeParams) -> None:
+    async with handlers(make_params, 2, 1, 2) as (first, other):
+        await join_all([first])
+        assert await first.shutdown() is True
+        assert await other.is_closed()
+
+
+async def test_join_timeout_raises_and_leaves_the_state_clean(make_params: MakeParams) -> None:
+    async with handlers(make_params, 1, 2, 2, join_timeout=0.5) as (alone,):
+        with anyio.fail_after(PROMPT), pytest.raises(RendezvousTimeoutError):
+            await alone.next_rendezvous()
+        state = await stored(alone)
+        assert not state.knows(alone.node) and alone.node not in state.last_heartbeats
+
+
+async def test_cancelled_join_leaves_the_state_clean(make_params: MakeParams) -> None:
+    async with handlers(make_params, 1, 2, 2) as (node,):
+        async with node.events() as events:
+            join = asyncio.ensure_future(node.next_rendezvous())
+            with anyio.fail_after(PROMPT):
+                while (await events.get()).transition != "add_to_participants":
+                    pass
+        assert (await stored(node)).knows(node.node)
+        join.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await join
+        with anyio.fail_after(PROMPT):
+            while (await stored(node)).knows(node.node):
+                await node.backend.wait_for_change((await node.backend.read())[1], 1.0)
+
+
+async def test_member_that_leaves_is_seen_by_the_others(make_params: MakeParams) -> None:
+    async with handlers(make_params, 2, 1, 2) as (stay, go):
+        await join_all([stay, go])
+        await go.leave()
+        with anyio.fail_after(PROMPT):
+            seen = await stay.watch()
+        assert seen.lost == {go.node} and not seen.closed
+        assert not await stay.is_closed()
+
+
+async def test_dead_member_is_pruned_and_survivor_reforms(make_params: MakeParams) -> None:
+    conf = {"keep_alive_interval": 0.2, "keep_alive_max_attempt": 2, "last_call_timeout": 0.1}
+    async with handlers(make_params, 2, 1, 2, **conf) as (survivor, victim):
+        await join_all([survivor, victim])
+        await victim._stop_heartbeats()  # dies: silent, never leaves
+        start = anyio.current_time()
+        with anyio.fail_after(PROMPT):
+            seen = await survivor.watch()
+        assert seen.lost == {victim.node}
+        assert anyio.current_time() - start >= 0.3  # not before the heartbeat window
+        (info,) = await join_all([survivor])
+        assert info.world_size == 1 and info.rank == 0
+        assert victim.node not in (await stored(survivor)).last_heartbeats
+
+
+async def test_heartbeats_keep_live_members_in_the_group(make_params: MakeParams) -> None:
+    conf = {"keep_alive_interval": 0.2, "keep_alive_max_attempt": 3}
+    async with handlers(make_params, 2, 2, 2, **conf) as group:
+        await join_all(group)
+        with anyio.move_on_after(1.0) as scope:
+            await group[0].watch()
+        assert scope.cancelled_caught, "a live member was reported lost"
+        state = await stored(group[0])
+        assert set(state.participants) == {h.node for h in group}
+
+
+async def test_foreign_state_is_reported_and_left_untouched(make_params: MakeParams) -> None:
+    async with handlers(make_params, 1, 1, 1) as (node,):
+        written, _, _ = await node.backend.compare_and_set(b'{"not": "ours"}', NO_STATE)
+        assert written
+        with pytest.raises(RendezvousStateError):
+            await node.next_rendezvous()
+        with pytest.raises(RendezvousStateError):
+            await node.set_closed()
+        data, _ = await node.backend.read()
+        assert data == b'{"not": "ours"}'
+
+
+async def test_rounds_get_separate_stores(make_params: MakeParams) -> None:
+    async with handlers(make_params, 1, 1, 1) as (node,):
+        first = await node.next_rendezvous()
+        await first.store.set("key", b"round-0")
+        second = await node.next_rendezvous()
+        assert await second.store.try_get("key") is None
+        assert await first.store.get("key") == b"round-0"
