@@ -309,7 +309,8 @@ class DynamicRendezvousHandler:
                     writes += 1
                     if writes > _MAX_WRITES:
                         raise RendezvousError(
-                            f"{op.value} did not settle after {_MAX_WRITES} writes: a bug in aelastic"
+                            f"{op.value} did not settle after {_MAX_WRITES} writes "
+                            "(a bug in aelastic's core)"
                         )
                     self._state, self._token = result.state, token
                     self._emit(op, result)

@@ -68,7 +68,9 @@ async def test_nodes_form_one_group_with_agreed_ranks(make_params: MakeParams) -
         assert_one_group(infos, 4)
         state = await stored(group[0])
         assert state.complete
-        assert {h.node: i.rank for h, i in zip(group, infos)} == dict(state.participants)
+        assert {h.node: i.rank for h, i in zip(group, infos, strict=True)} == dict(
+            state.participants
+        )
 
 
 async def test_last_call_completes_with_min_nodes(make_params: MakeParams) -> None:
