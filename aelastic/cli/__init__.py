@@ -1,0 +1,71 @@
+"""The ``aelastic`` command: ``run`` (torchrun's launcher), ``serve`` and ``status``.
+
+How it works: :func:`main` picks the subcommand from the first argument and hands the rest to
+it; each subcommand imports only what it needs (the launcher never imports torch, so it starts
+in a fraction of torchrun's time). A bad flag or value raises
+:class:`~aelastic.cli.options.UsageError`, printed here as one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from .options import UsageError
+
+__all__ = ["main"]
+
+_USAGE = """\
+usage: aelastic <command> [options]
+
+commands:
+  run     launch an elastic job on this node (torchrun's flags), e.g.
+          aelastic run --standalone --nproc-per-node 2 train.py
+  serve   run the HTTP rendezvous server (for --rdzv-backend http)
+  status  show a job's rendezvous: round, nodes, ranks, heartbeats
+
+`aelastic <command> --help` describes a command's options."""
+
+
+def _run(argv: Sequence[str]) -> int:
+    import asyncio
+
+    from .launch import launch
+    from .options import parse_config
+
+    config = parse_config(argv)
+    return asyncio.run(launch(config))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``aelastic`` command line; the process exit code.
+
+    Args:
+        argv: The arguments after the program name (default ``sys.argv[1:]``).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_USAGE, file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from .. import __version__
+
+        print(f"aelastic {__version__}")
+        return 0
+    command, rest = args[0], args[1:]
+    try:
+        if command == "run":
+            return _run(rest)
+        if command == "serve":
+            from .serve import main as serve_main
+
+            return serve_main(rest)
+        if command == "status":
+            from .status import main as status_main
+
+            return status_main(rest)
+        raise UsageError(f"unknown command {command!r} (commands: run, serve, status)")
+    except UsageError as exc:
+        prefix = f"aelastic {command}" if command in ("run", "serve", "status") else "aelastic"
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,158 @@
+"""The launcher's console: one readable line per thing the agent does, with timings.
+
+How it works: :class:`Console` is an agent event listener (``agent.add_listener``). Each
+:class:`~aelastic.agent.AgentEvent` becomes at most one line on stderr, prefixed with
+``[aelastic +<seconds since launch>]``, saying what happened in words a newcomer understands
+(rendezvous, starting workers, a worker exited, restarting, rescaling, done) and how long it
+took. Workers' own output is not touched: it goes to stdout/stderr as the agent streams it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+from ..agent.api import ProcessFailure, RunResult
+from ..agent.events import AgentEvent, EventKind
+
+__all__ = ["Console", "describe_exit", "summarize_failure"]
+
+
+def _ms(seconds: Any) -> str:
+    value = float(seconds)
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def describe_exit(exitcode: int) -> str:
+    """``"exit code 3"`` or ``"signal SIGKILL"`` for a worker's exit status."""
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    import signal
+
+    try:
+        return f"signal {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def summarize_failure(failure: ProcessFailure) -> str:
+    """One line: which rank failed, how, and the first line of its error message."""
+    message = failure.message.strip().splitlines()[-1] if failure.message.strip() else ""
+    text = (
+        f"rank {failure.global_rank} (local rank {failure.local_rank}, pid {failure.pid}, "
+        f"host {failure.hostname}) failed with {describe_exit(failure.exitcode)}"
+    )
+    return f"{text}: {message}" if message else text
+
+
+class Console:
+    """Prints the agent's progress.
+
+    Args:
+        stream: Where to write (stderr by default).
+        enabled: ``False`` prints only errors and the final summary.
+        started: Monotonic time of the launch (``+seconds`` are counted from it).
+    """
+
+    def __init__(
+        self, stream: TextIO | None = None, *, enabled: bool = True, started: float | None = None
+    ) -> None:
+        self._stream = stream
+        self._enabled = enabled
+        self._started = time.monotonic() if started is None else started
+
+    def line(self, text: str, *, always: bool = False) -> None:
+        """Print ``text`` as one launcher line."""
+        if not (self._enabled or always):
+            return
+        stream = self._stream or sys.stderr
+        elapsed = time.monotonic() - self._started
+        stream.write(f"[aelastic +{elapsed:.2f}s] {text}\n")
+        stream.flush()
+
+    def __call__(self, event: AgentEvent) -> None:
+        """The agent listener: print the line for ``event``, if it deserves one."""
+        text = self.describe(event)
+        if text:
+            self.line(text)
+
+    @staticmethod
+    def describe(event: AgentEvent) -> str | None:
+        """The line for ``event`` (``None``: nothing worth a line)."""
+        data: Mapping[str, Any] = event.data
+        kind = event.kind
+        if kind is EventKind.RENDEZVOUS:
+            took = f" in {_ms(data['duration'])}" if "duration" in data else ""
+            return (
+                f"rendezvous round {data.get('round', '?')} complete{took}: this node is "
+                f"{data.get('group_rank', '?')} of {data.get('group_world_size', '?')}, "
+                f"{data.get('world_size', '?')} workers in all"
+            )
+        if kind is EventKind.WORKERS_STARTED:
+            pids = data.get("pids") or {}
+            shown = ", ".join(str(p) for _, p in sorted(dict(pids).items()))
+            text = f"started {len(pids)} worker(s) (pids {shown})"
+            if "duration" in data:
+                text += f" in {_ms(data['duration'])}"
+            if data.get("recovery") is not None:
+                text += f"; back to work {_ms(data['recovery'])} after the interruption"
+            return text
+        if kind is EventKind.WORKER_EXITED:
+            code = int(data.get("exitcode", 0))
+            status = "finished" if code == 0 else f"failed ({describe_exit(code)})"
+            return (
+                f"worker rank {data.get('global_rank', '?')} (local {data.get('local_rank', '?')},"
+                f" pid {data.get('pid', '?')}) {status}"
+            )
+        if kind is EventKind.MEMBERSHIP_CHANGED:
+            if data.get("ignored"):
+                return None
+            return f"the group changed: {_membership(data)}"
+        if kind is EventKind.RESTART:
+            reason = data.get("reason", "?")
+            if data.get("spent"):
+                return (
+                    f"restarting the workers ({reason}); "
+                    f"{data.get('restarts_left', '?')} restart(s) left"
+                )
+            return f"rescaling: re-forming the group ({reason}); no restart spent"
+        if kind is EventKind.EXIT_BARRIER:
+            if data.get("complete", True):
+                return f"every node finished (exit barrier took {_ms(data.get('duration', 0))})"
+            return f"gave up waiting for the other nodes after {_ms(data.get('duration', 0))}"
+        return None
+
+    def result(self, result: RunResult, name: str) -> None:
+        """The final line(s): success, or the root cause of the failure."""
+        if not result.is_failed():
+            self.line(f"{name}: all workers of this node succeeded")
+            return
+        root = result.root_cause
+        if root is None:
+            self.line(f"{name} FAILED (no worker failure recorded)", always=True)
+            return
+        self.line(f"{name} FAILED; root cause: {summarize_failure(root)}", always=True)
+        if root.error_file not in ("", "<N/A>"):
+            self.line(f"error file of rank {root.global_rank}: {root.error_file}", always=True)
+        others = sorted(
+            (f for f in result.failures.values() if f is not root), key=lambda f: f.global_rank
+        )
+        if others:
+            also = ", ".join(f"rank {f.global_rank} ({describe_exit(f.exitcode)})" for f in others)
+            self.line(f"also failed: {also}", always=True)
+
+
+def _membership(data: Mapping[str, Any]) -> str:
+    parts: list[str] = []
+    lost = list(data.get("lost") or ())
+    if lost:
+        parts.append(f"{len(lost)} node(s) lost ({', '.join(str(n) for n in lost)})")
+    if data.get("waiting"):
+        parts.append(f"{data['waiting']} node(s) waiting to join")
+    if data.get("removed"):
+        parts.append("this node was removed")
+    if data.get("closed"):
+        parts.append("the job was closed")
+    return ", ".join(parts) or "membership changed"

@@ -1,0 +1,183 @@
+"""``aelastic run``: run one node of a job under the async agent, with signals and a console.
+
+How it works: :func:`launch` builds the rendezvous handler and the :class:`WorkerSpec` from a
+:class:`~aelastic.cli.options.LaunchConfig`, subscribes the :class:`Console` to the agent's
+events, and awaits ``agent.run()`` in a task. The signals of ``--signals-to-handle`` cancel that
+task: the agent then stops its workers (SIGTERM to each process group, the grace period, then
+SIGKILL) and leaves the rendezvous; the launcher exits with 1, as torchrun does after a signal.
+A failed run exits with 1 too, after a root-cause summary (rank, exit code or signal, the
+message of the worker's error file). Torch is never imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+import time
+from collections.abc import Sequence
+
+from ..agent import ElasticAgent, WorkerSpec
+from ..rendezvous import create_handler
+from ..rendezvous.api import (
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousParameters,
+)
+from .console import Console
+from .options import LaunchConfig
+
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "entrypoint_name", "launch"]
+
+EXIT_OK = 0
+#: Workers failed, the rendezvous failed, or a signal stopped the job (torchrun's code).
+EXIT_FAILED = 1
+#: Bad flags or values.
+EXIT_USAGE = 2
+
+
+def entrypoint_name(entrypoint: str, args: Sequence[str]) -> str:
+    """The script (or module, or command) a human recognizes (torch's rule)."""
+    if os.path.basename(entrypoint).startswith("python"):
+        rest = iter(args)
+        for arg in rest:
+            if arg == "-c":
+                return "<code>"
+            if arg == "-m":
+                return next(rest, "<module>")
+            if not arg.startswith("-"):
+                return arg
+    return entrypoint
+
+
+def _banner(config: LaunchConfig, name: str) -> str:
+    nodes = (
+        str(config.min_nodes)
+        if config.min_nodes == config.max_nodes
+        else f"{config.min_nodes} to {config.max_nodes}"
+    )
+    device = f" (one per {config.nproc_device})" if config.nproc_device else ""
+    where = (
+        "standalone, nothing else to start"
+        if config.standalone
+        else f"{config.rdzv_backend} rendezvous at {config.rdzv_endpoint or 'this process'}"
+    )
+    command = shlex.join([os.path.basename(config.entrypoint), *config.args])
+    return (
+        f"launching {name!r}: {config.nproc_per_node} worker(s) per node{device}, {nodes} "
+        f"node(s), job '{config.run_id}', {where}, max {config.max_restarts} restart(s); "
+        f"command: {command}"
+    )
+
+
+def build_spec(config: LaunchConfig) -> WorkerSpec:
+    """The handler and the :class:`WorkerSpec` that ``config`` describes.
+
+    Raises:
+        ValueError: Invalid rendezvous settings or worker settings.
+        ImportError: The backend's optional dependencies are missing.
+    """
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **dict(config.rdzv_configs),
+    )
+    handler = create_handler(params)
+    return WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        rdzv_handler=handler,
+        entrypoint=config.entrypoint,
+        args=config.args,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_port=config.master_port,
+        master_addr=config.master_addr,
+        local_addr=config.local_addr,
+        env=dict(config.env),
+        log_dir=config.log_dir,
+        redirects=config.redirects,
+        tee=config.tee,
+        local_ranks_filter=config.local_ranks_filter,
+        log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        stop_grace_period=config.stop_grace_period,
+        exit_barrier_timeout=config.exit_barrier_timeout,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+
+
+async def launch(config: LaunchConfig, console: Console | None = None) -> int:
+    """Run this node of the job until it ends; the process exit code.
+
+    Returns:
+        0 on success, 1 when workers failed, the rendezvous failed or a signal stopped the
+        job, 2 when the rendezvous settings are invalid.
+    """
+    console = console or Console(enabled=not config.quiet)
+    name = entrypoint_name(config.entrypoint, config.args)
+    for warning in config.warnings:
+        console.line(f"warning: {warning}", always=True)
+    try:
+        spec = build_spec(config)
+    except ValueError as exc:
+        console.line(f"error: {exc}", always=True)
+        return EXIT_USAGE
+    except ImportError as exc:
+        console.line(f"error: {exc}", always=True)
+        return EXIT_FAILED
+    console.line(_banner(config, name))
+    agent = ElasticAgent(spec)
+    agent.add_listener(console)
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(agent.run(), name="aelastic-agent")
+    received: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if received:
+            console.line(f"received {sig.name} again: still stopping", always=True)
+            return
+        received.append(sig)
+        console.line(
+            f"received {sig.name}: stopping the workers (SIGTERM, then SIGKILL after "
+            f"{config.stop_grace_period:g} s) and leaving the rendezvous",
+            always=True,
+        )
+        task.cancel()
+
+    installed = []
+    for sig in config.signals:
+        with contextlib.suppress(ValueError, OSError, RuntimeError):
+            loop.add_signal_handler(sig, on_signal, sig)
+            installed.append(sig)
+    started = time.monotonic()
+    try:
+        result = await task
+    except asyncio.CancelledError:
+        if not received:
+            raise
+        console.line(
+            f"stopped by {received[0].name} after {time.monotonic() - started:.2f} s",
+            always=True,
+        )
+        return EXIT_FAILED
+    except RendezvousGracefulExitError as exc:
+        console.line(f"this node was not needed and the job is over: {exc}")
+        return EXIT_OK
+    except RendezvousError as exc:
+        console.line(f"error: rendezvous failed: {type(exc).__name__}: {exc}", always=True)
+        return EXIT_FAILED
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        with contextlib.suppress(Exception):
+            await spec.rdzv_handler.aclose()
+    console.result(result, name)
+    if received:  # the signal came as the run ended by itself
+        return EXIT_FAILED
+    return EXIT_FAILED if result.is_failed() else EXIT_OK

@@ -1,0 +1,442 @@
+"""``aelastic run``'s command line: torchrun's flags, meanings, defaults and ``PET_*`` fallbacks.
+
+How it works: :func:`build_parser` declares torchrun's flags (both the ``--dash-case`` and the
+``--snake_case`` spelling); an option not given on the command line takes its value from the
+environment variable ``PET_<DEST>`` (``PET_NPROC_PER_NODE``, ``PET_STANDALONE=1``...) before its
+default, and an environment value is checked like a command-line one. :func:`config_from_args`
+then validates everything and returns a :class:`LaunchConfig`, a plain value the launcher runs.
+Every mistake becomes :class:`UsageError` (one line, exit code 2); nothing here starts anything.
+
+Backends: ``memory`` (in-process; what ``--standalone`` uses), ``redis`` and ``http`` (an
+``aelastic serve`` server), also spelled ``aelastic-memory|-redis|-http`` as for the torchrun
+plugin. torchrun's default ``static`` means ``--standalone`` on a single node, as it does in
+torchrun; torch's own ``c10d``, ``etcd``, ``etcd-v2`` and a multi-node ``static`` are refused
+with the aelastic command to use instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from .devices import determine_local_world_size
+
+__all__ = ["BACKEND_ALIASES", "LaunchConfig", "UsageError", "build_parser", "config_from_args"]
+
+#: Names ``--rdzv-backend`` accepts -> aelastic backend.
+BACKEND_ALIASES = {
+    "memory": "memory",
+    "redis": "redis",
+    "http": "http",
+    "aelastic-memory": "memory",
+    "aelastic-redis": "redis",
+    "aelastic-http": "http",
+}
+
+_TORCH_ONLY = {
+    "c10d": "use --rdzv-backend http with `aelastic serve` running at the endpoint, "
+    "or --rdzv-backend redis",
+    "etcd": "use --rdzv-backend redis or http (`aelastic serve`)",
+    "etcd-v2": "use --rdzv-backend redis or http (`aelastic serve`)",
+}
+
+
+class UsageError(Exception):
+    """A bad flag or value: reported on one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        if "required: training_script" in message:
+            message = f"no training script given (usage: {self.prog} [options] script [args])"
+        raise UsageError(message)
+
+
+def _env_default(dest: str, default: Any, kind: Callable[[str], Any]) -> Any:
+    name = f"PET_{dest.upper()}"
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        kind(raw)
+    except ValueError:
+        what = getattr(kind, "__name__", "value")
+        raise UsageError(f"{name}={raw!r} is not a valid {what}") from None
+    return raw
+
+
+def _env_flag(dest: str) -> bool:
+    raw = os.environ.get(f"PET_{dest.upper()}", "0").strip() or "0"
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise UsageError(f"PET_{dest.upper()}={raw!r} must be 0 or 1") from None
+
+
+def _add(
+    parser: argparse.ArgumentParser,
+    names: Sequence[str],
+    *,
+    default: Any = None,
+    kind: Callable[[str], Any] = str,
+    help: str,
+    metavar: str | None = None,
+) -> None:
+    """An option whose default comes from ``PET_<DEST>`` first (checked by ``kind``)."""
+    longest = max(names, key=len).lstrip("-")
+    dest = longest.replace("-", "_")
+    spellings = list(names)
+    snake = "--" + dest
+    if snake not in spellings and "-" in longest:
+        spellings.append(snake)
+    parser.add_argument(
+        *spellings,
+        dest=dest,
+        type=kind,
+        default=_env_default(dest, default, kind),
+        help=help,
+        metavar=metavar,
+    )
+
+
+def _flag(parser: argparse.ArgumentParser, names: Sequence[str], *, help: str) -> None:
+    """A boolean flag, also set by ``PET_<DEST>=1``."""
+    longest = max(names, key=len).lstrip("-")
+    dest = longest.replace("-", "_")
+    spellings = list(names)
+    if "-" in longest:
+        spellings.append("--" + dest)
+    parser.add_argument(
+        *spellings, dest=dest, action="store_true", default=_env_flag(dest), help=help
+    )
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+_positive_float.__name__ = "positive number"
+
+
+def build_parser(prog: str = "aelastic run") -> argparse.ArgumentParser:
+    """The parser of ``aelastic run`` (torchrun's flags plus a few of aelastic's).
+
+    Raises:
+        UsageError: A ``PET_*`` flag variable is not 0 or 1.
+    """
+    p = _Parser(
+        prog=prog,
+        description="Launch an elastic distributed job (torchrun's flags and defaults).",
+        allow_abbrev=False,
+    )
+    _add(p, ["--nnodes"], default="1:1", help="Number of nodes, or MIN:MAX (default 1:1).")
+    _add(p, ["--nproc-per-node"], default="1", help="Workers per node: N, auto, cpu or gpu.")
+    _add(p, ["--rdzv-backend"], default="static", help="memory, redis or http.")
+    _add(p, ["--rdzv-endpoint"], default="", help="redis://host:port/db or host:port.")
+    _add(p, ["--rdzv-id"], default="none", help="Id of the job (same on every node).")
+    _add(p, ["--rdzv-conf"], default="", help="Rendezvous settings: key=value,...")
+    _flag(p, ["--standalone"], help="Single node, in-process rendezvous, nothing else to start.")
+    _add(p, ["--max-restarts"], default=0, kind=int, help="Restarts before failing (0).")
+    _add(
+        p,
+        ["--monitor-interval"],
+        default=0.1,
+        kind=_positive_float,
+        help="Accepted for torchrun compatibility (aelastic awaits worker exits).",
+    )
+    _add(p, ["--start-method"], default="spawn", help="Accepted; workers are new processes.")
+    _add(p, ["--role"], default="default", help="Role of the workers (default).")
+    _flag(p, ["-m", "--module"], help="Run the script as a module (python -m).")
+    _flag(p, ["--no-python"], help="Run the script as a command, without python.")
+    _flag(p, ["--run-path"], help="Run the script with runpy.run_path (an absolute path).")
+    _add(p, ["--log-dir"], help="Base directory of the worker log files.")
+    _add(p, ["-r", "--redirects"], default="0", help="Std streams to files: 0-3 or 0:1,1:2.")
+    _add(p, ["-t", "--tee"], default="0", help="Std streams to files and console (as -r).")
+    _add(p, ["--local-ranks-filter"], default="", help="Local ranks shown on the console: 0,1.")
+    _add(p, ["--node-rank"], default=0, kind=int, help="Node rank (static rendezvous only).")
+    _add(p, ["--master-addr"], help="Fixed MASTER_ADDR for the workers.")
+    _add(p, ["--master-port"], kind=int, help="Fixed MASTER_PORT for the workers.")
+    _add(p, ["--local-addr"], help="Address of this node (default: its FQDN).")
+    _add(
+        p,
+        ["--signals-to-handle"],
+        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        help="Signals that stop the job cleanly.",
+    )
+    _add(
+        p,
+        ["--shutdown-timeout"],
+        kind=int,
+        help="Seconds between SIGTERM and SIGKILL when stopping workers (30).",
+    )
+    _flag(p, ["--virtual-local-rank"], help="LOCAL_RANK 0 and one GPU per worker.")
+    _add(
+        p,
+        ["--exit-barrier-timeout"],
+        default=300.0,
+        kind=float,
+        help="Seconds a finished node waits for the others (aelastic; torch: 300).",
+    )
+    _flag(p, ["-q", "--quiet"], help="No progress lines from the launcher (aelastic).")
+    p.add_argument("training_script", help="The script (or module, or command) to run.")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything ``aelastic run`` needs to launch, validated."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    run_id: str
+    rdzv_backend: str
+    rdzv_endpoint: str
+    entrypoint: str
+    args: tuple[str, ...]
+    rdzv_configs: Mapping[str, str] = field(default_factory=dict)
+    standalone: bool = False
+    role: str = "default"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    local_addr: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    log_dir: str | None = None
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: frozenset[int] | None = None
+    stop_grace_period: float = 30.0
+    exit_barrier_timeout: float = 300.0
+    virtual_local_rank: bool = False
+    signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+    env: Mapping[str, str] = field(default_factory=dict)
+    quiet: bool = False
+    nproc_device: str = ""
+    warnings: tuple[str, ...] = ()
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2), ``"1:4"`` -> (1, 4).
+
+    Raises:
+        UsageError: Not N or MIN:MAX with 0 < MIN <= MAX.
+    """
+    parts = text.strip().split(":")
+    try:
+        if len(parts) not in (1, 2):
+            raise ValueError
+        low, high = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise UsageError(f"--nnodes {text!r} is not N or MIN:MAX") from None
+    if not 0 < low <= high:
+        raise UsageError(f"--nnodes {text!r}: need 0 < MIN <= MAX")
+    return low, high
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``"a=1,b=2"`` -> ``{"a": "1", "b": "2"}`` (torch's rules: every key needs a value).
+
+    Raises:
+        UsageError: A key or a value is missing.
+    """
+    config: dict[str, str] = {}
+    if not text.strip():
+        return config
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not key.strip():
+            raise UsageError(f"--rdzv-conf {text!r} is not key1=value1,key2=value2,...")
+        if not sep or not value.strip():
+            raise UsageError(f"--rdzv-conf: option '{key.strip()}' must have a value")
+        config[key.strip()] = value.strip()
+    return config
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """``"SIGTERM,SIGINT"`` -> the signals (names with or without ``SIG``).
+
+    Raises:
+        UsageError: An unknown signal name, or SIGKILL/SIGSTOP (they cannot be handled).
+    """
+    found: list[signal.Signals] = []
+    for raw in text.split(","):
+        name = raw.strip().upper()
+        if not name:
+            continue
+        name = name if name.startswith("SIG") else "SIG" + name
+        try:
+            sig = signal.Signals[name]
+        except KeyError:
+            raise UsageError(f"--signals-to-handle: unknown signal {raw.strip()!r}") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise UsageError(f"--signals-to-handle: {name} cannot be handled")
+        found.append(sig)
+    return tuple(dict.fromkeys(found))
+
+
+def _std(value: str, flag: str) -> str:
+    from ..agent.api import Std
+
+    try:
+        Std.from_str(value)
+    except ValueError:
+        raise UsageError(f"{flag} {value!r} is not 0-3 or a map like 0:1,1:2") from None
+    return value.strip()
+
+
+def _local_ranks(text: str) -> frozenset[int] | None:
+    if not text.strip():
+        return None
+    try:
+        ranks = frozenset(int(item) for item in text.split(","))
+    except ValueError:
+        raise UsageError(
+            f"--local-ranks-filter {text!r} is not a comma-separated list of integers"
+        ) from None
+    return ranks
+
+
+def _backend(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str, bool, list[str]]:
+    """(backend, endpoint, run_id, standalone, warnings) after torchrun's defaulting rules."""
+    name = args.rdzv_backend.strip()
+    warnings: list[str] = []
+    standalone = bool(args.standalone)
+    if not standalone and name == "static":
+        if args.rdzv_endpoint or max_nodes > 1:
+            raise UsageError(
+                "static rendezvous across nodes is not supported: use --rdzv-backend redis, "
+                "or http with `aelastic serve` (or --standalone on one node)"
+            )
+        standalone = True
+    if standalone:
+        if name not in ("static", "memory", "aelastic-memory") or args.rdzv_endpoint:
+            warnings.append("--standalone ignores --rdzv-backend, --rdzv-endpoint and --rdzv-id")
+        return "memory", "", f"standalone-{uuid.uuid4().hex[:12]}", True, warnings
+    if name in _TORCH_ONLY:
+        raise UsageError(f"--rdzv-backend {name} is torch's own: {_TORCH_ONLY[name]}")
+    backend = BACKEND_ALIASES.get(name)
+    if backend is None:
+        from ..backends.registry import backend_names
+
+        if name not in backend_names():
+            known = ", ".join(sorted(BACKEND_ALIASES))
+            raise UsageError(f"--rdzv-backend {name!r} is unknown (known: {known})")
+        backend = name
+    if backend in ("redis", "http") and not args.rdzv_endpoint:
+        raise UsageError(f"--rdzv-backend {name} needs --rdzv-endpoint")
+    if backend == "memory" and max_nodes > 1:
+        warnings.append("the memory backend only joins nodes of this one process")
+    if args.node_rank != 0:
+        warnings.append("--node-rank is only used by a static rendezvous; ignored")
+    return backend, args.rdzv_endpoint, args.rdzv_id, False, warnings
+
+
+def _entrypoint(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+    script: str = args.training_script
+    rest = tuple(args.training_script_args)
+    if args.run_path:
+        if not os.path.isabs(script):
+            raise UsageError(f"--run-path needs an absolute script path, got {script!r}")
+        code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], "
+        code += "run_name='__main__')"
+        return _python(), ("-u", "-c", code, script, *rest)
+    if args.no_python:
+        if args.module:
+            raise UsageError("Don't use both the '--no-python' flag and the '--module' flag")
+        return script, rest
+    if args.module:
+        return _python(), ("-u", "-m", script, *rest)
+    return _python(), ("-u", script, *rest)
+
+
+def _python() -> str:
+    return os.environ.get("PYTHON_EXEC", sys.executable)
+
+
+def config_from_args(
+    args: argparse.Namespace,
+    *,
+    nproc_resolver: Callable[[str], tuple[int, str]] = determine_local_world_size,
+) -> LaunchConfig:
+    """Validate parsed flags into a :class:`LaunchConfig` (torchrun's ``config_from_args``).
+
+    Raises:
+        UsageError: Any invalid value or combination.
+    """
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    try:
+        nproc, device = nproc_resolver(args.nproc_per_node)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    backend, endpoint, run_id, standalone, warnings = _backend(args, max_nodes)
+    if not run_id.strip():
+        raise UsageError("--rdzv-id must not be empty")
+    conf = parse_rdzv_conf(args.rdzv_conf)
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise UsageError(f"--master-port {args.master_port} is not a port number")
+    grace: float = 30.0
+    if args.shutdown_timeout is not None:
+        grace = float(args.shutdown_timeout)
+    elif "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ:
+        try:
+            grace = float(os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+        except ValueError:
+            raise UsageError("TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a number") from None
+    if grace < 0 or args.exit_barrier_timeout < 0:
+        raise UsageError("--shutdown-timeout and --exit-barrier-timeout must be >= 0")
+    env: dict[str, str] = {}
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    entrypoint, script_args = _entrypoint(args)
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        nproc_device=device,
+        run_id=run_id,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=conf,
+        standalone=standalone,
+        role=args.role,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        local_addr=args.local_addr,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        log_dir=args.log_dir,
+        redirects=_std(args.redirects, "--redirects"),
+        tee=_std(args.tee, "--tee"),
+        local_ranks_filter=_local_ranks(args.local_ranks_filter),
+        stop_grace_period=grace,
+        exit_barrier_timeout=args.exit_barrier_timeout,
+        virtual_local_rank=bool(args.virtual_local_rank),
+        signals=parse_signals(args.signals_to_handle),
+        env=env,
+        quiet=bool(args.quiet),
+        entrypoint=entrypoint,
+        args=script_args,
+        warnings=tuple(warnings),
+    )
+
+
+def parse_config(argv: Sequence[str], prog: str = "aelastic run") -> LaunchConfig:
+    """Parse and validate ``aelastic run``'s arguments.
+
+    Raises:
+        UsageError: Any bad flag or value.
+    """
+    return config_from_args(build_parser(prog).parse_args(list(argv)))

@@ -1,0 +1,264 @@
+"""`aelastic run` flags: torchrun's names, meanings, defaults and PET_* fallbacks."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+
+from aelastic.cli.options import (
+    LaunchConfig,
+    UsageError,
+    build_parser,
+    config_from_args,
+    parse_config,
+    parse_nnodes,
+    parse_rdzv_conf,
+    parse_signals,
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_pet_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("PET_") or name in ("OMP_NUM_THREADS", "PYTHON_EXEC"):
+            monkeypatch.delenv(name)
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+
+
+def _config(*argv: str) -> LaunchConfig:
+    args = build_parser().parse_args(list(argv))
+    return config_from_args(args, nproc_resolver=lambda v: (int(v) if v.isdigit() else 3, "cpu"))
+
+
+def test_defaults_are_torchruns() -> None:
+    config = _config("train.py")
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (1, 1, 1)
+    assert config.standalone  # torchrun: static + one node -> a local rendezvous
+    assert config.rdzv_backend == "memory"
+    assert config.max_restarts == 0
+    assert config.monitor_interval == 0.1
+    assert config.role == "default"
+    assert config.redirects == "0" and config.tee == "0"
+    assert config.local_ranks_filter is None
+    assert config.stop_grace_period == 30.0
+    assert config.signals == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    assert config.entrypoint == sys.executable
+    assert config.args == ("-u", "train.py")
+    assert config.env == {}
+
+
+def test_torch_parser_agrees_on_the_shared_defaults() -> None:
+    from torch.distributed.run import get_args_parser
+
+    torch_args = get_args_parser().parse_args(["x.py"])
+    ours = build_parser().parse_args(["x.py"])
+    for name in (
+        "nnodes",
+        "nproc_per_node",
+        "rdzv_backend",
+        "rdzv_endpoint",
+        "rdzv_id",
+        "rdzv_conf",
+        "standalone",
+        "max_restarts",
+        "monitor_interval",
+        "role",
+        "module",
+        "no_python",
+        "run_path",
+        "log_dir",
+        "redirects",
+        "tee",
+        "local_ranks_filter",
+        "node_rank",
+        "local_addr",
+        "signals_to_handle",
+        "shutdown_timeout",
+        "start_method",
+    ):
+        assert getattr(ours, name) == getattr(torch_args, name), name
+
+
+def test_every_flag() -> None:
+    config = _config(
+        "--nnodes=2:4",
+        "--nproc_per_node",
+        "2",
+        "--rdzv-backend",
+        "aelastic-redis",
+        "--rdzv-endpoint",
+        "redis://h:6379/0",
+        "--rdzv-id",
+        "job7",
+        "--rdzv-conf",
+        "join_timeout=30, last_call_timeout=2",
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.5",
+        "--role",
+        "trainer",
+        "--log-dir",
+        "/tmp/logs",
+        "-r",
+        "0:1,1:2",
+        "-t",
+        "3",
+        "--local-ranks-filter",
+        "0,1",
+        "--master-addr",
+        "10.0.0.1",
+        "--master-port",
+        "29600",
+        "--local-addr",
+        "10.0.0.2",
+        "--shutdown-timeout",
+        "5",
+        "--signals-to-handle",
+        "SIGTERM,USR1",
+        "--exit-barrier-timeout",
+        "60",
+        "-m",
+        "pkg.train",
+        "--lr",
+        "0.1",
+    )
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 4, 2)
+    assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == (
+        "redis",
+        "redis://h:6379/0",
+        "job7",
+    )
+    assert config.rdzv_configs == {"join_timeout": "30", "last_call_timeout": "2"}
+    assert not config.standalone
+    assert config.max_restarts == 3 and config.monitor_interval == 0.5
+    assert config.role == "trainer" and config.log_dir == "/tmp/logs"
+    assert config.redirects == "0:1,1:2" and config.tee == "3"
+    assert config.local_ranks_filter == frozenset({0, 1})
+    assert (config.master_addr, config.master_port, config.local_addr) == (
+        "10.0.0.1",
+        29600,
+        "10.0.0.2",
+    )
+    assert config.stop_grace_period == 5.0 and config.exit_barrier_timeout == 60.0
+    assert config.signals == (signal.SIGTERM, signal.SIGUSR1)
+    assert config.args == ("-u", "-m", "pkg.train", "--lr", "0.1")
+    assert config.env == {"OMP_NUM_THREADS": "1"}
+
+
+def test_pet_environment_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NNODES", "1:3")
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "4")
+    monkeypatch.setenv("PET_RDZV_BACKEND", "http")
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "h:29400")
+    monkeypatch.setenv("PET_RDZV_ID", "envjob")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "2")
+    monkeypatch.setenv("PET_NO_PYTHON", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    config = _config("/bin/echo", "hi")
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (1, 3, 4)
+    assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == (
+        "http",
+        "h:29400",
+        "envjob",
+    )
+    assert config.max_restarts == 2
+    assert (config.entrypoint, config.args) == ("/bin/echo", ("hi",))
+    assert config.env == {}  # OMP_NUM_THREADS set by the user is left alone
+
+
+def test_command_line_wins_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_MAX_RESTARTS", "2")
+    monkeypatch.setenv("PET_STANDALONE", "0")
+    config = _config("--max-restarts", "5", "--standalone", "x.py")
+    assert config.max_restarts == 5 and config.standalone
+
+
+def test_standalone_ignores_rendezvous_flags() -> None:
+    config = _config(
+        "--standalone", "--rdzv-backend", "redis", "--rdzv-endpoint", "redis://x", "x.py"
+    )
+    assert config.rdzv_backend == "memory" and config.standalone
+    assert config.run_id.startswith("standalone-")
+    assert config.warnings
+
+
+def test_run_path_and_no_python() -> None:
+    config = _config("--run-path", "/abs/train.py", "a")
+    assert config.entrypoint == sys.executable
+    assert config.args[-2:] == ("/abs/train.py", "a")
+    config = _config("--no-python", "./run.sh", "--x")
+    assert (config.entrypoint, config.args) == ("./run.sh", ("--x",))
+
+
+def test_python_exec_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHON_EXEC", "/opt/py/bin/python")
+    assert _config("x.py").entrypoint == "/opt/py/bin/python"
+
+
+def test_script_arguments_are_not_parsed() -> None:
+    config = _config("x.py", "--nnodes", "9", "-m")
+    assert config.args == ("-u", "x.py", "--nnodes", "9", "-m")
+    assert config.max_nodes == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "0:2", "x.py"], "0 < MIN <= MAX"),
+        (["--nnodes", "3:2", "x.py"], "0 < MIN <= MAX"),
+        (["--nnodes", "a:b", "x.py"], "not N or MIN:MAX"),
+        (["--nnodes", "1:2:3", "x.py"], "not N or MIN:MAX"),
+        (["--max-restarts", "-1", "x.py"], "max-restarts"),
+        (["--max-restarts", "many", "x.py"], "invalid int"),
+        (["--monitor-interval", "0", "x.py"], "monitor-interval"),
+        (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--nnodes", "2", "x.py"], "torch"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "x.py"], "torch"),
+        (["--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h:1", "x.py"], "unknown"),
+        (["--rdzv-backend", "redis", "x.py"], "needs --rdzv-endpoint"),
+        (["--nnodes", "2", "x.py"], "static rendezvous across nodes"),
+        (["--rdzv-conf", "a=1,b", "--standalone", "x.py"], "must have a value"),
+        (["--rdzv-conf", "=1", "--standalone", "x.py"], "key1=value1"),
+        (["-r", "7", "x.py"], "--redirects"),
+        (["-t", "0:9", "x.py"], "--tee"),
+        (["--local-ranks-filter", "0,a", "x.py"], "comma-separated"),
+        (["--master-port", "70000", "x.py"], "port"),
+        (["--signals-to-handle", "SIGNOPE", "x.py"], "unknown signal"),
+        (["--signals-to-handle", "SIGKILL", "x.py"], "cannot be handled"),
+        (["--no-python", "-m", "x"], "--no-python"),
+        (["--run-path", "rel.py"], "absolute"),
+        (["--unknown-flag", "x.py"], "unrecognized"),
+        ([], "no training script"),
+        (["--shutdown-timeout", "-1", "x.py"], ">= 0"),
+    ],
+)
+def test_bad_flags(argv: list[str], message: str) -> None:
+    with pytest.raises(UsageError, match=message) as info:
+        _config(*argv)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_pet_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_MAX_RESTARTS", "x")
+    with pytest.raises(UsageError, match="PET_MAX_RESTARTS"):
+        build_parser()
+    monkeypatch.delenv("PET_MAX_RESTARTS")
+    monkeypatch.setenv("PET_STANDALONE", "yes")
+    with pytest.raises(UsageError, match="PET_STANDALONE"):
+        build_parser()
+
+
+def test_nproc_resolution_errors_are_usage_errors() -> None:
+    with pytest.raises(UsageError, match="Unsupported nproc_per_node"):
+        parse_config(["--nproc-per-node", "lots", "x.py"])
+
+
+def test_helpers() -> None:
+    assert parse_nnodes("3") == (3, 3)
+    assert parse_rdzv_conf("") == {}
+    assert parse_rdzv_conf("a = 1 ,b=x=y") == {"a": "1", "b": "x=y"}
+    assert parse_signals("term,SIGINT,SIGTERM") == (signal.SIGTERM, signal.SIGINT)
