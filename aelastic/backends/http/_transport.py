@@ -1,0 +1,206 @@
+"""The HTTP client's transport: one shared session per event loop and server, with retries.
+
+How it works: every backend of one event loop that talks to the same server (base URL and
+token) shares a :class:`Connection`, counted by reference: one aiohttp ``ClientSession``
+whose connector keeps connections alive and sets no limit on their number (long-polls hold
+theirs). The last backend to close closes it. :meth:`Connection.call` sends one request and
+retries what may be transient (connection refused or reset, timeouts, 5xx answers) with a
+jittered exponential backoff, for as long as the server has failed for less than
+``read_timeout`` seconds; then it raises ``RendezvousConnectionError`` naming the server. A
+``401`` is never retried: it raises at once, saying the server refused the token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from yarl import URL
+
+from ...rendezvous.api import RendezvousConnectionError
+from .wire import TOKEN_ENV
+
+if TYPE_CHECKING:
+    from ._channel import RunChannel
+
+__all__ = ["Connection", "acquire", "release"]
+
+_RETRY_STATUSES = frozenset({500, 502, 503, 504})
+_FIRST_BACKOFF = 0.05
+_MAX_BACKOFF = 1.0
+#: Extra seconds a long-poll attempt may take beyond what the server was asked to hold it.
+_HOLD_MARGIN = 10.0
+
+
+class Connection:
+    """A shared session to one rendezvous server, from one event loop.
+
+    Args:
+        base: The server's base URL (scheme, host, port and optional path prefix).
+        token: Bearer token to send (``None``: none).
+        endpoint: How to name the server in messages (no credentials).
+    """
+
+    def __init__(self, base: URL, token: str | None, endpoint: str) -> None:
+        self.key = _key(base, token)
+        self.base = base
+        self.endpoint = endpoint
+        self.refs = 0
+        self.loop = asyncio.get_running_loop()
+        self.runs: dict[str, RunChannel] = {}  # run id -> channel (managed by the client)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
+        self.session = aiohttp.ClientSession(connector=connector, headers=headers)
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        read_timeout: float,
+        *,
+        body: Mapping[str, Any] | None = None,
+        query: Mapping[str, str] | None = None,
+        hold: float = 0.0,
+        accept: frozenset[int] = frozenset({200}),
+        idempotent: bool = True,
+        give_up_at: float | None = None,
+    ) -> tuple[int, dict[str, Any]] | None:
+        """Send a request, retrying transient failures; the answer's status and JSON body.
+
+        Args:
+            method: HTTP method.
+            path: Path below the base URL, already URL-encoded.
+            read_timeout: Seconds the server may keep failing before this gives up.
+            body: JSON body.
+            query: Query parameters.
+            hold: Seconds the server may hold the request (long-polls).
+            accept: Statuses handed back to the caller; any other fails the call.
+            idempotent: If not, an ``Idempotency-Key`` makes retries safe.
+            give_up_at: Loop time after which to stop retrying and return ``None``.
+
+        Raises:
+            RendezvousConnectionError: The server refused the request (401, 4xx), answered
+                something that is not the rendezvous API, or could not be reached for
+                ``read_timeout`` seconds.
+        """
+        url = self.base.with_path(self.base.path.rstrip("/") + path, encoded=True)
+        if query:
+            url = url.with_query(query)
+        headers = {} if idempotent else {"Idempotency-Key": uuid.uuid4().hex}
+        loop = asyncio.get_running_loop()
+        failing_since: float | None = None
+        backoff = _FIRST_BACKOFF
+        while True:
+            now = loop.time()
+            limit = read_timeout if failing_since is None else failing_since + read_timeout - now
+            try:
+                timeout = aiohttp.ClientTimeout(total=hold + max(limit, 0.001))
+                async with self.session.request(
+                    method, url, json=body, headers=headers, timeout=timeout
+                ) as response:
+                    status = response.status
+                    if status not in _RETRY_STATUSES:
+                        return status, await self._answer(response, method, accept)
+                    problem = f"it answered {status} ({await _error_text(response)})"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                problem = _describe(exc)
+            now = loop.time()
+            failing_since = now if failing_since is None else failing_since
+            if now - failing_since >= read_timeout:
+                raise RendezvousConnectionError(
+                    f"The rendezvous server at {self.endpoint} could not be reached for "
+                    f"{read_timeout:g} s: {problem}."
+                )
+            if give_up_at is not None and now >= give_up_at:
+                return None
+            delay = min(backoff, failing_since + read_timeout - now)
+            if give_up_at is not None:
+                delay = min(delay, max(give_up_at - now, 0.0))
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, _MAX_BACKOFF)
+
+    async def _answer(
+        self, response: aiohttp.ClientResponse, method: str, accept: frozenset[int]
+    ) -> dict[str, Any]:
+        status = response.status
+        if status == 401:
+            raise RendezvousConnectionError(
+                f"The rendezvous server at {self.endpoint} refused the request (401 "
+                f"Unauthorized): give it the right token (config key 'token' or {TOKEN_ENV})."
+            )
+        if status not in accept:
+            raise RendezvousConnectionError(
+                f"The rendezvous server at {self.endpoint} refused {method} "
+                f"{response.url.path} ({status}: {await _error_text(response)})."
+            )
+        try:
+            doc = await response.json(content_type=None)
+        except (ValueError, aiohttp.ClientPayloadError) as exc:
+            raise RendezvousConnectionError(
+                f"The server at {self.endpoint} answered {status} with a body that is not "
+                f"JSON ({exc}): is it an aelastic rendezvous server?"
+            ) from None
+        if not isinstance(doc, dict):
+            raise RendezvousConnectionError(
+                f"The server at {self.endpoint} answered {status} with unexpected JSON: "
+                "is it an aelastic rendezvous server?"
+            )
+        return doc
+
+    def protocol_error(self, what: str) -> RendezvousConnectionError:
+        """The error for an answer that does not fit the API."""
+        return RendezvousConnectionError(
+            f"The server at {self.endpoint} answered {what}: is it an aelastic rendezvous "
+            "server of the same version?"
+        )
+
+
+async def _error_text(response: aiohttp.ClientResponse) -> str:
+    try:
+        doc = await response.json(content_type=None)
+        if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+            return str(doc["error"])
+    except (ValueError, aiohttp.ClientError):
+        pass
+    return response.reason or "no reason given"
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "the request timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+_connections: dict[tuple[asyncio.AbstractEventLoop, str, str | None], Connection] = {}
+_lock = threading.Lock()
+
+
+def _key(base: URL, token: str | None) -> tuple[asyncio.AbstractEventLoop, str, str | None]:
+    return asyncio.get_running_loop(), str(base), token
+
+
+def acquire(base: URL, token: str | None, endpoint: str) -> Connection:
+    """The shared connection of the running loop to ``base`` (one more reference)."""
+    key = _key(base, token)
+    with _lock:
+        conn = _connections.get(key)
+        if conn is None or conn.session.closed:
+            conn = _connections[key] = Connection(base, token, endpoint)
+        conn.refs += 1
+        return conn
+
+
+async def release(conn: Connection) -> None:
+    """Drop one reference to ``conn``; the last one closes its session."""
+    with _lock:
+        conn.refs -= 1
+        last = conn.refs <= 0
+        if last and _connections.get(conn.key) is conn:
+            del _connections[conn.key]
+    if last:
+        await conn.session.close()
