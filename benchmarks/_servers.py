@@ -1,0 +1,35 @@
+"""Real servers for the benchmarks: redis-server and aelastic's HTTP server on loopback.
+
+The same helpers the tests use (``tests/_redis_server.py``, ``tests/_http_server.py``):
+each starts a real server on a free loopback port and stops it afterwards.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+__all__ = ["SERVER_BACKENDS", "server_endpoint"]
+
+SERVER_BACKENDS = ("redis", "http")
+
+
+@contextmanager
+def server_endpoint(backend: str) -> Iterator[str]:
+    """Start the server ``backend`` needs; yield the endpoint to give the handlers."""
+    if backend == "redis":
+        from tests._redis_server import RedisServer
+
+        with RedisServer() as redis:
+            yield redis.url
+    elif backend == "http":
+        from tests._http_server import HttpServer
+
+        with HttpServer() as http:
+            yield http.url
+    else:
+        raise ValueError(f"no server for backend {backend!r}")

@@ -1,0 +1,277 @@
+"""Rendezvous formation: time for N nodes (min = max = N) to complete one rendezvous.
+
+aelastic and torch's own ``DynamicRendezvousHandler`` (c10d backend: a TCPStore on
+loopback, nodes as threads, as torchrun runs it) are measured in the same run and
+printed side by side with ratios (torch time / aelastic time; higher is better).
+
+Also measures the wake-up latency: with one node already waiting in ``next_rendezvous``,
+the time from the last node's own return (its write completed the round) to the waiting
+node's return. torch's waiting nodes poll once a second; aelastic's are woken by the change.
+
+Run: ``python benchmarks/rdzv_formation.py [--sizes 2,8,16,...] [--torch-max 64]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aelastic import RendezvousParameters
+from aelastic import sync as aelastic_sync
+from aelastic.rendezvous import create_handler
+from benchmarks._servers import SERVER_BACKENDS, server_endpoint
+
+LOOPBACK = "127.0.0.1"
+CONF = {"join_timeout": 600, "last_call_timeout": 30, "read_timeout": 60}
+
+
+def _params(backend: str, endpoint: str, run_id: str, n: int) -> RendezvousParameters:
+    return RendezvousParameters(backend, endpoint, run_id, n, n, local_addr=LOOPBACK, **CONF)
+
+
+# -- aelastic ------------------------------------------------------------------------------
+
+
+async def _async_formation(backend: str, endpoint: str, n: int) -> float:
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    handlers = [create_handler(_params(backend, endpoint, run_id, n)) for _ in range(n)]
+    try:
+        start = time.perf_counter()
+        infos = await asyncio.gather(*(h.next_rendezvous() for h in handlers))
+        elapsed = time.perf_counter() - start
+        assert sorted(i.rank for i in infos) == list(range(n))
+        return elapsed
+    finally:
+        await asyncio.gather(*(h.aclose() for h in handlers))
+
+
+def aelastic_async(backend: str, endpoint: str, n: int) -> float:
+    """N handlers as tasks of one event loop."""
+    return asyncio.run(_async_formation(backend, endpoint, n))
+
+
+def _threads(n: int, make: Callable[[], Callable[[], int]]) -> float:
+    """Run N node bodies in threads, released together; time until all are done."""
+    bodies = [make() for _ in range(n)]
+    ranks: list[int] = []
+    gate = threading.Barrier(n + 1)
+    lock = threading.Lock()
+
+    def node(body: Callable[[], int]) -> None:
+        gate.wait()
+        rank = body()
+        with lock:
+            ranks.append(rank)
+
+    threads = [threading.Thread(target=node, args=(b,), daemon=True) for b in bodies]
+    for t in threads:
+        t.start()
+    gate.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    assert sorted(ranks) == list(range(n)), ranks
+    return elapsed
+
+
+def aelastic_sync_threads(backend: str, endpoint: str, n: int) -> float:
+    """N sync-facade handlers, one per thread."""
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    handlers: list[aelastic_sync.SyncRendezvousHandler] = []
+
+    def make() -> Callable[[], int]:
+        handler = aelastic_sync.create_handler(_params(backend, endpoint, run_id, n))
+        handlers.append(handler)
+        return lambda: handler.next_rendezvous().rank
+
+    try:
+        return _threads(n, make)
+    finally:
+        for handler in handlers:
+            handler.close()
+
+
+# -- torch ---------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def torch_c10d_threads(n: int) -> float:
+    """torch's DynamicRendezvousHandler + C10dRendezvousBackend, nodes as threads."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters as TorchParams
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    endpoint = f"{LOOPBACK}:{_free_port()}"
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    handlers = []
+
+    def make() -> Callable[[], int]:
+        params = TorchParams(
+            "c10d",
+            endpoint,
+            run_id,
+            n,
+            n,
+            local_addr=LOOPBACK,
+            is_host=not handlers,  # the first node hosts the TCPStore, as on a real job
+            **CONF,
+        )
+        handler = get_rendezvous_handler(params)
+        handlers.append(handler)
+        return lambda: handler.next_rendezvous().rank
+
+    return _threads(n, make)
+
+
+# -- wake-up latency -----------------------------------------------------------------------
+
+
+async def _async_wakeup(backend: str, endpoint: str) -> float:
+    run_id = f"wake-{uuid.uuid4().hex[:8]}"
+    waiter = create_handler(_params(backend, endpoint, run_id, 2))
+    last = create_handler(_params(backend, endpoint, run_id, 2))
+    try:
+        async with waiter.events() as events:
+            waiting = asyncio.ensure_future(waiter.next_rendezvous())
+            while (await events.get()).transition != "add_to_participants":
+                pass
+        await asyncio.sleep(0.2)  # the waiter is now parked, waiting for a change
+        async with last.events() as events:
+            await last.next_rendezvous()
+            completed_at = (await events.get()).at  # the write that completed the round
+        await waiting
+        return time.time() - completed_at
+    finally:
+        await waiter.aclose()
+        await last.aclose()
+
+
+def aelastic_wakeup(backend: str, endpoint: str) -> float:
+    return asyncio.run(_async_wakeup(backend, endpoint))
+
+
+def torch_wakeup() -> float:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters as TorchParams
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    endpoint = f"{LOOPBACK}:{_free_port()}"
+    run_id = f"wake-{uuid.uuid4().hex[:8]}"
+    made = [
+        get_rendezvous_handler(
+            TorchParams("c10d", endpoint, run_id, 2, 2, local_addr=LOOPBACK, is_host=i == 0, **CONF)
+        )
+        for i in range(2)
+    ]
+    # Record when the last node's write (the one that completes the round) lands.
+    backend = made[1]._state_holder._backend
+    writes: list[float] = []
+    set_state = backend.set_state
+
+    def recording_set_state(*args: object, **kwargs: object) -> object:
+        result = set_state(*args, **kwargs)
+        if result is not None and result[2]:
+            writes.append(time.time())
+        return result
+
+    backend.set_state = recording_set_state
+    returned: list[float] = []
+    waiter = threading.Thread(
+        target=lambda: (made[0].next_rendezvous(), returned.append(time.time()))
+    )
+    waiter.start()
+    time.sleep(1.5)  # the waiter has joined and sleeps in torch's 1 s poll
+    made[1].next_rendezvous()
+    waiter.join()
+    return returned[0] - writes[0]
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def _fmt(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:8.3f}s"
+
+
+def _ratio(torch_s: float | None, ours: float | None) -> str:
+    if torch_s is None or ours is None or ours <= 0:
+        return "-"
+    return f"{torch_s / ours:6.1f}x"
+
+
+@contextmanager
+def _endpoints(backends: list[str]) -> Iterator[dict[str, str]]:
+    with ExitStack() as stack:
+        found = {"memory": "bench"}
+        for name in backends:
+            if name in SERVER_BACKENDS:
+                found[name] = stack.enter_context(server_endpoint(name))
+        yield found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="2,8,16,32,64,128,256,512,1024")
+    parser.add_argument("--torch-max", type=int, default=64, help="largest N run on torch")
+    parser.add_argument("--backends", default="memory,redis,http")
+    parser.add_argument("--server-max", type=int, default=256, help="largest N over a server")
+    parser.add_argument("--wakeup-samples", type=int, default=5)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    backends = [b for b in args.backends.split(",") if b]
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+    with _endpoints(backends) as endpoints:
+        columns = [("memory async", "memory", aelastic_async)]
+        columns.append(("memory sync-threads", "memory", aelastic_sync_threads))
+        columns += [(f"{b} async", b, aelastic_async) for b in backends if b in SERVER_BACKENDS]
+        header = f"{'N':>5} | {'torch c10d':>10} | " + " | ".join(
+            f"{name:>19} {'ratio':>7}" for name, _, _ in columns
+        )
+        print("Rendezvous formation (min = max = N); ratio = torch / aelastic")
+        print(header)
+        print("-" * len(header))
+        for n in sizes:
+            torch_s = torch_c10d_threads(n) if n <= args.torch_max else None
+            cells = []
+            for _, backend, run in columns:
+                limit = args.server_max if backend in SERVER_BACKENDS else 1 << 30
+                ours = run(backend, endpoints[backend], n) if n <= limit else None
+                cells.append(f"{_fmt(ours):>19} {_ratio(torch_s, ours):>7}")
+            print(f"{n:>5} | {_fmt(torch_s):>10} | " + " | ".join(cells), flush=True)
+
+        print()
+        print("Wake-up latency: a waiting node's return after the round completed (median)")
+        samples = args.wakeup_samples
+        torch_ms = statistics.median(torch_wakeup() for _ in range(samples)) * 1000
+        print(f"{'torch c10d':>14}: {torch_ms:8.2f} ms")
+        for backend in ["memory", *[b for b in backends if b in SERVER_BACKENDS]]:
+            ours_ms = (
+                statistics.median(
+                    aelastic_wakeup(backend, endpoints[backend]) for _ in range(samples)
+                )
+                * 1000
+            )
+            print(f"{backend:>14}: {ours_ms:8.2f} ms   ({torch_ms / ours_ms:,.0f}x faster)")
+
+
+if __name__ == "__main__":
+    main()
