@@ -1,18 +1,81 @@
-"""The elastic agent (work in progress: the public surface is final)."""
+"""The elastic agent: rendezvous, start workers, await what happens, act, stop cleanly.
+
+How it works (one attempt per loop turn)::
+
+    rendezvous -> publish record, multi_get all records -> ranks, MASTER_ADDR/PORT
+        -> start workers (group rank 0 keeps the master port bound until the spawn)
+        -> wait for the FIRST of: a worker exit, a change of the rendezvous group
+        -> policy.decide(observation, restarts_left) -> finish | restart | rescale | fail
+
+Nothing polls: worker exits are awaited (pidfds), group changes come from
+``handler.watch()``, which the backend wakes. On success the node marks itself done in the
+round's store (so the others ignore its departure) and waits at the exit barrier; once the
+barrier saw every member done, the job is over and the rendezvous is closed. Whatever ends
+``run()`` (return, error, cancellation), the cleanup runs to the end, shielded: workers
+are stopped (SIGTERM, grace, SIGKILL) and reaped, and the node leaves the rendezvous.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from types import MappingProxyType
+from typing import Any, TypeVar
 
-from .api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec
-from .events import AgentEvent, AgentMetrics, EventBus, EventStream
+from ..rendezvous.api import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
+from ..rendezvous.core import MembershipView
+from ..rendezvous.state import NodeDesc
+from ..store import Store
+from . import callables
+from .api import (
+    DEFAULT_ROLE,
+    ProcessFailure,
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+    std_map,
+)
+from .env import substitute_args, worker_env
+from .errors import format_failures, make_failure
+from .events import AgentEvent, AgentMetrics, EventBus, EventKind, EventStream
+from .logs import AttemptLogs
+from .policy import Action, Decision, Observation, Trigger, decide
+from .process import WorkerProcess, stop_processes
+from .ranks import AgentRecord, assign_ranks, record_key
 
 __all__ = ["ElasticAgent"]
+
+log = logging.getLogger("aelastic.agent")
+
+_T = TypeVar("_T")
+_FINISHED_KEY = "agent/finished"
+
+
+def _done_key(group_rank: int) -> str:
+    return f"agent/done/{group_rank}"
+
+
+class _GroupChanged(Exception):
+    """The group changed while the agent was still setting up an attempt."""
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(decision.reason)
+        self.decision = decision
 
 
 class ElasticAgent:
     """Runs the workers of one node under an elastic rendezvous (torch's ``LocalElasticAgent``).
+
+    ``run()`` installs no signal handler and never blocks the event loop; cancelling it
+    stops every worker, leaves the rendezvous and returns with no worker process left.
 
     Args:
         spec: What to run and how.
@@ -20,8 +83,23 @@ class ElasticAgent:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self._spec = spec
+        self._handler = spec.rdzv_handler
         self._group = WorkerGroup(spec)
         self._bus = EventBus()
+        self._restarts_left = spec.max_restarts
+        self._attempt = -1
+        self._procs: list[WorkerProcess] = []
+        self._logs: AttemptLogs | None = None
+        self._members: dict[NodeDesc, int] = {}
+        self._reserved: socket.socket | None = None
+        self._run_dir: str | None = None
+        self._scratch: str | None = None
+        self._own_log_root: str | None = None
+        self._joined = False
+        self._running = False
+
+    def __repr__(self) -> str:
+        return f"ElasticAgent(role={self._spec.role!r}, group={self._group!r})"
 
     @property
     def spec(self) -> WorkerSpec:
@@ -32,6 +110,11 @@ class ElasticAgent:
     def metrics(self) -> AgentMetrics:
         """Counters and durations so far (a snapshot)."""
         return self._bus.metrics
+
+    @property
+    def restart_count(self) -> int:
+        """Restarts spent so far (``TORCHELASTIC_RESTART_COUNT`` of the current workers)."""
+        return self._spec.max_restarts - self._restarts_left
 
     def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
         """The current worker group (torch's accessor; ``role`` is accepted and ignored)."""
@@ -45,10 +128,555 @@ class ElasticAgent:
         """Subscribe now; iterate the events with ``async for`` until the run ends."""
         return self._bus.stream()
 
+    # -- entry points ---------------------------------------------------------------------
+
     async def run(self, role: str = DEFAULT_ROLE) -> RunResult:
-        """Run the workers until they succeed, fail for good, or this call is cancelled."""
-        raise NotImplementedError("ElasticAgent.run is being written")
+        """Run the workers until they succeed, fail for good, or this call is cancelled.
+
+        Returns:
+            ``RunResult(SUCCEEDED, return_values)`` or ``RunResult(FAILED, failures)``,
+            keyed by global rank; ``result.root_cause`` is the earliest failure.
+
+        Raises:
+            RendezvousError: The rendezvous failed (timeout, closed by another node while
+                this one had no failure of its own, backend unreachable, ...).
+            OSError: A worker command could not be started.
+            RuntimeError: The agent is already running.
+        """
+        if self._running:
+            raise RuntimeError("this ElasticAgent is already running")
+        self._running = True
+        result: RunResult | None = None
+        try:
+            result = await self._invoke_run()
+            return result
+        finally:
+            await _uncancellable(self._shutdown(result))
 
     def run_sync(self, role: str = DEFAULT_ROLE) -> RunResult:
-        """Blocking :meth:`run` on a private event loop (for plain scripts)."""
-        return asyncio.run(self.run(role))
+        """:meth:`run` on a private event loop, for plain scripts; releases the handler after.
+
+        Works from any thread that is not itself running an event loop (another thread may
+        run one). Ctrl-C stops the workers cleanly, then raises ``KeyboardInterrupt``.
+
+        Raises:
+            RuntimeError: Called from a thread whose event loop is running (use ``await run()``).
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("run_sync() called from a running event loop: await run() instead")
+
+        async def main() -> RunResult:
+            try:
+                return await self.run(role)
+            finally:
+                await self._handler.aclose()
+
+        return asyncio.run(main())
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def _invoke_run(self) -> RunResult:
+        spec = self._spec
+        self._prepare_dirs()
+        log.info(
+            "agent for role '%s' starting %d worker(s) of %s, run '%s'",
+            spec.role,
+            spec.local_world_size,
+            spec.get_entrypoint_name(),
+            self._handler.get_run_id(),
+        )
+        failures: dict[int, ProcessFailure] = {}
+        stopped_at: float | None = None
+        while True:
+            try:
+                await self._rendezvous()
+            except RendezvousGracefulExitError as exc:
+                log.info("rendezvous gracefully exited: %s", exc)
+                return RunResult(WorkerState.SUCCEEDED)
+            except RendezvousClosedError:
+                if failures:  # our own failure is the better answer
+                    return self._failed(failures, "the rendezvous closed before a restart")
+                raise
+            except _GroupChanged as changed:
+                await self._act_on_membership(changed.decision)
+                stopped_at = time.monotonic()
+                continue
+            failures = {}
+            await self._start_workers(stopped_at)
+            observation, failures = await self._supervise()
+            decision = decide(observation, self._restarts_left)
+            stopped_at = time.monotonic()
+            action = decision.action
+            if action is Action.FINISH:
+                return await self._finish()
+            if action is Action.FAIL:
+                await self._stop_workers(WorkerState.FAILED)
+                return self._failed(failures, decision.reason)
+            if action is Action.RESTART:
+                log.warning(
+                    "worker group failed, restarting (%d restarts left):\n%s",
+                    self._restarts_left - 1,
+                    format_failures(RunResult(WorkerState.FAILED, failures=failures)),
+                )
+                await self._stop_workers(WorkerState.FAILED)
+                self._restarts_left -= 1
+                self._emit(
+                    EventKind.RESTART,
+                    reason=decision.reason,
+                    spent=True,
+                    restarts_left=self._restarts_left,
+                )
+                continue
+            await self._act_on_membership(decision)
+
+    async def _act_on_membership(self, decision: Decision) -> None:
+        await self._stop_workers(WorkerState.STOPPED)
+        if decision.action is Action.ABORT:
+            raise RendezvousClosedError(f"stopping the workers: {decision.reason}")
+        log.info("re-rendezvous without spending a restart: %s", decision.reason)
+        self._emit(
+            EventKind.RESTART,
+            reason=decision.reason,
+            spent=False,
+            restarts_left=self._restarts_left,
+        )
+
+    def _failed(self, failures: dict[int, ProcessFailure], reason: str) -> RunResult:
+        result = RunResult(WorkerState.FAILED, failures=dict(failures))
+        self._set_state(WorkerState.FAILED)
+        log.error("%s:\n%s", reason, format_failures(result, self._spec.role))
+        return result
+
+    # -- rendezvous and ranks -------------------------------------------------------------
+
+    async def _rendezvous(self) -> None:
+        spec, group = self._spec, self._group
+        self._set_state(WorkerState.INIT)
+        started = time.monotonic()
+        info = await self._handler.next_rendezvous()
+        self._joined = True
+        store, group_rank = info.store, info.rank
+        mine = AgentRecord(spec.role, spec.local_world_size, self._handler.node)
+        if group_rank == 0:
+            mine = AgentRecord(
+                spec.role,
+                spec.local_world_size,
+                self._handler.node,
+                master_addr=spec.master_addr or spec.local_addr or self._handler.node.addr,
+                master_port=spec.master_port or self._reserve_port(),
+            )
+        await store.set(record_key(group_rank), mine.encode())
+        keys = [record_key(i) for i in range(info.world_size)]
+        timeout = self._handler.settings.join_timeout
+        raw = await self._unless_group_changes(store.multi_get(keys, timeout))
+        records = [AgentRecord.decode(data) for data in raw]
+        master = records[0]
+        if master.master_addr is None or master.master_port is None:
+            raise RendezvousError("group rank 0 published no MASTER_ADDR/MASTER_PORT")
+        group.store = store
+        group.group_rank = group_rank
+        group.group_world_size = info.world_size
+        group.master_addr, group.master_port = master.master_addr, master.master_port
+        group.workers = assign_ranks(records, group_rank)
+        group.round = self._handler_round()
+        self._members = {record.node: rank for rank, record in enumerate(records)}
+        duration = time.monotonic() - started
+        log.info(
+            "rendezvous round %s complete in %.3f s: group rank %d of %d, world size %d, "
+            "master %s:%d",
+            group.round,
+            duration,
+            group_rank,
+            info.world_size,
+            group.workers[0].world_size,
+            group.master_addr,
+            group.master_port,
+        )
+        self._emit(
+            EventKind.RENDEZVOUS,
+            round=group.round,
+            group_rank=group_rank,
+            group_world_size=info.world_size,
+            world_size=group.workers[0].world_size,
+            duration=duration,
+        )
+
+    def _handler_round(self) -> int | None:
+        store = self._group.store
+        if store is None or not store.prefix.startswith("r"):
+            return None
+        with contextlib.suppress(ValueError):
+            return int(store.prefix[1:].rstrip("/"))
+        return None
+
+    def _reserve_port(self) -> int:
+        """Bind a free port and keep it bound until the workers start."""
+        self._release_port()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("", 0))
+        self._reserved = sock
+        port: int = sock.getsockname()[1]
+        return port
+
+    def _release_port(self) -> None:
+        sock, self._reserved = self._reserved, None
+        if sock is not None:
+            sock.close()
+
+    async def _unless_group_changes(self, awaitable: Coroutine[Any, Any, _T]) -> _T:
+        """Await ``awaitable``; give up if the group changes in a way that needs action."""
+        work = asyncio.ensure_future(awaitable)
+        since: MembershipView | None = None
+        try:
+            while True:
+                watch = self._watch(since)
+                try:
+                    await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    await _cancel(watch)
+                if work.done():
+                    return work.result()
+                since = watch.result()
+                decision = decide(await self._observe(since), self._restarts_left)
+                if decision.action is not Action.CONTINUE:
+                    raise _GroupChanged(decision)
+        finally:
+            await _cancel(work)
+
+    async def _observe(self, view: MembershipView) -> Observation:
+        """Turn a membership view into an observation (which lost members had finished)."""
+        store = self._group.store
+        finished = 0
+        peers_finished = False
+        if store is not None and not view.closed:
+            for node in view.lost:
+                rank = self._members.get(node)
+                if rank is not None and await store.try_get(_done_key(rank)) is not None:
+                    finished += 1
+            peers_finished = bool(finished) or await store.try_get(_FINISHED_KEY) is not None
+        observation = Observation(
+            Trigger.MEMBERSHIP_CHANGED,
+            closed=view.closed,
+            removed=view.removed,
+            lost=len(view.lost) - finished,
+            lost_finished=finished,
+            waiting=view.waiting,
+            peers_finished=peers_finished,
+        )
+        return observation
+
+    # -- workers --------------------------------------------------------------------------
+
+    def _prepare_dirs(self) -> None:
+        spec = self._spec
+        self._scratch = tempfile.mkdtemp(prefix="aelastic_agent_")
+        if spec.log_dir == os.devnull:
+            self._run_dir = None
+            return
+        root = spec.log_dir
+        if root is None:
+            root = self._own_log_root = tempfile.mkdtemp(prefix="aelastic_")
+        elif os.path.isfile(root):
+            raise NotADirectoryError(f"log_dir {root} is a file")
+        self._run_dir = os.path.join(root, self._handler.get_run_id())
+        os.makedirs(self._run_dir, exist_ok=True)
+
+    async def _start_workers(self, stopped_at: float | None) -> None:
+        spec, group = self._spec, self._group
+        self._attempt += 1
+        logs = self._logs = AttemptLogs(spec, self._run_dir, self._attempt)
+        started = time.monotonic()
+        run_id = self._handler.get_run_id()
+        try:
+            for worker in group.workers:
+                rank = worker.local_rank
+                env = worker_env(
+                    group,
+                    worker,
+                    restart_count=self.restart_count,
+                    run_id=run_id,
+                    error_file=logs.error_file(rank),
+                )
+                argv = self._argv(rank)
+                stdout, stderr = logs.child_streams(rank)
+                self._release_port()  # just before the first worker may bind it
+                try:
+                    proc = WorkerProcess.start(argv, env, rank, stdout=stdout, stderr=stderr)
+                except BaseException:
+                    logs.abandon(rank)
+                    raise
+                self._procs.append(proc)
+                worker.id = proc.pid
+                await logs.after_spawn(rank, worker.global_rank)
+        except BaseException:
+            await _uncancellable(self._stop_workers(WorkerState.FAILED))
+            raise
+        self._set_state(WorkerState.HEALTHY)
+        data: dict[str, Any] = {
+            "pids": {p.local_rank: p.pid for p in self._procs},
+            "duration": time.monotonic() - started,
+        }
+        if stopped_at is not None:
+            data["recovery"] = time.monotonic() - stopped_at
+        self._emit(EventKind.WORKERS_STARTED, **data)
+
+    def _argv(self, local_rank: int) -> list[str]:
+        spec = self._spec
+        args = substitute_args(spec.args, local_rank)
+        if isinstance(spec.entrypoint, str):
+            return [spec.entrypoint, *map(str, args)]
+        assert spec.entrypoint is not None and self._scratch is not None
+        base = os.path.join(self._scratch, f"{self._attempt}_{local_rank}")
+        callables.write_payload(base + ".in", spec.role, spec.entrypoint, args)
+        return callables.child_argv(base + ".in", base + ".out")
+
+    def _result_path(self, local_rank: int) -> str | None:
+        if isinstance(self._spec.entrypoint, str) or self._scratch is None:
+            return None
+        return os.path.join(self._scratch, f"{self._attempt}_{local_rank}.out")
+
+    async def _supervise(self) -> tuple[Observation, dict[int, ProcessFailure]]:
+        """Wait for the first thing that calls for action; what it was and who failed."""
+        exits = {asyncio.ensure_future(p.wait()): p for p in self._procs}
+        since: MembershipView | None = None
+        watch = self._watch(None)
+        try:
+            while True:
+                await asyncio.wait({watch, *exits}, return_when=asyncio.FIRST_COMPLETED)
+                for task in [t for t in exits if t.done()]:
+                    self._on_exit(exits.pop(task))
+                failed = [p for p in self._procs if p.returncode not in (None, 0)]
+                if failed:
+                    self._set_state(WorkerState.FAILED)
+                    return Observation(Trigger.WORKER_FAILED), self._failures(failed)
+                if not exits:
+                    self._set_state(WorkerState.SUCCEEDED)
+                    return Observation(Trigger.WORKERS_SUCCEEDED), {}
+                if watch.done():
+                    since = watch.result()
+                    observation = await self._observe(since)
+                    decision = decide(observation, self._restarts_left)
+                    self._emit_membership(since, decision)
+                    if decision.action is not Action.CONTINUE:
+                        return observation, {}
+                    watch = self._watch(since)
+        finally:
+            await _cancel(watch)
+            for task in exits:
+                await _cancel(task)
+
+    def _watch(self, since: MembershipView | None) -> asyncio.Task[MembershipView]:
+        """A task returning the next group change that differs from ``since``."""
+        return asyncio.ensure_future(self._watch_until_change(since))
+
+    async def _watch_until_change(self, since: MembershipView | None) -> MembershipView:
+        # No polling: woken by the backend. A backend error only delays the next look.
+        while True:
+            try:
+                return await self._handler.watch(0.0, since)
+            except RendezvousError as exc:
+                log.warning("watching the rendezvous failed (retrying): %s", exc)
+                await asyncio.sleep(self._handler.settings.keep_alive_interval)
+
+    def _on_exit(self, proc: WorkerProcess) -> None:
+        worker = self._group.workers[proc.local_rank]
+        code = proc.returncode
+        log.log(
+            logging.INFO if code == 0 else logging.WARNING,
+            "worker local_rank %d (rank %d, pid %d) exited with %s",
+            proc.local_rank,
+            worker.global_rank,
+            proc.pid,
+            code,
+        )
+        self._emit(
+            EventKind.WORKER_EXITED,
+            local_rank=proc.local_rank,
+            global_rank=worker.global_rank,
+            pid=proc.pid,
+            exitcode=code,
+        )
+
+    def _failures(self, failed: list[WorkerProcess]) -> dict[int, ProcessFailure]:
+        assert self._logs is not None
+        failures = {}
+        for proc in failed:
+            worker = self._group.workers[proc.local_rank]
+            assert proc.returncode is not None
+            failures[worker.global_rank] = make_failure(
+                local_rank=proc.local_rank,
+                global_rank=worker.global_rank,
+                pid=proc.pid,
+                exitcode=proc.returncode,
+                error_file=self._logs.error_file(proc.local_rank),
+                role=self._spec.role,
+                timestamp=proc.exited_at,
+            )
+        return failures
+
+    async def _stop_workers(self, state: WorkerState) -> None:
+        procs, self._procs = self._procs, []
+        if procs:
+            await stop_processes(procs, self._spec.stop_grace_period)
+        logs, self._logs = self._logs, None
+        if logs is not None:
+            await logs.aclose()
+        if procs and state is WorkerState.STOPPED:
+            self._set_state(WorkerState.STOPPED)
+
+    # -- the end --------------------------------------------------------------------------
+
+    async def _finish(self) -> RunResult:
+        group = self._group
+        values = {}
+        for worker in group.workers:
+            path = self._result_path(worker.local_rank)
+            if path is not None:
+                values[worker.global_rank] = callables.read_result(path)
+        await self._stop_workers(WorkerState.SUCCEEDED)  # reaped already; sweeps leftovers
+        complete = await self._exit_barrier()
+        if complete:
+            with contextlib.suppress(RendezvousError):
+                await self._handler.set_closed()
+        log.info("workers of role '%s' succeeded", self._spec.role)
+        return RunResult(WorkerState.SUCCEEDED, return_values=values)
+
+    async def _exit_barrier(self) -> bool:
+        """Mark this node done and wait for every member to be done; whether all were."""
+        group = self._group
+        store = group.store
+        assert store is not None and group.group_rank is not None
+        assert group.group_world_size is not None
+        started = time.monotonic()
+        complete = False
+        try:
+            await store.set(_done_key(group.group_rank), b"1")
+            await store.add(_FINISHED_KEY, 1)
+            keys = [_done_key(rank) for rank in range(group.group_world_size)]
+            complete = await self._wait_barrier(store, keys)
+        except RendezvousError as exc:
+            log.warning("exit barrier failed: %s", exc)
+        duration = time.monotonic() - started
+        if not complete:
+            log.warning("exit barrier incomplete after %.3f s; leaving anyway", duration)
+        self._emit(EventKind.EXIT_BARRIER, duration=duration, complete=complete)
+        return complete
+
+    async def _wait_barrier(self, store: Store, keys: list[str]) -> bool:
+        timeout = self._spec.exit_barrier_timeout
+        waiting = asyncio.ensure_future(store.wait(keys, timeout))
+        since: MembershipView | None = None
+        try:
+            while True:
+                watch = self._watch(since)
+                try:
+                    await asyncio.wait({waiting, watch}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    await _cancel(watch)
+                if waiting.done():
+                    return waiting.exception() is None
+                since = watch.result()
+                observation = await self._observe(since)
+                if observation.closed or observation.removed or observation.lost:
+                    # Nobody can complete the barrier any more, unless it already is.
+                    return await store.check(keys)
+        finally:
+            await _cancel(waiting)
+
+    async def _shutdown(self, result: RunResult | None) -> None:
+        """Stop and reap every worker, leave the rendezvous, release what the run made."""
+        try:
+            await self._stop_workers(WorkerState.STOPPED)
+            self._release_port()
+            if self._joined:
+                self._joined = False
+                failed = result is not None and result.is_failed()
+                if failed and self._spec.close_on_failure:
+                    await _quietly(self._handler.set_closed(), "close the rendezvous")
+                await _quietly(self._handler.leave(), "leave the rendezvous")
+        finally:
+            for path in (self._scratch, self._own_log_root if self._logs_disposable() else None):
+                if path is not None:
+                    shutil.rmtree(path, ignore_errors=True)
+            self._scratch = None
+            self._running = False
+            reason = "cancelled or error" if result is None else result.state.value
+            self._emit(EventKind.FINISHED, reason=reason)
+            self._bus.close()
+
+    def _logs_disposable(self) -> bool:
+        """A log root the agent made holds only error files (already read) unless redirected."""
+        spec = self._spec
+        n = spec.local_world_size
+        redirected = [*std_map(spec.redirects, n).values(), *std_map(spec.tee, n).values()]
+        return not any(redirected)
+
+    # -- events ---------------------------------------------------------------------------
+
+    def _set_state(self, state: WorkerState) -> None:
+        previous = self._group.state
+        self._group.state = state
+        if previous is not state:
+            self._emit(EventKind.STATE_CHANGED, previous=previous.value)
+
+    def _emit_membership(self, view: MembershipView, decision: Decision) -> None:
+        log.info("rendezvous group changed (%s): %s", decision.reason, decision.action.value)
+        self._emit(
+            EventKind.MEMBERSHIP_CHANGED,
+            lost=sorted(str(n) for n in view.lost),
+            waiting=view.waiting,
+            removed=view.removed,
+            closed=view.closed,
+            ignored=decision.action is Action.CONTINUE,
+        )
+
+    def _emit(self, kind: EventKind, **data: Any) -> None:
+        self._bus.emit(
+            AgentEvent(
+                kind=kind,
+                at=time.time(),
+                role=self._spec.role,
+                run_id=self._handler.get_run_id(),
+                attempt=max(self._attempt, 0),
+                restart_count=self.restart_count,
+                state=self._group.state,
+                data=MappingProxyType(data),
+            )
+        )
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it is over (its outcome is dropped)."""
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(BaseException):
+        await asyncio.wait({task})
+    if task.done() and not task.cancelled():
+        task.exception()  # mark retrieved
+
+
+async def _quietly(awaitable: Awaitable[Any], what: str) -> None:
+    try:
+        await awaitable
+    except Exception as exc:
+        log.warning("could not %s: %s", what, exc)
+
+
+async def _uncancellable(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run ``coro`` to its end even if the caller is cancelled meanwhile (then re-cancel)."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done() and task.cancelled():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()

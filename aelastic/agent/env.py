@@ -1,0 +1,111 @@
+"""The environment contract of a worker: exactly the variables torch's agent sets.
+
+How it works: pure functions of the spec, the group and the worker. The agent's own
+environment comes first, then ``WorkerSpec.env``, then torch's variables (which win), so an
+existing torch script finds RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... as under
+torchrun. ``${local_rank}`` in string arguments becomes the worker's local rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .api import Worker, WorkerGroup
+
+__all__ = ["LOCAL_RANK_MACRO", "cuda_visible_device", "substitute_args", "worker_env"]
+
+#: Replaced by the worker's local rank in string arguments (torch's ``macros.local_rank``).
+LOCAL_RANK_MACRO = "${local_rank}"
+
+
+def substitute_args(args: Sequence[Any], local_rank: int) -> tuple[Any, ...]:
+    """``args`` with ``${local_rank}`` replaced in every string argument."""
+    rank = str(local_rank)
+    return tuple(a.replace(LOCAL_RANK_MACRO, rank) if isinstance(a, str) else a for a in args)
+
+
+def cuda_visible_device(local_rank: int, parent_visible: str | None) -> str:
+    """The one device a worker sees when each local rank gets its own GPU.
+
+    Args:
+        local_rank: The worker's local rank.
+        parent_visible: The agent's ``CUDA_VISIBLE_DEVICES`` (``None``: all devices).
+
+    Returns:
+        The ``local_rank``-th entry of ``parent_visible``, or the local rank itself.
+
+    Raises:
+        ValueError: ``parent_visible`` lists fewer devices than ``local_rank + 1``.
+    """
+    if parent_visible is None:
+        return str(local_rank)
+    devices = [d.strip() for d in parent_visible.split(",") if d.strip()]
+    if local_rank >= len(devices):
+        raise ValueError(
+            f"local_rank {local_rank} exceeds available GPUs in "
+            f"CUDA_VISIBLE_DEVICES={parent_visible}"
+        )
+    return devices[local_rank]
+
+
+def worker_env(
+    group: WorkerGroup,
+    worker: Worker,
+    *,
+    restart_count: int,
+    run_id: str,
+    error_file: str,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The full environment of ``worker`` (torch's ``LocalElasticAgent._start_workers``).
+
+    Args:
+        group: The group after rank assignment (group rank, world size, master address).
+        worker: The worker, with its ranks assigned.
+        restart_count: Restarts spent so far.
+        run_id: The rendezvous run id.
+        error_file: Where the worker's ``@record`` writes its error (``""``: nowhere).
+        base: The environment to start from (default: the agent's ``os.environ``).
+
+    Raises:
+        ValueError: The group has no ranks or master address yet, or the GPU assignment
+            asks for more devices than ``CUDA_VISIBLE_DEVICES`` lists.
+    """
+    spec = group.spec
+    if group.group_rank is None or group.group_world_size is None or group.master_addr is None:
+        raise ValueError("the worker group has not been through a rendezvous yet")
+    parent = dict(os.environ if base is None else base)
+    env = dict(parent)
+    env.update(spec.env)
+    env.update(
+        {
+            "RANK": str(worker.global_rank),
+            "GROUP_RANK": str(group.group_rank),
+            "ROLE_RANK": str(worker.role_rank),
+            "ROLE_NAME": spec.role,
+            "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+            "WORLD_SIZE": str(worker.world_size),
+            "GROUP_WORLD_SIZE": str(group.group_world_size),
+            "ROLE_WORLD_SIZE": str(worker.role_world_size),
+            "MASTER_ADDR": group.master_addr,
+            "MASTER_PORT": str(group.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": parent.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCHELASTIC_ERROR_FILE": error_file,
+        }
+    )
+    if "OMP_NUM_THREADS" not in env and spec.local_world_size > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    if spec.virtual_local_rank:
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_device(
+            worker.local_rank, parent.get("CUDA_VISIBLE_DEVICES")
+        )
+    else:
+        env["LOCAL_RANK"] = str(worker.local_rank)
+    return env

@@ -1,0 +1,139 @@
+"""Worker failures: read the error file torch's ``@record`` writes, describe, pick the root cause.
+
+How it works: a worker wrapped in ``torch.distributed.elastic.multiprocessing.errors.record``
+writes ``{"message": {"message": ..., "extraInfo": {"py_callstack": ..., "timestamp": ...}}}``
+(or the older ``{"message": "...", "timestamp": ...}``) to ``TORCHELASTIC_ERROR_FILE``
+when it dies of an exception. :func:`make_failure` turns an exit status plus that file into a
+:class:`~aelastic.agent.api.ProcessFailure`; a missing, empty or unreadable file never hides
+the failure itself, it only leaves a generated message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .api import ProcessFailure, RunResult
+
+__all__ = ["format_failures", "make_failure", "read_error_file"]
+
+_NOT_AVAILABLE = "<N/A>"
+_NO_TRACEBACK = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+
+
+def read_error_file(path: str) -> tuple[str, dict[str, Any]] | None:
+    """The message and the whole document of an error file, or ``None`` if there is none.
+
+    A file that exists but is not the expected JSON gives a message saying so (the
+    failure is still reported, with what could be read).
+    """
+    if not path or path == os.devnull:
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fp:
+            text = fp.read()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"<error file {path} unreadable: {exc}>", {}
+    if not text.strip():
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return f"<error file {path} is not JSON: {text[:200]!r}>", {}
+    if not isinstance(data, dict):
+        return f"<error file {path} holds {type(data).__name__}, not an object>", {}
+    message = data.get("message")
+    if isinstance(message, dict):
+        inner = message.get("message")
+        return (str(inner) if inner is not None else json.dumps(message)), data
+    if isinstance(message, str):
+        return message, data
+    return json.dumps(data)[:2000], data
+
+
+def make_failure(
+    *,
+    local_rank: int,
+    global_rank: int,
+    pid: int,
+    exitcode: int,
+    error_file: str,
+    role: str,
+    timestamp: float | None = None,
+) -> ProcessFailure:
+    """Describe a worker that exited with ``exitcode`` (negative: killed by that signal)."""
+    when = time.time() if timestamp is None else timestamp
+    read = read_error_file(error_file)
+    if read is not None:
+        message, data = read
+        shown_file = error_file
+    else:
+        data, shown_file = {}, _NOT_AVAILABLE
+        if exitcode < 0:
+            message = f"Signal {-exitcode} ({_signal_name(-exitcode)}) received by PID {pid}"
+        else:
+            message = _NO_TRACEBACK
+    return ProcessFailure(
+        local_rank=local_rank,
+        global_rank=global_rank,
+        pid=pid,
+        exitcode=exitcode,
+        message=message,
+        timestamp=when,
+        error_file=shown_file,
+        error_file_data=data,
+        role=role,
+    )
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return _NOT_AVAILABLE
+
+
+def format_failures(result: RunResult, name: str = "worker") -> str:
+    """A readable report of ``result``'s failures, root cause last (like torch's)."""
+    root = result.root_cause
+    if root is None:
+        return f"{name}: no failures"
+    lines = [f"{name} FAILED", "Failures:"]
+    others = [f for f in _by_time(result.failures) if f is not root]
+    lines.extend(_describe(i + 1, f) for i, f in enumerate(others))
+    if not others:
+        lines.append("  <NO_OTHER_FAILURES>")
+    lines.append("Root Cause (first observed failure):")
+    lines.append(_describe(0, root))
+    return "\n".join(lines)
+
+
+def _by_time(failures: Mapping[int, ProcessFailure]) -> list[ProcessFailure]:
+    return sorted(failures.values(), key=lambda f: (f.timestamp, f.global_rank))
+
+
+def _callstack(failure: ProcessFailure) -> str | None:
+    message = failure.error_file_data.get("message")
+    extra = message.get("extraInfo") if isinstance(message, dict) else None
+    stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+    return stack.rstrip() if isinstance(stack, str) and stack.strip() else None
+
+
+def _describe(index: int, failure: ProcessFailure) -> str:
+    signal_part = f" ({failure.signal_name()})" if failure.exitcode < 0 else ""
+    message = (_callstack(failure) or failure.message).replace("\n", "\n    ")
+    return (
+        f"[{index}]:\n"
+        f"  time      : {failure.timestamp_isoformat()}\n"
+        f"  host      : {failure.hostname}\n"
+        f"  rank      : {failure.global_rank} (local_rank: {failure.local_rank})\n"
+        f"  exitcode  : {failure.exitcode} (pid: {failure.pid}){signal_part}\n"
+        f"  error_file: {failure.error_file}\n"
+        f"  traceback : {message}"
+    )

@@ -1,0 +1,226 @@
+"""Worker output: redirect to files, tee to files and the console, per-attempt directories.
+
+How it works: for every attempt the agent makes ``<root>/<run_id>/attempt_<n>/<local_rank>/``
+holding ``stdout.log``, ``stderr.log`` (when redirected or teed) and ``error.json`` (where
+torch's ``@record`` writes). Each stream of each worker gets a :class:`Target`:
+
+* ``INHERIT``: the agent's own stream (no copy, no cost), as torch does by default;
+* ``DEVNULL``: hidden (a local rank outside ``local_ranks_filter``);
+* ``FILE``: the file is handed to the worker directly (redirect, or a filtered-out tee);
+* ``TEE``: a pipe the agent reads as data arrives, writing each chunk to the file and each
+  line, prefixed ``[role0]:``, to the console. Nothing tails a file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from string import Template
+from typing import IO, Any
+
+from .api import Std, WorkerSpec, std_map
+
+__all__ = ["AttemptLogs", "Target", "line_prefix", "plan_streams"]
+
+
+class Target(enum.Enum):
+    """Where one stream of one worker goes."""
+
+    INHERIT = "inherit"
+    DEVNULL = "devnull"
+    FILE = "file"
+    TEE = "tee"
+
+
+def plan_streams(spec: WorkerSpec, files: bool) -> dict[int, tuple[Target, Target]]:
+    """The targets of (stdout, stderr) for every local rank (torch's ``DefaultLogsSpecs``).
+
+    Args:
+        spec: Redirects, tee and the console filter.
+        files: Whether log files exist (``False`` when ``log_dir`` is ``os.devnull``).
+    """
+    redirects = std_map(spec.redirects, spec.local_world_size)
+    tees = std_map(spec.tee, spec.local_world_size)
+    shown = spec.local_ranks_filter
+    plans: dict[int, tuple[Target, Target]] = {}
+    for rank in range(spec.local_world_size):
+        visible = shown is None or not shown or rank in shown
+        pair = []
+        for std in (Std.OUT, Std.ERR):
+            if not files:
+                target = Target.INHERIT
+            elif tees[rank] & std:
+                target = Target.TEE if visible else Target.FILE
+            elif redirects[rank] & std:
+                target = Target.FILE
+            else:
+                target = Target.INHERIT if visible else Target.DEVNULL
+            pair.append(target)
+        plans[rank] = (pair[0], pair[1])
+    return plans
+
+
+def line_prefix(spec: WorkerSpec, local_rank: int, global_rank: int) -> str:
+    """The console prefix of a worker's teed lines (``[role0]:`` unless templated)."""
+    if spec.log_line_prefix_template:
+        return Template(spec.log_line_prefix_template).safe_substitute(
+            role_name=spec.role, rank=global_rank, local_rank=local_rank
+        )
+    return f"[{spec.role}{local_rank}]:"
+
+
+class _TeeProtocol(asyncio.Protocol):
+    """Copies a worker's pipe to its log file and, line by line with a prefix, to a console."""
+
+    def __init__(self, file: IO[bytes], console: IO[str], prefix: str) -> None:
+        self._file = file
+        self._console = console
+        self._prefix = prefix
+        self._partial = b""
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self._file.write(data)
+        self._file.flush()
+        chunk = self._partial + data
+        *lines, self._partial = chunk.split(b"\n")
+        if lines:
+            self._show(lines)
+
+    def _show(self, lines: list[bytes]) -> None:
+        text = "".join(f"{self._prefix}{ln.decode(errors='replace')}\n" for ln in lines)
+        with contextlib.suppress(OSError, ValueError):
+            self._console.write(text)
+            self._console.flush()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._partial:
+            self._show([self._partial])
+            self._partial = b""
+        with contextlib.suppress(OSError, ValueError):
+            self._file.close()
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+def _factory(protocol: _TeeProtocol) -> Callable[[], _TeeProtocol]:
+    return lambda: protocol
+
+
+@dataclass
+class _Pending:
+    read_fd: int
+    write_fd: int
+    file: IO[bytes]
+    console: IO[str]
+
+
+class AttemptLogs:
+    """The log directory and stream plumbing of one attempt.
+
+    Args:
+        spec: The worker spec.
+        run_dir: ``<log_dir>/<run_id>`` (``None``: no files at all).
+        attempt: The attempt number.
+    """
+
+    def __init__(self, spec: WorkerSpec, run_dir: str | None, attempt: int) -> None:
+        self._spec = spec
+        self.dir = None if run_dir is None else os.path.join(run_dir, f"attempt_{attempt}")
+        self._plans = plan_streams(spec, files=self.dir is not None)
+        self._pending: dict[int, list[_Pending]] = {}
+        self._opened: list[IO[Any]] = []
+        self._tees: list[tuple[asyncio.BaseTransport, _TeeProtocol]] = []
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            for rank in range(spec.local_world_size):
+                os.makedirs(os.path.join(self.dir, str(rank)))
+
+    def path(self, local_rank: int, name: str) -> str:
+        """Path of ``name`` in the local rank's directory (``os.devnull`` without files)."""
+        if self.dir is None:
+            return os.devnull
+        return os.path.join(self.dir, str(local_rank), name)
+
+    def error_file(self, local_rank: int) -> str:
+        """The ``TORCHELASTIC_ERROR_FILE`` of a local rank (``""`` without files, as torch)."""
+        return "" if self.dir is None else self.path(local_rank, "error.json")
+
+    def targets(self, local_rank: int) -> tuple[Target, Target]:
+        """Where the local rank's (stdout, stderr) go."""
+        return self._plans[local_rank]
+
+    def child_streams(self, local_rank: int) -> tuple[int | IO[Any] | None, int | IO[Any] | None]:
+        """The ``stdout``/``stderr`` arguments for the worker's ``Popen`` (call once per start)."""
+        result: list[int | IO[Any] | None] = []
+        pending: list[_Pending] = []
+        for target, name, console in zip(
+            self._plans[local_rank],
+            ("stdout.log", "stderr.log"),
+            (sys.stdout, sys.stderr),
+            strict=True,
+        ):
+            if target is Target.INHERIT:
+                result.append(None)
+            elif target is Target.DEVNULL:
+                result.append(open(os.devnull, "wb"))  # noqa: SIM115 - closed after spawn
+                self._opened.append(result[-1])  # type: ignore[arg-type]
+            elif target is Target.FILE:
+                result.append(open(self.path(local_rank, name), "ab"))  # noqa: SIM115
+                self._opened.append(result[-1])  # type: ignore[arg-type]
+            else:
+                read_fd, write_fd = os.pipe()
+                file = open(self.path(local_rank, name), "ab")  # noqa: SIM115
+                pending.append(_Pending(read_fd, write_fd, file, console))
+                result.append(write_fd)
+        self._pending[local_rank] = pending
+        return result[0], result[1]
+
+    async def after_spawn(self, local_rank: int, global_rank: int) -> None:
+        """Close the parent's copies of the child's ends; start copying teed pipes."""
+        self._close_opened()
+        prefix = line_prefix(self._spec, local_rank, global_rank)
+        loop = asyncio.get_running_loop()
+        for item in self._pending.pop(local_rank, []):
+            os.close(item.write_fd)
+            pipe = os.fdopen(item.read_fd, "rb", buffering=0)
+            protocol = _TeeProtocol(item.file, item.console, prefix)
+            transport, _ = await loop.connect_read_pipe(_factory(protocol), pipe)
+            self._tees.append((transport, protocol))
+
+    def abandon(self, local_rank: int) -> None:
+        """Release what :meth:`child_streams` opened when the spawn failed."""
+        self._close_opened()
+        for item in self._pending.pop(local_rank, []):
+            for fd in (item.read_fd, item.write_fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            item.file.close()
+
+    def _close_opened(self) -> None:
+        for handle in self._opened:
+            handle.close()
+        self._opened.clear()
+
+    async def aclose(self, timeout: float = 2.0) -> None:
+        """Wait (at most ``timeout``) for teed pipes to drain, then close them."""
+        for rank in list(self._pending):
+            self.abandon(rank)
+        waits = [protocol.done for _, protocol in self._tees]
+        if waits:
+            await asyncio.wait(waits, timeout=timeout)
+        for transport, _ in self._tees:
+            transport.close()
+        if waits:
+            # Let the transports deliver connection_lost (closes the log files).
+            await asyncio.wait(waits, timeout=timeout)
+        self._tees.clear()
