@@ -115,8 +115,11 @@ class HttpServer:
             cmd, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env, cwd=_ROOT
         )
         ready = threading.Event()
-        threading.Thread(target=self._watch, args=(self._proc, ready), daemon=True).start()
-        if not ready.wait(timeout) or not self.running:
+        listening: list[bool] = []
+        watcher = threading.Thread(target=self._watch, args=(self._proc, ready, listening))
+        watcher.daemon = True
+        watcher.start()
+        if not ready.wait(timeout) or not listening:
             status = self.kill()
             raise RuntimeError(
                 f"the HTTP rendezvous server did not start (exit status {status}):\n{self.stderr}"
@@ -124,12 +127,13 @@ class HttpServer:
         return self
 
     @staticmethod
-    def _watch(proc: subprocess.Popen[str], ready: threading.Event) -> None:
+    def _watch(proc: subprocess.Popen[str], ready: threading.Event, listening: list[bool]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith(_READY):
+                listening.append(True)
                 ready.set()
-        ready.set()  # exited: start() sees it is not running
+        ready.set()  # exited before listening: start() raises
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, then wait for the exit (SIGKILL after ``timeout``); the exit status."""
