@@ -1,0 +1,212 @@
+"""The Redis layout of one run, and the Lua scripts that change it atomically.
+
+How it works: every key of a run starts with ``<prefix>:{<run id>}:`` (the braces are a
+Redis Cluster hash tag, so a run lives on one slot and multi-key scripts stay legal):
+
+* ``...:state``: a hash ``{epoch, version, data}``. The token of the stored state is
+  ``"<epoch>.<version>"``; the epoch is a random id chosen when the state is created, so
+  a state re-created after a restart or a flush never repeats an old token (no ABA).
+* ``...:kv:<key>``: one string per key of the members' store.
+* ``...:op:<id>``: the result of a ``kv_add``, kept a while so a retried add never counts twice.
+* ``...:changes``: the pub/sub channel; every write publishes ``s<token>`` (state) or
+  ``k<key>`` (store) from inside its script, so a waiter can never miss a change that
+  happened after it subscribed.
+
+Every write refreshes the expiry of what it wrote (``key_ttl``), so finished runs vanish.
+The scripts check the type and shape of what they find and answer with a status instead
+of touching a value that aelastic did not write: ``-1`` (wrong Redis type), ``-2`` (a
+hash without a valid ``epoch``/``version``/``data``), ``-3`` (not an integer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+__all__ = [
+    "BAD_SHAPE",
+    "CAS",
+    "KV_ADD",
+    "KV_COMPARE_SET",
+    "KV_DELETE",
+    "KV_GET",
+    "KV_SET",
+    "NOT_INTEGER",
+    "READ",
+    "SCRIPTS",
+    "WRONG_TYPE",
+    "RunKeys",
+]
+
+WRONG_TYPE = -1
+BAD_SHAPE = -2
+NOT_INTEGER = -3
+
+
+class RunKeys:
+    """The names of one run's keys and channel.
+
+    Args:
+        prefix: Namespace of every aelastic key (config key ``key_prefix``).
+        run_id: The run; an id with braces would break the hash tag, so it is hashed.
+
+    Attributes:
+        base: The common prefix of the run's keys, hash tag included.
+        state: The hash holding the encoded state, its epoch and version.
+        channel: The pub/sub channel every write of the run publishes to.
+    """
+
+    def __init__(self, prefix: str, run_id: str) -> None:
+        tag = run_id
+        if not tag or "{" in tag or "}" in tag:
+            tag = "sha1-" + hashlib.sha1(run_id.encode()).hexdigest()
+        self.base = f"{prefix}:{{{tag}}}"
+        self.state = f"{self.base}:state"
+        self.channel = f"{self.base}:changes"
+
+    def __repr__(self) -> str:
+        return f"RunKeys({self.base!r})"
+
+    def kv(self, key: str) -> str:
+        """The string holding ``key`` of the members' store."""
+        return f"{self.base}:kv:{key}"
+
+    def op(self, op_id: str) -> str:
+        """Where the result of a ``kv_add`` with id ``op_id`` is remembered."""
+        return f"{self.base}:op:{op_id}"
+
+
+# Reads the state hash at KEYS[1]: status (0 absent, 1 present, or an error status),
+# then data, epoch, version.
+_CURRENT = """
+local function current(key)
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'none' then return 0 end
+  if kind ~= 'hash' then return -1, kind end
+  local f = redis.call('HMGET', key, 'epoch', 'version', 'data')
+  if not (f[1] and f[2] and f[3]) or not string.match(f[1], '^%w+$')
+      or not string.match(f[2], '^%d+$') then
+    return -2
+  end
+  return 1, f[3], f[1], tonumber(f[2])
+end
+"""
+
+_STRING_ONLY = """
+local function foreign(key)
+  local kind = redis.call('TYPE', key)['ok']
+  if kind ~= 'none' and kind ~= 'string' then return kind end
+  return false
+end
+"""
+
+#: KEYS: state. ARGV: with_data ('1' or '0'). -> {1, token, data?} | {0} | {status, detail}
+READ = (
+    _CURRENT
+    + """
+local status, data, epoch, version = current(KEYS[1])
+if status < 0 then return {status, data or false} end
+if status == 0 then return {0} end
+local token = epoch .. '.' .. string.format('%d', version)
+if ARGV[1] == '1' then return {1, token, data} end
+return {1, token}
+"""
+)
+
+#: KEYS: state. ARGV: token, data, new epoch, ttl ms, channel.
+#: -> {1, new token} | {0, current token, current data} | {status, detail}
+CAS = (
+    _CURRENT
+    + """
+local status, data, epoch, version = current(KEYS[1])
+if status < 0 then return {status, data or false} end
+local stored = ''
+if status == 1 then stored = epoch .. '.' .. string.format('%d', version) end
+if stored ~= ARGV[1] then return {0, stored, data or false} end
+if status == 0 then
+  epoch, version = ARGV[3], 1
+else
+  version = version + 1
+end
+redis.call('HSET', KEYS[1], 'epoch', epoch, 'version', string.format('%d', version),
+  'data', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+local token = epoch .. '.' .. string.format('%d', version)
+redis.call('PUBLISH', ARGV[5], 's' .. token)
+return {1, token}
+"""
+)
+
+#: KEYS: the keys. -> their values (nil when missing); a foreign type raises WRONGTYPE.
+KV_GET = """
+local out = {}
+for i, key in ipairs(KEYS) do out[i] = redis.call('GET', key) end
+return out
+"""
+
+#: KEYS: key. ARGV: value, ttl ms, channel, message. -> {1} | {-1, type}
+KV_SET = (
+    _STRING_ONLY
+    + """
+local kind = foreign(KEYS[1])
+if kind then return {-1, kind} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return {1}
+"""
+)
+
+#: KEYS: key, op record. ARGV: amount, ttl ms, channel, message, op record ttl ms.
+#: -> {1, new value} | {-1, type} | {-3}
+KV_ADD = (
+    _STRING_ONLY
+    + """
+local done = redis.call('GET', KEYS[2])
+if done then return {1, tonumber(done)} end
+local kind = foreign(KEYS[1])
+if kind then return {-1, kind} end
+local value = redis.call('GET', KEYS[1])
+if value and not string.match(value, '^%-?%d+$') then return {-3} end
+local new = redis.call('INCRBY', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('SET', KEYS[2], new, 'PX', ARGV[5])
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return {1, new}
+"""
+)
+
+#: KEYS: key. ARGV: has expected ('1'/'0'), expected, desired, ttl ms, channel, message.
+#: -> {1, value stored afterwards (or expected)} | {-1, type}
+KV_COMPARE_SET = (
+    _STRING_ONLY
+    + """
+local kind = foreign(KEYS[1])
+if kind then return {-1, kind} end
+local value = redis.call('GET', KEYS[1])
+if not value then
+  if ARGV[1] == '1' then return {1, ARGV[2]} end
+elseif ARGV[1] ~= '1' or value ~= ARGV[2] then
+  return {1, value}
+end
+redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
+redis.call('PUBLISH', ARGV[5], ARGV[6])
+return {1, ARGV[3]}
+"""
+)
+
+#: KEYS: key. ARGV: channel, message. -> {1, existed (0/1)} | {-1, type}
+KV_DELETE = (
+    _STRING_ONLY
+    + """
+local kind = foreign(KEYS[1])
+if kind then return {-1, kind} end
+local n = redis.call('DEL', KEYS[1])
+if n > 0 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
+return {1, n}
+"""
+)
+
+#: Every script, by its SHA1 (what EVALSHA names it by).
+SCRIPTS = {
+    hashlib.sha1(src.encode()).hexdigest(): src
+    for src in (READ, CAS, KV_GET, KV_SET, KV_ADD, KV_COMPARE_SET, KV_DELETE)
+}

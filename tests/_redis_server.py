@@ -1,0 +1,205 @@
+"""A real ``redis-server`` for tests, on a free loopback port.
+
+Usage::
+
+    from tests._redis_server import RedisServer, redis_server_fixture
+
+    with RedisServer() as server:            # started, answering PING
+        server.url                           # "redis://127.0.0.1:PORT/0" (no password in it)
+        server.stop()                        # SIGTERM, waits for the exit
+        server.start()                       # again, same port, empty (no persistence)
+        server.kill()                        # SIGKILL, waits for the exit
+        server.start()
+        server.client()                      # a sync redis.Redis for poking at keys (close it)
+    # stopped here
+
+    RedisServer(password="s3cret")           # --requirepass; url stays without the password
+
+    # in a test module or conftest: a fixture (scope "module" by default) yielding a started
+    # server, killed at the end of the scope; a test that stops it must start it again
+    # (fault tests are simpler with their own ``with RedisServer() as server:``).
+    redis_server = redis_server_fixture()
+    redis_server_with_password = redis_server_fixture(password="s3cret")
+
+The server runs with ``--save "" --appendonly no`` (nothing on disk: a restart is empty) and
+``--bind 127.0.0.1``; its log goes to a file in a temporary directory that ``start`` errors
+quote. ``start`` returns once the server logs that it is ready and answers PING (no
+polling). Tests are skipped (not failed) when ``redis-server`` is not on PATH.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+__all__ = ["RedisServer", "redis_server_fixture"]
+
+_START_TIMEOUT = 20.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    """A ``redis-server`` process on 127.0.0.1.
+
+    Args:
+        password: Start with ``--requirepass`` (clients must authenticate).
+        port: Port to use (default: a free one, kept across restarts).
+        extra_args: More ``redis-server`` arguments.
+    """
+
+    def __init__(
+        self, password: str | None = None, port: int | None = None, extra_args: tuple[str, ...] = ()
+    ) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not on PATH")
+        self.binary = binary
+        self.password = password
+        self.port = port or _free_port()
+        self.extra_args = extra_args
+        self.process: subprocess.Popen[bytes] | None = None
+        self._drainer: threading.Thread | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="aelastic-redis-")
+        self.log_path = Path(self._dir.name) / "redis.log"
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"RedisServer(port={self.port}, {state})"
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT/0`` (without the password)."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        """Whether the process is alive."""
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> RedisServer:
+        """Start the server (on the same port as before) and wait until it answers.
+
+        Raises:
+            RuntimeError: It exited or did not answer within 20 s (the log is quoted).
+        """
+        if self.running:
+            return self
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        args += ["--save", "", "--appendonly", "no", "--dir", self._dir.name]
+        if self.password:
+            args += ["--requirepass", self.password]
+        args += list(self.extra_args)
+        ready = threading.Event()
+        process = self.process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        self._drainer = threading.Thread(
+            target=self._drain, args=(process, ready), name="redis-server-log", daemon=True
+        )
+        self._drainer.start()
+        if not ready.wait(_START_TIMEOUT) or process.poll() is not None:
+            self.kill()
+            raise RuntimeError(f"redis-server did not start: {self._log_tail()}")
+        client = self.client(socket_timeout=5.0, socket_connect_timeout=5.0)
+        try:
+            client.ping()
+        finally:
+            client.close()
+        return self
+
+    def _drain(self, process: subprocess.Popen[bytes], ready: threading.Event) -> None:
+        """Copy the server's output to the log file; flag the "ready" line (or the exit)."""
+        assert process.stdout is not None
+        with process.stdout, self.log_path.open("ab") as log:
+            for line in process.stdout:
+                log.write(line)
+                log.flush()
+                if b"Ready to accept connections" in line:
+                    ready.set()
+        ready.set()
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text()[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """A synchronous client of this server (with the password); close it after use."""
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **kwargs)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the server and wait for it to exit (SIGKILL after ``timeout``)."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        self._join_drainer()
+
+    def _join_drainer(self) -> None:
+        if self._drainer is not None:
+            self._drainer.join(5.0)
+            self._drainer = None
+
+    def kill(self) -> None:
+        """SIGKILL the server and wait for it to exit."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.kill()
+        process.wait()
+        self._join_drainer()
+
+    def restart(self) -> RedisServer:
+        """Stop and start again (on the same port; the data is gone)."""
+        self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove its directory."""
+        self.kill()
+        self._dir.cleanup()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def redis_server_fixture(
+    scope: Any = "module", password: str | None = None
+) -> Callable[..., Iterator[RedisServer]]:
+    """A pytest fixture yielding a started :class:`RedisServer`, closed at the end of ``scope``.
+
+    Args:
+        scope: The fixture scope (``"module"`` by default, ``"session"`` works too).
+        password: Start the server with ``--requirepass``.
+    """
+
+    @pytest.fixture(scope=scope)
+    def fixture() -> Iterator[RedisServer]:
+        with RedisServer(password=password) as server:
+            yield server
+
+    return fixture
