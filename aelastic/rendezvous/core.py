@@ -15,7 +15,8 @@ drive this one function, so its semantics are torch's ``DynamicRendezvousHandler
 * KEEP_ALIVE: the node refreshes its heartbeat.
 
 Before every decision, nodes whose heartbeat is older than the heartbeat window are pruned.
-``now`` and ``deadline`` are wall-clock seconds.
+``now`` and ``deadline`` are wall-clock seconds; times written into the state are whole
+milliseconds (the wire's precision).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from .api import RendezvousSettings
-from .state import NodeDesc, RendezvousState
+from .state import NodeDesc, RendezvousState, millis
 
 __all__ = [
     "MembershipView",
@@ -157,7 +158,7 @@ def _add_to_participants(
         last_heartbeats=MappingProxyType(_beat(state, node, now)),
     )
     if len(participants) == settings.min_nodes:
-        new = replace(new, deadline=now + settings.last_call_timeout)
+        new = replace(new, deadline=millis(now + settings.last_call_timeout))
     if len(participants) == settings.max_nodes:
         new = _complete(new)
     return _write(new, Transition.ADD_TO_PARTICIPANTS)
@@ -313,6 +314,7 @@ def step(
         The next :class:`Step`. A WRITE carries the full new state (dead nodes pruned).
     """
     current = state if state is not None else RendezvousState()
+    now = millis(now)  # times in the state have the wire's precision
     pruned = prune(current, settings, now)
     if op is Op.JOIN:
         result = _join(pruned, node, settings, now, deadline)

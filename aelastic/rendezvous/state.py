@@ -28,6 +28,7 @@ __all__ = [
     "RendezvousState",
     "decode_state",
     "encode_state",
+    "millis",
 ]
 
 #: Format tag written into every state; a payload without it is foreign.
@@ -83,39 +84,55 @@ class RendezvousState:
         return node in self.participants or node in self.wait_list or node in self.redundancy_list
 
 
+def millis(seconds: float) -> float:
+    """``seconds`` at the wire's precision (whole milliseconds), exactly as decoding gives it."""
+    return round(seconds * 1000) / 1000
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _node_head(node: NodeDesc) -> str:
     """JSON of ``[addr, pid, local_id`` without the closing bracket (cached per node)."""
     return json.dumps(list(node), separators=(",", ":"))[:-1]
 
 
-def _float(value: float) -> str:
+def _ms(value: float) -> int:
     if not math.isfinite(value):
         raise ValueError(f"cannot encode a non-finite time {value!r}")
-    return repr(float(value))
+    return round(value * 1000)
 
 
 def encode_state(state: RendezvousState) -> bytes:
     """Serialize ``state`` to its versioned JSON wire form.
 
-    Built from cached per-node fragments: a state of N nodes encodes in O(N) joins.
+    One entry per node, carrying its heartbeat in whole milliseconds; built from cached
+    per-node fragments, so a state of N nodes encodes in O(N) string joins.
+
+    Raises:
+        ValueError: A listed node has no heartbeat, or a heartbeat belongs to no listed node.
     """
     head = _node_head
-    deadline = "null" if state.deadline is None else _float(state.deadline)
-    parts = [
-        f'{{"format":"{FORMAT}","version":{FORMAT_VERSION},"round":{int(state.round)},',
-        f'"complete":{"true" if state.complete else "false"},"deadline":{deadline},',
-        f'"closed":{"true" if state.closed else "false"},"participants":[',
-        ",".join([f"{head(n)},{int(r)}]" for n, r in state.participants.items()]),
-        '],"wait_list":[',
-        ",".join([head(n) + "]" for n in state.wait_list]),
-        '],"redundancy_list":[',
-        ",".join([head(n) + "]" for n in state.redundancy_list]),
-        '],"last_heartbeats":[',
-        ",".join([f"{head(n)},{t!r}]" for n, t in state.last_heartbeats.items()]),
-        "]}",
-    ]
-    data = "".join(parts).encode()
+    beats = state.last_heartbeats
+    listed = len(state.participants) + len(state.wait_list) + len(state.redundancy_list)
+    if len(beats) != listed:
+        raise ValueError("every listed node, and only those, must have a heartbeat")
+    try:
+        participants = ",".join(
+            [f"{head(n)},{r},{round(beats[n] * 1000)}]" for n, r in state.participants.items()]
+        )
+        waiting = ",".join([f"{head(n)},{round(beats[n] * 1000)}]" for n in state.wait_list])
+        redundant = ",".join(
+            [f"{head(n)},{round(beats[n] * 1000)}]" for n in state.redundancy_list]
+        )
+    except KeyError as exc:
+        raise ValueError(f"node {exc.args[0]} has no heartbeat") from None
+    deadline = "null" if state.deadline is None else str(_ms(state.deadline))
+    data = (
+        f'{{"format":"{FORMAT}","version":{FORMAT_VERSION},"round":{int(state.round)},'
+        f'"complete":{"true" if state.complete else "false"},'
+        f'"closed":{"true" if state.closed else "false"},"deadline_ms":{deadline},'
+        f'"participants":[{participants}],"wait_list":[{waiting}],'
+        f'"redundancy_list":[{redundant}]}}'
+    ).encode()
     _remember(data, state)
     return data
 
@@ -134,33 +151,21 @@ def _int(value: Any, what: str) -> int:
     return int(value)
 
 
-def _number(value: Any, what: str) -> float:
-    _expect(type(value) in (int, float), f"{what} must be a number")
-    return float(value)
-
-
-def _node(item: Any, what: str) -> NodeDesc:
-    _expect(type(item) is list and len(item) >= 3, f"{what} must list [addr, pid, local_id]")
-    addr, pid, local_id = item[0], item[1], item[2]
-    _expect(type(addr) is str and addr != "", f"{what}: addr must be a non-empty string")
-    return NodeDesc(addr, _int(pid, f"{what}: pid"), _int(local_id, f"{what}: local_id"))
-
-
-def _node_list(value: Any, what: str) -> frozenset[NodeDesc]:
+def _entries(
+    value: Any, what: str, fields: int, beats: dict[NodeDesc, float]
+) -> list[tuple[NodeDesc, list[Any]]]:
+    """Parse ``[addr, pid, local_id, ..., beat_ms]`` entries; record each node's heartbeat."""
     _expect(type(value) is list, f"{what} must be a list")
-    nodes = frozenset(_node(item, what) for item in value)
-    _expect(len(nodes) == len(value), f"{what} has duplicate nodes")
-    return nodes
-
-
-def _node_map(value: Any, what: str, convert: Any) -> dict[NodeDesc, Any]:
-    _expect(type(value) is list, f"{what} must be a list")
-    result: dict[NodeDesc, Any] = {}
+    parsed = []
     for item in value:
-        _expect(type(item) is list and len(item) == 4, f"{what} entries have 4 fields")
-        result[_node(item, what)] = convert(item[3], what)
-    _expect(len(result) == len(value), f"{what} has duplicate nodes")
-    return result
+        _expect(type(item) is list and len(item) == fields, f"{what} entries have {fields} fields")
+        addr, pid, local_id = item[0], item[1], item[2]
+        _expect(type(addr) is str and addr != "", f"{what}: addr must be a non-empty string")
+        node = NodeDesc(addr, _int(pid, f"{what}: pid"), _int(local_id, f"{what}: local_id"))
+        _expect(node not in beats, f"node {node} is listed twice")
+        beats[node] = _int(item[-1], f"{what}: heartbeat") / 1000
+        parsed.append((node, item))
+    return parsed
 
 
 def _parse(doc: Any) -> RendezvousState:
@@ -170,14 +175,18 @@ def _parse(doc: Any) -> RendezvousState:
         doc.get("version") == FORMAT_VERSION,
         f"unsupported state version {doc.get('version')!r} (this aelastic reads {FORMAT_VERSION})",
     )
-    deadline = doc.get("deadline")
     _expect(type(doc.get("complete")) is bool, "complete must be a boolean")
     _expect(type(doc.get("closed")) is bool, "closed must be a boolean")
-    participants = _node_map(doc.get("participants"), "participants", _int)
-    wait_list = _node_list(doc.get("wait_list"), "wait_list")
-    redundancy_list = _node_list(doc.get("redundancy_list"), "redundancy_list")
-    beats = _node_map(doc.get("last_heartbeats"), "last_heartbeats", _number)
-    _expect(not (wait_list & participants.keys()), "a node is both participant and waiting")
+    deadline = doc.get("deadline_ms")
+    beats: dict[NodeDesc, float] = {}
+    participants = {
+        node: _int(item[3], "participants: rank")
+        for node, item in _entries(doc.get("participants"), "participants", 5, beats)
+    }
+    wait_list = frozenset(n for n, _ in _entries(doc.get("wait_list"), "wait_list", 4, beats))
+    redundancy_list = frozenset(
+        n for n, _ in _entries(doc.get("redundancy_list"), "redundancy_list", 4, beats)
+    )
     if doc["complete"]:
         # Members may have left since completion, so ranks can have gaps, never duplicates.
         ranks = list(participants.values())
@@ -185,7 +194,7 @@ def _parse(doc: Any) -> RendezvousState:
     return RendezvousState(
         round=_int(doc.get("round"), "round"),
         complete=doc["complete"],
-        deadline=None if deadline is None else _number(deadline, "deadline"),
+        deadline=None if deadline is None else _int(deadline, "deadline_ms") / 1000,
         closed=doc["closed"],
         participants=MappingProxyType(participants),
         wait_list=wait_list,

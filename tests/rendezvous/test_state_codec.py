@@ -21,14 +21,18 @@ nodes = st.builds(
     st.integers(0, 2**31),
     st.integers(0, 1000),
 )
-times = st.floats(0, 2e9, allow_nan=False, allow_infinity=False)
+times = st.integers(0, 2 * 10**12).map(lambda ms: ms / 1000)
 
 
 @st.composite
 def states(draw: st.DrawFn) -> RendezvousState:
     members = draw(st.lists(nodes, unique=True, max_size=8))
     waiting = draw(st.lists(nodes.filter(lambda n: n not in members), unique=True, max_size=4))
-    redundant = draw(st.lists(nodes, unique=True, max_size=3))
+    redundant = draw(
+        st.lists(
+            nodes.filter(lambda n: n not in members and n not in waiting), unique=True, max_size=3
+        )
+    )
     complete = draw(st.booleans())
     ranks = {n: i if complete else 0 for i, n in enumerate(members)}
     beats = {n: draw(times) for n in [*members, *waiting, *redundant]}
@@ -59,24 +63,24 @@ def test_is_json_with_a_format_tag_and_version() -> None:
 
 
 def valid_doc() -> dict[str, object]:
-    node = ["h", 1, 0]
     return {
         "format": "aelastic.rendezvous.state",
         "version": 1,
         "round": 2,
         "complete": True,
-        "deadline": None,
         "closed": False,
-        "participants": [[*node, 0]],
-        "wait_list": [],
+        "deadline_ms": None,
+        "participants": [["h", 1, 0, 0, 10500]],
+        "wait_list": [["w", 2, 0, 10600]],
         "redundancy_list": [],
-        "last_heartbeats": [[*node, 10.5]],
     }
 
 
 def test_valid_document_decodes() -> None:
     state = decode_state(json.dumps(valid_doc()).encode())
     assert state.round == 2 and dict(state.participants) == {NodeDesc("h", 1, 0): 0}
+    assert state.wait_list == {NodeDesc("w", 2, 0)}
+    assert dict(state.last_heartbeats) == {NodeDesc("h", 1, 0): 10.5, NodeDesc("w", 2, 0): 10.6}
 
 
 FOREIGN = [
@@ -106,17 +110,18 @@ MUTATIONS = [
     ("round", True),
     ("complete", "yes"),
     ("closed", 0),
-    ("deadline", "soon"),
+    ("deadline_ms", "soon"),
+    ("deadline_ms", 1.5),
     ("participants", {"h": 0}),
-    ("participants", [["h", 1, 0]]),
-    ("participants", [["", 1, 0, 0]]),
-    ("participants", [["h", -1, 0, 0]]),
-    ("participants", [["h", 1, 0, 0], ["h", 1, 0, 1]]),
-    ("participants", [["h", 1, 0, 0], ["g", 1, 0, 0]]),
-    ("wait_list", [["h", 1, 0]]),
+    ("participants", [["h", 1, 0, 0]]),
+    ("participants", [["", 1, 0, 0, 1]]),
+    ("participants", [["h", -1, 0, 0, 1]]),
+    ("participants", [["h", 1, 0, 0, "now"]]),
+    ("participants", [["h", 1, 0, 0, 1], ["h", 1, 0, 1, 1]]),
+    ("participants", [["h", 1, 0, 0, 1], ["g", 1, 0, 0, 1]]),
+    ("wait_list", [["h", 1, 0, 5]]),  # also a participant
     ("wait_list", "h"),
-    ("redundancy_list", [["h", 1, 0], ["h", 1, 0]]),
-    ("last_heartbeats", [["h", 1, 0, "now"]]),
+    ("redundancy_list", [["r", 1, 0, 1], ["r", 1, 0, 1]]),
 ]
 
 
@@ -132,3 +137,13 @@ def test_invalid_fields_raise_state_error(field: str, value: object) -> None:
 def test_arbitrary_bytes_never_crash(payload: bytes) -> None:
     with contextlib.suppress(RendezvousStateError):
         decode_state(payload)
+
+
+def test_encoding_refuses_a_state_that_breaks_the_heartbeat_invariant() -> None:
+    node = NodeDesc("h", 1, 0)
+    no_beat = RendezvousState(participants=MappingProxyType({node: 0}))
+    with pytest.raises(ValueError, match="heartbeat"):
+        encode_state(no_beat)
+    stray_beat = RendezvousState(last_heartbeats=MappingProxyType({node: 1.0}))
+    with pytest.raises(ValueError, match="heartbeat"):
+        encode_state(stray_beat)
