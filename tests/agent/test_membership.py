@@ -1,0 +1,200 @@
+"""Several agents in one group: departures, late arrivals, dead peers, finishing nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aelastic.agent import ElasticAgent, EventKind, WorkerState
+from aelastic.rendezvous import RendezvousClosedError
+from aelastic.rendezvous.state import decode_state
+
+from .._http_server import HttpServer
+from .helpers import WorkerHub, make_handler, reaped, running, worker_spec
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def until(
+    hub: WorkerHub, count: int, accept: Callable[[dict[str, Any]], bool]
+) -> list[dict[str, Any]]:
+    """The next ``count`` reports that ``accept``; earlier ones (a smaller round) are released."""
+    found: list[dict[str, Any]] = []
+    while len(found) < count:
+        hello = await hub.next()
+        if accept(hello):
+            found.append(hello)
+    return sorted(found, key=lambda h: h["rank"])
+
+
+async def test_survivor_rescales_when_a_peer_is_cancelled(run_id: str) -> None:
+    async with WorkerHub() as hub:
+        agents = [
+            ElasticAgent(
+                worker_spec(make_handler(run_id, 1, 2, last_call_timeout=1.0), hub, nproc=1)
+            )
+            for _ in range(2)
+        ]
+        async with running(agents[0]) as first, running(agents[1]) as second:
+            pair = await until(hub, 2, lambda h: h["world_size"] == 2)
+            group_of = {h["group_rank"]: h for h in pair}
+            second.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            survivor = await hub.next()
+            assert survivor["world_size"] == 1 and survivor["rank"] == 0
+            assert survivor["restart"] == 0  # a rescale spends no restart
+            assert all(reaped(h["pid"]) for h in group_of.values())
+            hub.release(survivor["pid"])
+            result = await first
+    assert result.state is WorkerState.SUCCEEDED
+    assert agents[0].metrics.rescales == 1 and agents[0].metrics.restarts == 0
+
+
+async def test_late_node_scales_the_group_up(run_id: str) -> None:
+    async with WorkerHub() as hub:
+
+        def agent() -> ElasticAgent:
+            handler = make_handler(run_id, 2, 3, last_call_timeout=0.3)
+            return ElasticAgent(worker_spec(handler, hub, nproc=1))
+
+        early = [agent(), agent()]
+        async with running(early[0]) as a, running(early[1]) as b:
+            await until(hub, 2, lambda h: h["world_size"] == 2)
+            late = agent()
+            async with running(late) as c:
+                trio = await until(hub, 3, lambda h: h["world_size"] == 3)
+                assert [h["rank"] for h in trio] == [0, 1, 2]
+                assert [h["restart"] for h in trio] == [0, 0, 0]
+                for hello in trio:
+                    hub.release(hello["pid"])
+                results = [await a, await b, await c]
+    assert all(r.state is WorkerState.SUCCEEDED for r in results)
+    assert early[0].metrics.rescales == 1 and late.metrics.rescales == 0
+
+
+async def test_a_finished_node_does_not_restart_the_others(run_id: str) -> None:
+    async with WorkerHub() as hub:
+
+        def agent(barrier: float) -> ElasticAgent:
+            handler = make_handler(run_id, 2, 2)
+            return ElasticAgent(worker_spec(handler, hub, nproc=1, exit_barrier_timeout=barrier))
+
+        quick, slow = agent(0.3), agent(60.0)
+        events: list[Any] = []
+        slow.add_listener(events.append)
+        async with running(quick) as a, running(slow) as b:
+            pair = await hub.gather(2)
+            by_pid = {h["pid"]: h for h in pair}
+            # The quick node's worker finishes; its barrier times out and it leaves.
+            hub.release(quick.get_worker_group().workers[0].id)
+            assert (await a).state is WorkerState.SUCCEEDED
+            # The slow node noticed the departure, ignored it, and kept its worker.
+            while not any(e.kind is EventKind.MEMBERSHIP_CHANGED for e in events):
+                await asyncio.wait_for(_next_event(slow), 30)
+            assert hub.pending() == 0
+            slow_pid = slow.get_worker_group().workers[0].id
+            assert slow_pid in by_pid
+            hub.release(slow_pid)
+            result = await b
+    assert result.state is WorkerState.SUCCEEDED
+    changes = [e for e in events if e.kind is EventKind.MEMBERSHIP_CHANGED]
+    assert changes and all(e.data["ignored"] for e in changes)
+    assert slow.metrics.restarts == 0 and slow.metrics.rescales == 0
+    barrier = next(e for e in events if e.kind is EventKind.EXIT_BARRIER)
+    assert barrier.data["complete"] is True
+    handler = slow.spec.rdzv_handler
+    data, _ = await handler.backend.read()
+    assert data is not None and decode_state(data).closed  # the job is done: closed
+
+
+async def _next_event(agent: ElasticAgent) -> None:
+    stream = agent.events()
+    try:
+        await stream.__anext__()
+    finally:
+        await stream.aclose()
+
+
+async def test_a_node_failing_for_good_closes_the_run_for_all(run_id: str) -> None:
+    async with WorkerHub() as hub:
+        agents = [
+            ElasticAgent(worker_spec(make_handler(run_id, 2, 2), hub, nproc=1)) for _ in range(2)
+        ]
+        async with running(agents[0]) as a, running(agents[1]) as b:
+            pair = await hub.gather(2)
+            failing = next(h for h in pair if h["group_rank"] == 0)
+            hub.tell(failing["pid"], "exit 7")
+            done, _ = await asyncio.wait({a, b}, timeout=60)
+            assert len(done) == 2
+    failed = [t for t in (a, b) if t.exception() is None]
+    aborted = [t for t in (a, b) if t.exception() is not None]
+    assert len(failed) == 1 and failed[0].result().failures[0].exitcode == 7
+    assert len(aborted) == 1 and isinstance(aborted[0].exception(), RendezvousClosedError)
+    assert all(reaped(h["pid"]) for h in pair)
+
+
+async def test_survivor_rescales_within_the_heartbeat_window_when_a_peer_is_killed(
+    run_id: str,
+) -> None:
+    interval, attempts = 0.3, 2
+    window = interval * attempts
+    conf = {
+        "last_call_timeout": "1.0",
+        "keep_alive_interval": str(interval),
+        "keep_alive_max_attempt": str(attempts),
+        "join_timeout": "30",
+    }
+    with HttpServer() as server:
+        async with WorkerHub() as hub:
+            env = {**os.environ, **hub.env, "PYTHONPATH": str(ROOT)}
+            args = [str(Path(__file__).with_name("peer.py")), "http", server.endpoint, run_id]
+            args += [f"{k}={v}" for k, v in conf.items()]
+            peer = subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT)  # noqa: ASYNC220
+            try:
+                handler = make_handler(
+                    run_id, 1, 2, backend="http", endpoint=server.endpoint, **conf
+                )
+                agent = ElasticAgent(worker_spec(handler, hub, nproc=1))
+                noticed: list[float] = []
+                agent.add_listener(
+                    lambda e: (
+                        e.kind is EventKind.MEMBERSHIP_CHANGED and noticed.append(time.monotonic())
+                    )
+                )
+                async with running(agent) as task:
+                    pair = await until(hub, 2, lambda h: h["world_size"] == 2)
+                    mine = agent.get_worker_group().workers[0].id
+                    orphan = next(h["pid"] for h in pair if h["pid"] != mine)
+                    killed = time.monotonic()
+                    peer.send_signal(signal.SIGKILL)  # the node dies: agent and worker
+                    os.kill(orphan, signal.SIGKILL)
+                    survivor = await until(hub, 1, lambda h: h["world_size"] == 1)
+                    latency = time.monotonic() - killed
+                    detected = noticed[0] - killed
+                    print(
+                        f"peer killed: noticed after {detected:.3f} s (heartbeat window "
+                        f"{window} s), new worker up after {latency:.3f} s"
+                    )
+                    assert survivor[0]["restart"] == 0
+                    # Within the window (plus generous slack for a shared 2-core machine);
+                    # the new round of one node then waits last_call_timeout to complete.
+                    assert detected < window + 2.0
+                    hub.release(survivor[0]["pid"])
+                    result = await task
+                assert result.state is WorkerState.SUCCEEDED
+                await handler.aclose()
+            finally:
+                peer.kill()
+                peer.wait()
