@@ -29,12 +29,21 @@ commands:
 
 def _run(argv: Sequence[str]) -> int:
     import asyncio
+    import logging
+    import os
 
+    from .console import Console
     from .launch import launch
     from .options import parse_config
 
     config = parse_config(argv)
-    return asyncio.run(launch(config))
+    console = Console(enabled=not config.quiet)
+    level: int | None = logging.INFO if config.verbose else None
+    env_level = os.environ.get("LOGLEVEL", "").upper()
+    if env_level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        level = getattr(logging, env_level)
+    console.capture_logs(level)
+    return asyncio.run(launch(config, console))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,6 +9,7 @@ took. Workers' own output is not touched: it goes to stdout/stderr as the agent 
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Mapping
@@ -18,6 +19,10 @@ from ..agent.api import ProcessFailure, RunResult
 from ..agent.events import AgentEvent, EventKind
 
 __all__ = ["Console", "describe_exit", "summarize_failure"]
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
 
 def _ms(seconds: Any) -> str:
@@ -47,6 +52,22 @@ def summarize_failure(failure: ProcessFailure) -> str:
     return f"{text}: {message}" if message else text
 
 
+class _LogHandler(logging.Handler):
+    def __init__(self, console: Console) -> None:
+        super().__init__()
+        self._console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
+            self._console.line(level + text, always=True)
+        except Exception:  # pragma: no cover - logging must never raise
+            self.handleError(record)
+
+
 class Console:
     """Prints the agent's progress.
 
@@ -72,6 +93,22 @@ class Console:
         stream.write(f"[aelastic +{elapsed:.2f}s] {text}\n")
         stream.flush()
 
+    def capture_logs(self, level: int | None = None) -> logging.Handler:
+        """Show aelastic's log records as console lines; returns the installed handler.
+
+        Args:
+            level: Threshold for every aelastic logger; by default warnings, except the
+                agent's (whose news the event lines already tell), which show from errors.
+        """
+        handler = _LogHandler(self)
+        root = logging.getLogger("aelastic")
+        root.addHandler(handler)
+        root.propagate = False
+        root.setLevel(logging.WARNING if level is None else level)
+        if level is None:
+            logging.getLogger("aelastic.agent").setLevel(logging.ERROR)
+        return handler
+
     def __call__(self, event: AgentEvent) -> None:
         """The agent listener: print the line for ``event``, if it deserves one."""
         text = self.describe(event)
@@ -85,15 +122,16 @@ class Console:
         kind = event.kind
         if kind is EventKind.RENDEZVOUS:
             took = f" in {_ms(data['duration'])}" if "duration" in data else ""
+            nodes = int(data.get("group_world_size", 0))
             return (
-                f"rendezvous round {data.get('round', '?')} complete{took}: this node is "
-                f"{data.get('group_rank', '?')} of {data.get('group_world_size', '?')}, "
-                f"{data.get('world_size', '?')} workers in all"
+                f"rendezvous round {data.get('round', '?')} complete{took}: "
+                f"{_plural(nodes, 'node')}, this one is node {data.get('group_rank', '?')}; "
+                f"{_plural(int(data.get('world_size', 0)), 'worker')} in all"
             )
         if kind is EventKind.WORKERS_STARTED:
             pids = data.get("pids") or {}
             shown = ", ".join(str(p) for _, p in sorted(dict(pids).items()))
-            text = f"started {len(pids)} worker(s) (pids {shown})"
+            text = f"started {_plural(len(pids), 'worker')} (pid {shown})"
             if "duration" in data:
                 text += f" in {_ms(data['duration'])}"
             if data.get("recovery") is not None:
@@ -113,10 +151,8 @@ class Console:
         if kind is EventKind.RESTART:
             reason = data.get("reason", "?")
             if data.get("spent"):
-                return (
-                    f"restarting the workers ({reason}); "
-                    f"{data.get('restarts_left', '?')} restart(s) left"
-                )
+                left = int(data.get("restarts_left", 0))
+                return f"restarting the workers ({reason}); {_plural(left, 'restart')} left"
             return f"rescaling: re-forming the group ({reason}); no restart spent"
         if kind is EventKind.EXIT_BARRIER:
             if data.get("complete", True):

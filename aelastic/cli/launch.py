@@ -54,21 +54,26 @@ def entrypoint_name(entrypoint: str, args: Sequence[str]) -> str:
 
 def _banner(config: LaunchConfig, name: str) -> str:
     nodes = (
-        str(config.min_nodes)
+        f"{config.min_nodes} node"
+        if config.min_nodes == config.max_nodes == 1
+        else f"{config.min_nodes} nodes"
         if config.min_nodes == config.max_nodes
-        else f"{config.min_nodes} to {config.max_nodes}"
+        else f"{config.min_nodes} to {config.max_nodes} nodes"
     )
-    device = f" (one per {config.nproc_device})" if config.nproc_device else ""
+    workers = config.nproc_per_node
+    per_node = f"{workers} worker{'s' if workers != 1 else ''} per node"
+    if config.nproc_device:
+        per_node += f" (one per {config.nproc_device})"
     where = (
-        "standalone, nothing else to start"
+        "standalone (nothing else to start)"
         if config.standalone
         else f"{config.rdzv_backend} rendezvous at {config.rdzv_endpoint or 'this process'}"
     )
+    restarts = config.max_restarts
     command = shlex.join([os.path.basename(config.entrypoint), *config.args])
     return (
-        f"launching {name!r}: {config.nproc_per_node} worker(s) per node{device}, {nodes} "
-        f"node(s), job '{config.run_id}', {where}, max {config.max_restarts} restart(s); "
-        f"command: {command}"
+        f"launching {name}: {per_node}, {nodes}, {where}; job id {config.run_id}; "
+        f"{restarts or 'no'} restart{'s' if restarts != 1 else ''} allowed; command: {command}"
     )
 
 
@@ -171,6 +176,9 @@ async def launch(config: LaunchConfig, console: Console | None = None) -> int:
         return EXIT_OK
     except RendezvousError as exc:
         console.line(f"error: rendezvous failed: {type(exc).__name__}: {exc}", always=True)
+        return EXIT_FAILED
+    except OSError as exc:
+        console.line(f"error: cannot start the workers: {exc}", always=True)
         return EXIT_FAILED
     finally:
         for sig in installed:

@@ -187,6 +187,7 @@ def build_parser(prog: str = "aelastic run") -> argparse.ArgumentParser:
         help="Seconds a finished node waits for the others (aelastic; torch: 300).",
     )
     _flag(p, ["-q", "--quiet"], help="No progress lines from the launcher (aelastic).")
+    _flag(p, ["-v", "--verbose"], help="Also show aelastic's info logs (or set LOGLEVEL).")
     p.add_argument("training_script", help="The script (or module, or command) to run.")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -222,6 +223,7 @@ class LaunchConfig:
     signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
     env: Mapping[str, str] = field(default_factory=dict)
     quiet: bool = False
+    verbose: bool = False
     nproc_device: str = ""
     warnings: tuple[str, ...] = ()
 
@@ -427,6 +429,7 @@ def config_from_args(
         signals=parse_signals(args.signals_to_handle),
         env=env,
         quiet=bool(args.quiet),
+        verbose=bool(args.verbose),
         entrypoint=entrypoint,
         args=script_args,
         warnings=tuple(warnings),

@@ -1,0 +1,119 @@
+"""Run the ``aelastic`` command in a subprocess and watch its output line by line."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child ``aelastic`` (this checkout first on the path)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra or {})
+    return env
+
+
+class Cli:
+    """``python -m aelastic <args>`` with stdout and stderr merged, read by a thread."""
+
+    def __init__(self, args: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aelastic", *args],
+            cwd=cwd,
+            env=cli_env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._new: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._new.put(line.rstrip("\n"))
+        self._new.put(None)
+
+    def _pump(self, timeout: float) -> bool:
+        try:
+            line = self._new.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return False
+        if line is None:
+            self._new.put(None)
+            return False
+        self.lines.append(line)
+        return True
+
+    def wait_for(self, predicate: Callable[[list[str]], bool], timeout: float = 60) -> None:
+        """Block until ``predicate(lines so far)`` holds (AssertionError on timeout or exit)."""
+        deadline = time.monotonic() + timeout
+        while not predicate(self.lines):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._pump(remaining):
+                if predicate(self.lines):
+                    return
+                raise AssertionError("output never matched:\n" + self.output)
+
+    def wait(self, timeout: float = 60) -> int:
+        """Wait for the exit; the exit code (the output is complete afterwards)."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError("aelastic did not exit:\n" + self.output) from None
+        self._reader.join(timeout)
+        while self._pump(0):
+            pass
+        return code
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def __enter__(self) -> Cli:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def run_cli(
+    args: Sequence[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 60
+) -> tuple[int, str]:
+    """Run ``python -m aelastic <args>`` to the end; (exit code, merged output)."""
+    with Cli(args, cwd, env) as cli:
+        code = cli.wait(timeout)
+        return code, cli.output
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fp:
+            state = fp.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
