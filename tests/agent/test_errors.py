@@ -1,0 +1,71 @@
+"""Error files (torch's @record format) and failure reports."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from aelastic.agent import RunResult, WorkerState
+from aelastic.agent.errors import format_failures, make_failure, read_error_file
+
+
+def failure(tmp_path: Path, content: str | None, exitcode: int = 1, when: float = 100.0):  # type: ignore[no-untyped-def]
+    path = tmp_path / f"error-{when}.json"
+    if content is not None:
+        path.write_text(content)
+    return make_failure(
+        local_rank=0,
+        global_rank=3,
+        pid=42,
+        exitcode=exitcode,
+        error_file=str(path),
+        role="trainer",
+        timestamp=when,
+    )
+
+
+def test_torch_record_format(tmp_path: Path) -> None:
+    doc = {
+        "message": {
+            "message": "ValueError: boom",
+            "extraInfo": {"py_callstack": "Traceback...\nValueError: boom\n", "timestamp": "7"},
+        }
+    }
+    f = failure(tmp_path, json.dumps(doc))
+    assert f.message == "ValueError: boom"
+    assert f.error_file_data == doc
+    assert f.error_file.endswith(".json")
+    assert "Traceback..." in format_failures(RunResult(WorkerState.FAILED, failures={3: f}))
+
+
+def test_old_string_format(tmp_path: Path) -> None:
+    assert failure(tmp_path, '{"message": "old style", "timestamp": 5}').message == "old style"
+
+
+def test_missing_empty_or_corrupt_files_still_report(tmp_path: Path) -> None:
+    missing = failure(tmp_path, None, exitcode=-9)
+    assert missing.message == "Signal 9 (SIGKILL) received by PID 42"
+    assert missing.error_file == "<N/A>"
+    assert failure(tmp_path, None, exitcode=2).message.startswith("To enable traceback")
+    assert failure(tmp_path, "", when=1).error_file == "<N/A>"
+    assert "is not JSON" in failure(tmp_path, "{oops", when=2).message
+    assert "not an object" in failure(tmp_path, "[1]", when=3).message
+    assert read_error_file("") is None
+    assert read_error_file(os.devnull) is None
+
+
+def test_root_cause_is_the_earliest(tmp_path: Path) -> None:
+    late = failure(tmp_path, None, when=200.0)
+    early = make_failure(
+        local_rank=1, global_rank=4, pid=43, exitcode=3, error_file="", role="t", timestamp=150.0
+    )
+    result = RunResult(WorkerState.FAILED, failures={3: late, 4: early})
+    assert result.root_cause is early
+    report = format_failures(result, "trainer")
+    assert (
+        report.index("rank      : 3") < report.index("Root Cause") < report.index("rank      : 4")
+    )
+    assert RunResult(WorkerState.SUCCEEDED).root_cause is None
+    assert "no failures" in format_failures(RunResult(WorkerState.SUCCEEDED))
+    assert late.signal_name() == "<N/A>" and "exitcode 1" in str(late)
