@@ -229,7 +229,7 @@ async def _put_state(request: web.Request) -> web.Response:
     def apply() -> _Reply:
         run = store.run(run_id)
         if run.token != token:
-            return 409, _state_reply(run)
+            return 409, {"error": "the stored token differs", **_state_reply(run)}
         store.state_written(run, state)
         return 200, {"token": run.token}
 
@@ -347,19 +347,34 @@ async def _kv_wait(request: web.Request) -> web.Response:
     return web.json_response({"ready": ready})
 
 
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue`` goes on; any other expectation fails with a JSON 417."""
+    expect = request.headers.get("Expect", "")
+    if request.version != (1, 1):
+        return None
+    if expect.lower() != "100-continue":
+        return _error(417, f"unsupported 'Expect: {expect}' (only 100-continue)")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0
+    return None
+
+
 def _routes(app: web.Application) -> None:
     run = API_PREFIX + "/runs/{run_id}"
-    router = app.router
-    router.add_get(API_PREFIX + "/health", _health, allow_head=False)
-    router.add_get(run + "/state", _get_state, allow_head=False)
-    router.add_put(run + "/state", _put_state)
-    router.add_delete(run, _delete_run)
-    router.add_post(run + "/kv/set", _kv_set)
-    router.add_post(run + "/kv/get", _kv_get)
-    router.add_post(run + "/kv/add", _kv_add)
-    router.add_post(run + "/kv/compare_set", _kv_compare_set)
-    router.add_post(run + "/kv/delete", _kv_delete)
-    router.add_post(run + "/kv/wait", _kv_wait)
+    routes = [
+        ("GET", API_PREFIX + "/health", _health),
+        ("GET", run + "/state", _get_state),
+        ("PUT", run + "/state", _put_state),
+        ("DELETE", run, _delete_run),
+        ("POST", run + "/kv/set", _kv_set),
+        ("POST", run + "/kv/get", _kv_get),
+        ("POST", run + "/kv/add", _kv_add),
+        ("POST", run + "/kv/compare_set", _kv_compare_set),
+        ("POST", run + "/kv/delete", _kv_delete),
+        ("POST", run + "/kv/wait", _kv_wait),
+    ]
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler, expect_handler=_expect)
 
 
 def resolve_token(token: str | None) -> str | None:

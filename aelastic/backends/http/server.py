@@ -22,7 +22,8 @@ the first answer again.
 ``PUT /v1/runs/{run}/state``                ``{"state": b64, "token": T}``: compare-and-set.
                                             ``200 {"token": new}`` if the stored token was
                                             ``T`` (``""``: no state yet), else
-                                            ``409 {"state": b64 | null, "token": current}``
+                                            ``409 {"state": b64|null, "token": current,
+                                            "error": ...}``
 ``DELETE /v1/runs/{run}``                   forget the run: ``200 {"deleted": bool}``
 ``POST /v1/runs/{run}/kv/set``              ``{"key", "value": b64}`` -> ``200 {}``
 ``POST /v1/runs/{run}/kv/get``              ``{"keys": [..]}`` -> ``200 {"values": [b64|null]}``
