@@ -22,7 +22,6 @@ import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from redis.asyncio import Redis
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
@@ -46,6 +45,7 @@ __all__ = ["RedisBackend"]
 T = TypeVar("T")
 
 _SHA = {src: sha for sha, src in lua.SCRIPTS.items()}
+_READ_ONLY = frozenset({lua.READ, lua.KV_GET})
 
 #: Errors after which a call is retried (the server may be back a moment later).
 _TRANSIENT = (
@@ -146,19 +146,15 @@ class RedisBackend:
         assert self._client is not None and self._watch is not None
         return self._client, self._watch
 
-    async def _call(
-        self, what: str, call: Callable[[Redis], Awaitable[T]], client: SharedClient | None = None
-    ) -> T:
-        """Run ``call`` with retries on transient failures, within ``read_timeout``."""
-        if client is None:
-            client, _ = await self._bind()
+    async def _call(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Run ``attempt`` with retries on transient failures, within ``read_timeout``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._read_timeout
         delay = 0.05
         while True:
             try:
                 remaining = max(deadline - loop.time(), 0.001)
-                return await asyncio.wait_for(call(client.redis), remaining)
+                return await asyncio.wait_for(attempt(), remaining)
             except AuthenticationError as exc:
                 raise RendezvousConnectionError(
                     f"Authentication to Redis at {self.endpoint} failed ({what}): {exc} "
@@ -186,16 +182,19 @@ class RedisBackend:
         args: Sequence[Any],
         client: SharedClient | None = None,
     ) -> Any:
-        async def run(redis: Redis) -> Any:
-            sha = _SHA[src]
+        shared = client or (await self._bind())[0]
+        command = ("EVALSHA", _SHA[src], len(keys), *keys, *args)
+        shareable = src in _READ_ONLY
+
+        async def run() -> Any:
             try:
-                return await redis.evalsha(sha, len(keys), *keys, *args)
-            except NoScriptError:  # a new or restarted server: load, then run
-                await redis.script_load(src)
-                return await redis.evalsha(sha, len(keys), *keys, *args)
+                return await shared.command(*command, shareable=shareable)
+            except NoScriptError:  # a new or restarted server: load them all, then run
+                await shared.load_scripts(lua.SCRIPTS.values())
+                return await shared.command(*command, shareable=shareable)
 
         try:
-            return await self._call(what, run, client)
+            return await self._call(what, run)
         except ResponseError as exc:
             if "WRONGTYPE" in str(exc):
                 raise RendezvousStateError(
@@ -314,22 +313,20 @@ class RedisBackend:
                         return
                     waiter = watch.waiter(token)
                     try:
-                        await asyncio.wait({waiter.future}, timeout=period)
+                        await watch.sleep(waiter, period)
                     finally:
                         watch.discard(waiter)
                     continue
             waiter = watch.waiter(token)
             try:
                 order = compare_tokens(token, watch.latest)
-                if order is Order.CHANGED:
+                if order is Order.CHANGED and not watch.holding:
                     return
-                if (order is Order.UNKNOWN or ask_server) and (await self._read_now(False))[
-                    1
-                ] != token:
-                    return
-                if not waiter.future.done():
-                    await asyncio.wait({waiter.future}, timeout=period)
-                if waiter.future.done():
+                if order is Order.UNKNOWN or ask_server:
+                    _, current = await self._read_now(False)
+                    if current != token:
+                        return
+                if await watch.sleep(waiter, period):
                     return
                 ask_server = True  # the safety net: nothing heard for a whole period
             finally:
@@ -404,8 +401,8 @@ class RedisBackend:
         full = [self._keys.kv(k) for k in keys]
         names = [k.encode() for k in keys]
 
-        async def all_exist(redis: Redis) -> bool:
-            return bool(await redis.exists(*full) == len(full))
+        async def all_exist() -> bool:
+            return bool(await client.command("EXISTS", *full, shareable=True) == len(full))
 
         while True:
             period = min(deadline - loop.time(), self._recheck)
@@ -418,7 +415,7 @@ class RedisBackend:
                 period = min(deadline - loop.time(), self._recheck)
                 if period <= 0:
                     return False
-                await asyncio.wait({waiter.future}, timeout=period)
+                await watch.sleep(waiter, period)
             finally:
                 watch.discard(waiter)
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import inspect
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -37,6 +38,10 @@ from ._endpoint import RedisEndpoint
 __all__ = ["Order", "RunWatch", "SharedClient", "Turn", "acquire_client", "compare_tokens"]
 
 log = logging.getLogger("aelastic.backends.redis")
+
+#: Longest delay of a wake-up while writes of this process to the same run are queued
+#: (their notifications follow at once: waking the waiters for each would waste CPU).
+MAX_HOLD = 0.05
 
 #: Seconds to open a connection (TCP, TLS, AUTH) before that attempt counts as failed.
 CONNECT_TIMEOUT = 10.0
@@ -79,12 +84,22 @@ class Turn:
     immediate retry (made in the same loop iteration, since deciding again is pure
     computation) and loses it at the next iteration otherwise. So N nodes of one process
     joining at once cost about N writes, not N² lost races.
+
+    Args:
+        on_idle: Called when the turn becomes free with nobody queued for it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_idle: Callable[[], None]) -> None:
         self._lock = asyncio.Lock()
         self._owner: asyncio.Task[Any] | None = None
         self._lease = 0
+        self._queued = 0
+        self._on_idle = on_idle
+
+    @property
+    def busy(self) -> bool:
+        """Whether a write of this process is under way or queued."""
+        return self._lock.locked() or self._queued > 0
 
     async def acquire(self) -> None:
         """Take the turn (at once if this task kept it)."""
@@ -92,7 +107,11 @@ class Turn:
         if task is not None and self._owner is task:
             self._lease += 1
             return
-        await self._lock.acquire()
+        self._queued += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._queued -= 1
         self._owner = task
         self._lease += 1
 
@@ -101,6 +120,8 @@ class Turn:
         self._owner = None
         self._lease += 1
         self._lock.release()
+        if not self._queued:
+            self._on_idle()
 
     def keep(self) -> None:
         """Keep the turn for the owner's retry; release it at the next loop iteration."""
@@ -115,14 +136,18 @@ class Turn:
 class _Waiter:
     __slots__ = ("future", "keys", "token")
 
-    def __init__(self, future: asyncio.Future[None], token: str, keys: frozenset[bytes]) -> None:
+    def __init__(self, future: asyncio.Future[bool], token: str, keys: frozenset[bytes]) -> None:
         self.future = future
         self.token = token
         self.keys = keys
 
     def wake(self) -> None:
         if not self.future.done():
-            self.future.set_result(None)
+            self.future.set_result(True)
+
+    def expire(self) -> None:
+        if not self.future.done():
+            self.future.set_result(False)
 
 
 class RunWatch:
@@ -136,7 +161,8 @@ class RunWatch:
         self.latest: str | None = None
         self.seq = 0
         self.cached: tuple[bytes | None, str] | None = None
-        self.turn = Turn()
+        self.turn = Turn(self._turn_idle)
+        self._held: asyncio.TimerHandle | None = None
         self.inflight_read: tuple[int, asyncio.Task[tuple[bytes | None, str]]] | None = None
         self._state_waiters: set[_Waiter] = set()
         self._key_waiters: set[_Waiter] = set()
@@ -148,6 +174,21 @@ class RunWatch:
         (self._key_waiters if key_set else self._state_waiters).add(waiter)
         return waiter
 
+    @property
+    def holding(self) -> bool:
+        """Whether wake-ups wait for this process's queued writes to the run."""
+        return self._held is not None
+
+    async def sleep(self, waiter: _Waiter, timeout: float) -> bool:
+        """Wait until ``waiter`` is woken (``True``) or ``timeout`` passes (``False``)."""
+        if waiter.future.done():
+            return True
+        timer = asyncio.get_running_loop().call_later(timeout, waiter.expire)
+        try:
+            return await waiter.future
+        finally:
+            timer.cancel()
+
     def discard(self, waiter: _Waiter) -> None:
         """Forget ``waiter`` (it was woken or gave up)."""
         self._state_waiters.discard(waiter)
@@ -156,6 +197,9 @@ class RunWatch:
 
     def wake_all(self) -> None:
         """Wake every waiter (it may have missed a change: it re-reads)."""
+        if self._held is not None:
+            self._held.cancel()
+            self._held = None
         for waiter in (*self._state_waiters, *self._key_waiters):
             waiter.wake()
 
@@ -163,16 +207,30 @@ class RunWatch:
         """A write of the run was published: wake who it concerns."""
         kind, body = payload[:1], payload[1:]
         if kind == b"s":
-            token = body.decode("ascii", "replace")
-            self.latest = token
+            self.latest = body.decode("ascii", "replace")
             self.seq += 1
-            for waiter in self._state_waiters:
-                if compare_tokens(waiter.token, token) is not Order.SAME:
-                    waiter.wake()
+            if not self.turn.busy:
+                self._wake_state_waiters()
+            elif self._held is None:  # more writes of this process are coming: wake after
+                loop = asyncio.get_running_loop()
+                self._held = loop.call_later(MAX_HOLD, self._wake_state_waiters)
         elif kind == b"k":
             for waiter in self._key_waiters:
                 if body in waiter.keys:
                     waiter.wake()
+
+    def _wake_state_waiters(self) -> None:
+        if self._held is not None:
+            self._held.cancel()
+            self._held = None
+        latest = self.latest
+        for waiter in self._state_waiters:
+            if compare_tokens(waiter.token, latest) is not Order.SAME:
+                waiter.wake()
+
+    def _turn_idle(self) -> None:
+        if self._held is not None:
+            self._wake_state_waiters()
 
     def on_subscribed(self) -> None:
         """The channel is (again) subscribed: messages from now on arrive."""
@@ -216,6 +274,88 @@ class SharedClient:
         self._sent: set[bytes] = set()
         self._send_lock = asyncio.Lock()
         self.listener_failing = False
+        self._loading: asyncio.Future[None] | None = None
+        self._pending: list[tuple[tuple[Any, ...], bool, asyncio.Future[Any]]] = []
+        self._batches: set[asyncio.Task[None]] = set()
+
+    # -- commands -------------------------------------------------------------------------
+
+    async def command(self, *args: Any, shareable: bool = False) -> Any:
+        """Run one command, pipelined with the others issued in the same loop iteration.
+
+        Args:
+            *args: The command and its arguments.
+            shareable: The command only reads: identical ones of one batch run once.
+
+        Returns:
+            Its reply. A reply that is an error is raised; so is a connection failure.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._pending.append((args, shareable, future))
+        if len(self._pending) == 1:
+            loop.call_soon(self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.get_running_loop().create_task(self._run_batch(batch))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    async def _run_batch(
+        self, batch: list[tuple[tuple[Any, ...], bool, asyncio.Future[Any]]]
+    ) -> None:
+        groups: dict[Any, list[asyncio.Future[Any]]] = {}
+        commands: list[tuple[Any, ...]] = []
+        for args, shareable, future in batch:
+            if future.done():  # its caller gave up
+                continue
+            key: Any = args if shareable else future
+            if key not in groups:
+                groups[key] = []
+                commands.append(args)
+            groups[key].append(future)
+        if not commands:
+            return
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for args in commands:
+                    pipe.execute_command(*args)
+                replies = await pipe.execute(raise_on_error=False)
+        except BaseException as exc:
+            for futures in groups.values():
+                for future in futures:
+                    if future.done():
+                        continue
+                    if isinstance(exc, asyncio.CancelledError):
+                        future.cancel()
+                    else:
+                        future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for futures, reply in zip(groups.values(), replies, strict=True):
+            for future in futures:
+                if future.done():
+                    continue
+                if isinstance(reply, Exception):
+                    future.set_exception(reply)
+                else:
+                    future.set_result(reply)
+
+    async def load_scripts(self, scripts: Iterable[str]) -> None:
+        """Load ``scripts`` into the server's script cache (one load at a time per client)."""
+        loading = self._loading
+        if loading is None or loading.done():
+            loading = self._loading = asyncio.ensure_future(self._load(list(scripts)))
+        await asyncio.shield(loading)
+
+    async def _load(self, scripts: list[str]) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for src in scripts:
+                pipe.script_load(src)
+            await pipe.execute()
 
     # -- runs -----------------------------------------------------------------------------
 
@@ -333,13 +473,36 @@ class SharedClient:
         for watch in list(self._watches.values()):
             watch.on_lost()
         self._watches.clear()
-        task, self._listener = self._listener, None
-        if task is not None:
+        tasks = list(self._batches)
+        if self._listener is not None:
+            tasks.append(self._listener)
+        self._listener = None
+        loading, self._loading = self._loading, None
+        if loading is not None:
+            tasks.append(loading)  # type: ignore[arg-type]
+        for task in tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+        for task in tasks:
+            with contextlib.suppress(BaseException):
                 await task
         await self.redis.aclose()
         await self.pool.disconnect()
+
+
+def _quiet_handshake() -> dict[str, Any]:
+    """Options that spare a new connection's optional round trips, where redis-py has them."""
+    accepted = inspect.signature(Connection.__init__).parameters
+    quiet: dict[str, Any] = {}
+    if "driver_info" in accepted:  # no CLIENT SETINFO lib-name/lib-ver
+        quiet["driver_info"] = None
+    if "maint_notifications_config" in accepted:
+        from redis.maint_notifications import MaintNotificationsConfig
+
+        quiet["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+    return quiet
+
+
+_QUIET = _quiet_handshake()
 
 
 def _connection_kwargs(endpoint: RedisEndpoint) -> dict[str, Any]:
@@ -353,9 +516,10 @@ def _connection_kwargs(endpoint: RedisEndpoint) -> dict[str, Any]:
         "socket_timeout": CONNECT_TIMEOUT,
         "socket_keepalive": True,
         "retry": Retry(NoBackoff(), 0),
-        "client_name": "aelastic",
         "connection_class": Connection,
+        "protocol": 2,  # RESP2: no HELLO round trip on connect
     }
+    kwargs.update(_QUIET)
     if endpoint.tls:
         kwargs.update(
             connection_class=SSLConnection,
