@@ -40,7 +40,7 @@ def build_parser(prog: str = "aelastic serve") -> argparse.ArgumentParser:
     p.add_argument(
         "--run-ttl", type=float, default=None, help="forget runs idle this long (s; 0: never)"
     )
-    p.add_argument("-q", "--quiet", action="store_true", help="no request log lines")
+    p.add_argument("-v", "--verbose", action="store_true", help="log the server's info lines")
     return p
 
 
@@ -64,7 +64,7 @@ def main(argv: Sequence[str]) -> int:
         )
         return 1
     logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
+        level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
     )
     kwargs = {} if args.run_ttl is None else {"run_ttl": args.run_ttl}

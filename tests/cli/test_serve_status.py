@@ -1,0 +1,103 @@
+"""`aelastic serve` and `aelastic status`: a real server, real launchers, read-only status."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ._proc import Cli, run_cli
+
+pytest.importorskip("aiohttp")
+
+SLEEP = """
+import os, time
+print(f"worker pid={os.getpid()} rank={os.environ['RANK']}", flush=True)
+time.sleep(120)
+"""
+
+
+def _status(tmp_path: Path, endpoint: str, run_id: str, *extra: str) -> tuple[int, str]:
+    args = ["status", "--rdzv-backend", "http", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id]
+    return run_cli([*args, *extra], tmp_path)
+
+
+def test_serve_status_and_a_running_job(tmp_path: Path, run_id: str) -> None:
+    (tmp_path / "sleep.py").write_text(textwrap.dedent(SLEEP))
+    with Cli(["serve", "--port", "0"], tmp_path) as server:
+        server.wait_for(lambda lines: any("listening on http://" in line for line in lines))
+        url = re.findall(r"listening on (http://\S+)", server.output)[0]
+        endpoint = url.removeprefix("http://")
+
+        code, out = _status(tmp_path, endpoint, run_id)
+        assert code == 0, out
+        assert "no rendezvous state" in out
+
+        node_args = [
+            "run",
+            "--nnodes",
+            "1:2",
+            "--rdzv-backend",
+            "http",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            run_id,
+            "--rdzv-conf",
+            "last_call_timeout=0.1",
+            "--local-addr",
+            "127.0.0.1",
+            "sleep.py",
+        ]
+        with Cli(node_args, tmp_path) as node:
+            node.wait_for(lambda lines: any("worker pid=" in line for line in lines))
+            code, out = _status(tmp_path, endpoint, run_id)
+            assert code == 0, out
+            assert re.search(rf"job '{run_id}': round \d+, complete", out), out
+            assert re.search(r"rank +0 +127\.0\.0\.1_\d+_\d+ +heartbeat \d+\.\d s ago", out), out
+            assert "waiting (0)" in out and "redundant (0)" in out
+
+            code, out = _status(tmp_path, endpoint, run_id, "--json")
+            doc = json.loads(out)
+            assert doc["complete"] and not doc["closed"]
+            assert [p["rank"] for p in doc["participants"]] == [0]
+            assert doc["participants"][0]["alive"]
+
+            node.signal(signal.SIGTERM)
+            assert node.wait(60) == 1
+
+        server.signal(signal.SIGTERM)
+        assert server.wait(30) == 0
+
+
+def test_status_of_an_unreachable_server(tmp_path: Path) -> None:
+    from tests._http_server import free_port
+
+    code, out = _status(
+        tmp_path, f"127.0.0.1:{free_port()}", "job", "--rdzv-conf", "read_timeout=2"
+    )
+    assert code == 1
+    assert "error" in out
+
+
+def test_status_rejects_the_memory_backend(tmp_path: Path) -> None:
+    code, out = run_cli(
+        ["status", "--rdzv-backend", "memory", "--rdzv-endpoint", "x", "--rdzv-id", "y"], tmp_path
+    )
+    assert code == 2 and "redis or http" in out
+
+
+def test_serve_port_in_use(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        code, out = run_cli(["serve", "--port", str(port)], tmp_path)
+    assert code == 1
+    assert "cannot serve" in out
