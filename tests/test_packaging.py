@@ -1,0 +1,96 @@
+"""Packaging contracts: no torch in the core, third-party backends found by entry point."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+CORE_MODULES = [
+    "aelastic",
+    "aelastic.rendezvous",
+    "aelastic.sync",
+    "aelastic.store",
+    "aelastic.backends.memory",
+    "aelastic.backends.redis",
+    "aelastic.backends.http.client",
+    "aelastic.backends.http.server",
+    "aelastic.agent",
+    "aelastic.cli",
+]
+
+
+def test_core_imports_and_forms_a_rendezvous_without_torch() -> None:
+    code = textwrap.dedent(
+        f"""
+        import sys
+        for name in {CORE_MODULES!r}:
+            __import__(name)
+        from aelastic import RendezvousParameters, sync
+        handler = sync.create_handler(RendezvousParameters("memory", "", "run", 1, 1))
+        assert handler.next_rendezvous().world_size == 1
+        handler.close()
+        leaked = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+        assert not leaked, leaked
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_third_party_backend_is_found_through_its_entry_point(tmp_path: Path) -> None:
+    package = tmp_path / "thirdparty_backend.py"
+    package.write_text(
+        textwrap.dedent(
+            """
+            from aelastic.backends.memory import MemoryBackend
+
+            def create_backend(params):
+                return MemoryBackend(params.run_id, "thirdparty")
+            """
+        )
+    )
+    dist = tmp_path / "thirdparty_backend-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: thirdparty-backend\nVersion: 1.0\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[aelastic.backends]\nthirdparty = thirdparty_backend:create_backend\n"
+    )
+    code = textwrap.dedent(
+        """
+        from aelastic import RendezvousParameters
+        from aelastic.backends import backend_names
+        from aelastic.rendezvous import create_handler
+        assert "thirdparty" in backend_names()
+        handler = create_handler(RendezvousParameters("thirdparty", "", "run", 1, 1))
+        print(type(handler.backend).__name__, handler.get_backend())
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": f"{tmp_path}:{Path(__file__).resolve().parent.parent}", "PATH": ""},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["MemoryBackend", "thirdparty"]
+
+
+def test_a_missing_extra_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aelastic import RendezvousParameters
+    from aelastic.backends import registry
+
+    monkeypatch.setitem(
+        registry._BUILTINS, "fake", ("aelastic_missing_module_xyz", "create", "redis")
+    )
+    monkeypatch.delitem(registry._registry, "fake", raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'aelastic\[redis\]'"):
+        registry.create_backend(RendezvousParameters("fake", "", "run", 1, 1))
