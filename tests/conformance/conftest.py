@@ -6,7 +6,6 @@ so tests never see each other's state.
 
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,12 +13,7 @@ import pytest
 
 from aelastic import RendezvousParameters
 
-# Backends whose server helper exists (all three once their modules have landed).
-BACKENDS = ["memory"] + [
-    name
-    for name in ("redis", "http")
-    if (pathlib.Path(__file__).parent.parent / f"_{name}_server.py").exists()
-]
+BACKENDS = ["memory", "redis", "http"]
 
 MakeParams = Callable[..., RendezvousParameters]
 
