@@ -25,15 +25,13 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 from ..rendezvous.api import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
 from ..rendezvous.core import MembershipView
-from ..rendezvous.state import NodeDesc
-from ..store import Store
-from . import callables
+from ._aio import cancel_and_wait, quietly, uncancellable
 from .api import (
     DEFAULT_ROLE,
     ProcessFailure,
@@ -43,32 +41,17 @@ from .api import (
     WorkerState,
     std_map,
 )
-from .env import substitute_args, worker_env
-from .errors import format_failures, make_failure
+from .errors import format_failures
 from .events import AgentEvent, AgentMetrics, EventBus, EventKind, EventStream
-from .logs import AttemptLogs
+from .membership import GroupChanged, RoundGroup
 from .policy import Action, Decision, Observation, Trigger, decide
-from .process import WorkerProcess, stop_processes
+from .process import WorkerProcess
 from .ranks import AgentRecord, assign_ranks, record_key
+from .workers import WorkerSet
 
 __all__ = ["ElasticAgent"]
 
 log = logging.getLogger("aelastic.agent")
-
-_T = TypeVar("_T")
-_FINISHED_KEY = "agent/finished"
-
-
-def _done_key(group_rank: int) -> str:
-    return f"agent/done/{group_rank}"
-
-
-class _GroupChanged(Exception):
-    """The group changed while the agent was still setting up an attempt."""
-
-    def __init__(self, decision: Decision) -> None:
-        super().__init__(decision.reason)
-        self.decision = decision
 
 
 class ElasticAgent:
@@ -88,9 +71,8 @@ class ElasticAgent:
         self._bus = EventBus()
         self._restarts_left = spec.max_restarts
         self._attempt = -1
-        self._procs: list[WorkerProcess] = []
-        self._logs: AttemptLogs | None = None
-        self._members: dict[NodeDesc, int] = {}
+        self._workers: WorkerSet | None = None
+        self._round: RoundGroup | None = None
         self._reserved: socket.socket | None = None
         self._run_dir: str | None = None
         self._scratch: str | None = None
@@ -151,7 +133,7 @@ class ElasticAgent:
             result = await self._invoke_run()
             return result
         finally:
-            await _uncancellable(self._shutdown(result))
+            await uncancellable(self._shutdown(result))
 
     def run_sync(self, role: str = DEFAULT_ROLE) -> RunResult:
         """:meth:`run` on a private event loop, for plain scripts; releases the handler after.
@@ -201,7 +183,7 @@ class ElasticAgent:
                 if failures:  # our own failure is the better answer
                     return self._failed(failures, "the rendezvous closed before a restart")
                 raise
-            except _GroupChanged as changed:
+            except GroupChanged as changed:
                 await self._act_on_membership(changed.decision)
                 stopped_at = time.monotonic()
                 continue
@@ -272,7 +254,8 @@ class ElasticAgent:
         await store.set(record_key(group_rank), mine.encode())
         keys = [record_key(i) for i in range(info.world_size)]
         timeout = self._handler.settings.join_timeout
-        raw = await self._unless_group_changes(store.multi_get(keys, timeout))
+        self._round = RoundGroup(self._handler, store)
+        raw = await self._round.unless_changed(store.multi_get(keys, timeout), self._restarts_left)
         records = [AgentRecord.decode(data) for data in raw]
         master = records[0]
         if master.master_addr is None or master.master_port is None:
@@ -283,7 +266,7 @@ class ElasticAgent:
         group.master_addr, group.master_port = master.master_addr, master.master_port
         group.workers = assign_ranks(records, group_rank)
         group.round = self._handler_round()
-        self._members = {record.node: rank for rank, record in enumerate(records)}
+        self._round.members = {record.node: rank for rank, record in enumerate(records)}
         duration = time.monotonic() - started
         log.info(
             "rendezvous round %s complete in %.3f s: group rank %d of %d, world size %d, "
@@ -327,48 +310,6 @@ class ElasticAgent:
         if sock is not None:
             sock.close()
 
-    async def _unless_group_changes(self, awaitable: Coroutine[Any, Any, _T]) -> _T:
-        """Await ``awaitable``; give up if the group changes in a way that needs action."""
-        work = asyncio.ensure_future(awaitable)
-        since: MembershipView | None = None
-        try:
-            while True:
-                watch = self._watch(since)
-                try:
-                    await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    await _cancel(watch)
-                if work.done():
-                    return work.result()
-                since = watch.result()
-                decision = decide(await self._observe(since), self._restarts_left)
-                if decision.action is not Action.CONTINUE:
-                    raise _GroupChanged(decision)
-        finally:
-            await _cancel(work)
-
-    async def _observe(self, view: MembershipView) -> Observation:
-        """Turn a membership view into an observation (which lost members had finished)."""
-        store = self._group.store
-        finished = 0
-        peers_finished = False
-        if store is not None and not view.closed:
-            for node in view.lost:
-                rank = self._members.get(node)
-                if rank is not None and await store.try_get(_done_key(rank)) is not None:
-                    finished += 1
-            peers_finished = bool(finished) or await store.try_get(_FINISHED_KEY) is not None
-        observation = Observation(
-            Trigger.MEMBERSHIP_CHANGED,
-            closed=view.closed,
-            removed=view.removed,
-            lost=len(view.lost) - finished,
-            lost_finished=finished,
-            waiting=view.waiting,
-            peers_finished=peers_finished,
-        )
-        return observation
-
     # -- workers --------------------------------------------------------------------------
 
     def _prepare_dirs(self) -> None:
@@ -386,101 +327,58 @@ class ElasticAgent:
         os.makedirs(self._run_dir, exist_ok=True)
 
     async def _start_workers(self, stopped_at: float | None) -> None:
-        spec, group = self._spec, self._group
         self._attempt += 1
-        logs = self._logs = AttemptLogs(spec, self._run_dir, self._attempt)
+        assert self._scratch is not None
+        workers = self._workers = WorkerSet(
+            self._group,
+            self._attempt,
+            self._run_dir,
+            self._scratch,
+            self.restart_count,
+            self._handler.get_run_id(),
+        )
         started = time.monotonic()
-        run_id = self._handler.get_run_id()
-        try:
-            for worker in group.workers:
-                rank = worker.local_rank
-                env = worker_env(
-                    group,
-                    worker,
-                    restart_count=self.restart_count,
-                    run_id=run_id,
-                    error_file=logs.error_file(rank),
-                )
-                argv = self._argv(rank)
-                stdout, stderr = logs.child_streams(rank)
-                self._release_port()  # just before the first worker may bind it
-                try:
-                    proc = WorkerProcess.start(argv, env, rank, stdout=stdout, stderr=stderr)
-                except BaseException:
-                    logs.abandon(rank)
-                    raise
-                self._procs.append(proc)
-                worker.id = proc.pid
-                await logs.after_spawn(rank, worker.global_rank)
-        except BaseException:
-            await _uncancellable(self._stop_workers(WorkerState.FAILED))
-            raise
+        await workers.start(before_spawn=self._release_port)
         self._set_state(WorkerState.HEALTHY)
         data: dict[str, Any] = {
-            "pids": {p.local_rank: p.pid for p in self._procs},
+            "pids": {p.local_rank: p.pid for p in workers.processes},
             "duration": time.monotonic() - started,
         }
         if stopped_at is not None:
             data["recovery"] = time.monotonic() - stopped_at
         self._emit(EventKind.WORKERS_STARTED, **data)
 
-    def _argv(self, local_rank: int) -> list[str]:
-        spec = self._spec
-        args = substitute_args(spec.args, local_rank)
-        if isinstance(spec.entrypoint, str):
-            return [spec.entrypoint, *map(str, args)]
-        assert spec.entrypoint is not None and self._scratch is not None
-        base = os.path.join(self._scratch, f"{self._attempt}_{local_rank}")
-        callables.write_payload(base + ".in", spec.role, spec.entrypoint, args)
-        return callables.child_argv(base + ".in", base + ".out")
-
-    def _result_path(self, local_rank: int) -> str | None:
-        if isinstance(self._spec.entrypoint, str) or self._scratch is None:
-            return None
-        return os.path.join(self._scratch, f"{self._attempt}_{local_rank}.out")
-
     async def _supervise(self) -> tuple[Observation, dict[int, ProcessFailure]]:
         """Wait for the first thing that calls for action; what it was and who failed."""
-        exits = {asyncio.ensure_future(p.wait()): p for p in self._procs}
+        assert self._round is not None and self._workers is not None
+        workers = self._workers
+        exits = {asyncio.ensure_future(p.wait()): p for p in workers.processes}
         since: MembershipView | None = None
-        watch = self._watch(None)
+        watch = self._round.watch(None)
         try:
             while True:
                 await asyncio.wait({watch, *exits}, return_when=asyncio.FIRST_COMPLETED)
                 for task in [t for t in exits if t.done()]:
                     self._on_exit(exits.pop(task))
-                failed = [p for p in self._procs if p.returncode not in (None, 0)]
+                failed = [p for p in workers.processes if p.returncode not in (None, 0)]
                 if failed:
                     self._set_state(WorkerState.FAILED)
-                    return Observation(Trigger.WORKER_FAILED), self._failures(failed)
+                    return Observation(Trigger.WORKER_FAILED), workers.failures(failed)
                 if not exits:
                     self._set_state(WorkerState.SUCCEEDED)
                     return Observation(Trigger.WORKERS_SUCCEEDED), {}
                 if watch.done():
                     since = watch.result()
-                    observation = await self._observe(since)
+                    observation = await self._round.observe(since)
                     decision = decide(observation, self._restarts_left)
                     self._emit_membership(since, decision)
                     if decision.action is not Action.CONTINUE:
                         return observation, {}
-                    watch = self._watch(since)
+                    watch = self._round.watch(since)
         finally:
-            await _cancel(watch)
+            await cancel_and_wait(watch)
             for task in exits:
-                await _cancel(task)
-
-    def _watch(self, since: MembershipView | None) -> asyncio.Task[MembershipView]:
-        """A task returning the next group change that differs from ``since``."""
-        return asyncio.ensure_future(self._watch_until_change(since))
-
-    async def _watch_until_change(self, since: MembershipView | None) -> MembershipView:
-        # No polling: woken by the backend. A backend error only delays the next look.
-        while True:
-            try:
-                return await self._handler.watch(0.0, since)
-            except RendezvousError as exc:
-                log.warning("watching the rendezvous failed (retrying): %s", exc)
-                await asyncio.sleep(self._handler.settings.keep_alive_interval)
+                await cancel_and_wait(task)
 
     def _on_exit(self, proc: WorkerProcess) -> None:
         worker = self._group.workers[proc.local_rank]
@@ -501,42 +399,20 @@ class ElasticAgent:
             exitcode=code,
         )
 
-    def _failures(self, failed: list[WorkerProcess]) -> dict[int, ProcessFailure]:
-        assert self._logs is not None
-        failures = {}
-        for proc in failed:
-            worker = self._group.workers[proc.local_rank]
-            assert proc.returncode is not None
-            failures[worker.global_rank] = make_failure(
-                local_rank=proc.local_rank,
-                global_rank=worker.global_rank,
-                pid=proc.pid,
-                exitcode=proc.returncode,
-                error_file=self._logs.error_file(proc.local_rank),
-                role=self._spec.role,
-                timestamp=proc.exited_at,
-            )
-        return failures
-
     async def _stop_workers(self, state: WorkerState) -> None:
-        procs, self._procs = self._procs, []
-        if procs:
-            await stop_processes(procs, self._spec.stop_grace_period)
-        logs, self._logs = self._logs, None
-        if logs is not None:
-            await logs.aclose()
-        if procs and state is WorkerState.STOPPED:
+        workers, self._workers = self._workers, None
+        if workers is None:
+            return
+        running = any(p.returncode is None for p in workers.processes)
+        await workers.stop(self._spec.stop_grace_period)
+        if running and state is WorkerState.STOPPED:
             self._set_state(WorkerState.STOPPED)
 
     # -- the end --------------------------------------------------------------------------
 
     async def _finish(self) -> RunResult:
-        group = self._group
-        values = {}
-        for worker in group.workers:
-            path = self._result_path(worker.local_rank)
-            if path is not None:
-                values[worker.global_rank] = callables.read_result(path)
+        assert self._workers is not None
+        values = self._workers.return_values()
         await self._stop_workers(WorkerState.SUCCEEDED)  # reaped already; sweeps leftovers
         complete = await self._exit_barrier()
         if complete:
@@ -546,18 +422,16 @@ class ElasticAgent:
         return RunResult(WorkerState.SUCCEEDED, return_values=values)
 
     async def _exit_barrier(self) -> bool:
-        """Mark this node done and wait for every member to be done; whether all were."""
-        group = self._group
-        store = group.store
-        assert store is not None and group.group_rank is not None
+        """Wait at the exit barrier; whether every member of the round succeeded."""
+        group, round_group = self._group, self._round
+        assert round_group is not None and group.group_rank is not None
         assert group.group_world_size is not None
         started = time.monotonic()
         complete = False
         try:
-            await store.set(_done_key(group.group_rank), b"1")
-            await store.add(_FINISHED_KEY, 1)
-            keys = [_done_key(rank) for rank in range(group.group_world_size)]
-            complete = await self._wait_barrier(store, keys)
+            complete = await round_group.exit_barrier(
+                group.group_rank, group.group_world_size, self._spec.exit_barrier_timeout
+            )
         except RendezvousError as exc:
             log.warning("exit barrier failed: %s", exc)
         duration = time.monotonic() - started
@@ -565,27 +439,6 @@ class ElasticAgent:
             log.warning("exit barrier incomplete after %.3f s; leaving anyway", duration)
         self._emit(EventKind.EXIT_BARRIER, duration=duration, complete=complete)
         return complete
-
-    async def _wait_barrier(self, store: Store, keys: list[str]) -> bool:
-        timeout = self._spec.exit_barrier_timeout
-        waiting = asyncio.ensure_future(store.wait(keys, timeout))
-        since: MembershipView | None = None
-        try:
-            while True:
-                watch = self._watch(since)
-                try:
-                    await asyncio.wait({waiting, watch}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    await _cancel(watch)
-                if waiting.done():
-                    return waiting.exception() is None
-                since = watch.result()
-                observation = await self._observe(since)
-                if observation.closed or observation.removed or observation.lost:
-                    # Nobody can complete the barrier any more, unless it already is.
-                    return await store.check(keys)
-        finally:
-            await _cancel(waiting)
 
     async def _shutdown(self, result: RunResult | None) -> None:
         """Stop and reap every worker, leave the rendezvous, release what the run made."""
@@ -596,8 +449,8 @@ class ElasticAgent:
                 self._joined = False
                 failed = result is not None and result.is_failed()
                 if failed and self._spec.close_on_failure:
-                    await _quietly(self._handler.set_closed(), "close the rendezvous")
-                await _quietly(self._handler.leave(), "leave the rendezvous")
+                    await quietly(self._handler.set_closed(), "close the rendezvous")
+                await quietly(self._handler.leave(), "leave the rendezvous")
         finally:
             for path in (self._scratch, self._own_log_root if self._logs_disposable() else None):
                 if path is not None:
@@ -647,36 +500,3 @@ class ElasticAgent:
                 data=MappingProxyType(data),
             )
         )
-
-
-async def _cancel(task: asyncio.Future[Any]) -> None:
-    """Cancel ``task`` and wait until it is over (its outcome is dropped)."""
-    if not task.done():
-        task.cancel()
-    with contextlib.suppress(BaseException):
-        await asyncio.wait({task})
-    if task.done() and not task.cancelled():
-        task.exception()  # mark retrieved
-
-
-async def _quietly(awaitable: Awaitable[Any], what: str) -> None:
-    try:
-        await awaitable
-    except Exception as exc:
-        log.warning("could not %s: %s", what, exc)
-
-
-async def _uncancellable(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Run ``coro`` to its end even if the caller is cancelled meanwhile (then re-cancel)."""
-    task = asyncio.ensure_future(coro)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done() and task.cancelled():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return task.result()

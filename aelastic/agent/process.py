@@ -145,8 +145,8 @@ class WorkerProcess:
 async def stop_processes(processes: Iterable[WorkerProcess], grace: float) -> None:
     """Stop ``processes``: SIGTERM their groups, wait ``grace`` s, SIGKILL, reap all.
 
-    Safe to call on processes that already exited. Returns once every worker is reaped;
-    descendants left in the workers' groups get SIGKILL.
+    Safe to call on processes that already exited. Returns once every worker is reaped and
+    whatever else was left in the workers' groups got SIGKILL and died.
     """
     procs = list(processes)
     running = [p for p in procs if p.returncode is None]
@@ -162,3 +162,53 @@ async def stop_processes(processes: Iterable[WorkerProcess], grace: float) -> No
         await asyncio.wait([asyncio.ensure_future(p.wait()) for p in left])
     for proc in procs:
         proc.close()
+    stragglers = [pid for p in procs if p.alive_in_group() for pid in _group_members(p.pid)]
+    if stragglers:
+        await _await_deaths(stragglers, _STRAGGLER_TIMEOUT)
+
+
+#: Longest wait for SIGKILLed descendants to die (they are not ours to reap).
+_STRAGGLER_TIMEOUT = 5.0
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (Linux ``/proc``; empty elsewhere)."""
+    members = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+                members.append(int(entry.name))
+    return members
+
+
+async def _await_deaths(pids: list[int], timeout: float) -> None:
+    """Wait (at most ``timeout``) until ``pids`` have died; pidfds, no polling."""
+    loop = asyncio.get_running_loop()
+    waits: dict[int, asyncio.Future[None]] = {}
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            continue
+        future: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _resolve, future)
+        waits[fd] = future
+    try:
+        if waits:
+            await asyncio.wait(waits.values(), timeout=timeout)
+    finally:
+        for fd in waits:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -1,0 +1,136 @@
+"""The workers of one attempt: spawn them with their environment and logs, report, stop.
+
+How it works: a :class:`WorkerSet` is made for every start of the group. It creates the
+attempt's log directories, builds each worker's environment and command (a callable is
+written to a private payload file for the spawned interpreter), starts the processes in
+their own sessions, and hands the teed pipes to the log copier. It turns exits into
+:class:`~aelastic.agent.api.ProcessFailure` values or return values, and stops everything
+(process groups, then log pipes) when the attempt ends.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from . import callables
+from .api import ProcessFailure, WorkerGroup
+from .env import substitute_args, worker_env
+from .errors import make_failure
+from .logs import AttemptLogs
+from .process import WorkerProcess, stop_processes
+
+__all__ = ["WorkerSet"]
+
+
+class WorkerSet:
+    """The processes and logs of one attempt of a worker group.
+
+    Args:
+        group: The group, after rank assignment.
+        attempt: The attempt number (names the log directory).
+        run_dir: ``<log_dir>/<run_id>``, or ``None`` for no log files.
+        scratch: A private directory for callable payloads and results.
+        restart_count: Restarts spent so far.
+        run_id: The rendezvous run id.
+    """
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        attempt: int,
+        run_dir: str | None,
+        scratch: str,
+        restart_count: int,
+        run_id: str,
+    ) -> None:
+        self._group = group
+        self._attempt = attempt
+        self._scratch = scratch
+        self._restart_count = restart_count
+        self._run_id = run_id
+        self._logs = AttemptLogs(group.spec, run_dir, attempt)
+        self.processes: list[WorkerProcess] = []
+
+    async def start(self, before_spawn: Callable[[], None] = lambda: None) -> None:
+        """Start every worker; ``before_spawn`` runs just before each spawn.
+
+        On any error the workers already started are stopped before it propagates.
+
+        Raises:
+            OSError: A command could not be started.
+            pickle.PicklingError: A callable entrypoint or its arguments cannot be pickled.
+        """
+        try:
+            for worker in self._group.workers:
+                rank = worker.local_rank
+                env = worker_env(
+                    self._group,
+                    worker,
+                    restart_count=self._restart_count,
+                    run_id=self._run_id,
+                    error_file=self._logs.error_file(rank),
+                )
+                argv = self._argv(rank)
+                stdout, stderr = self._logs.child_streams(rank)
+                before_spawn()
+                try:
+                    proc = WorkerProcess.start(argv, env, rank, stdout=stdout, stderr=stderr)
+                except BaseException:
+                    self._logs.abandon(rank)
+                    raise
+                self.processes.append(proc)
+                worker.id = proc.pid
+                await self._logs.after_spawn(rank, worker.global_rank)
+        except BaseException:
+            await self.stop(0.0)
+            raise
+
+    def _argv(self, local_rank: int) -> list[str]:
+        spec = self._group.spec
+        args = substitute_args(spec.args, local_rank)
+        if isinstance(spec.entrypoint, str):
+            return [spec.entrypoint, *map(str, args)]
+        assert spec.entrypoint is not None
+        base = self._scratch_path(local_rank)
+        callables.write_payload(base + ".in", spec.role, spec.entrypoint, args)
+        return callables.child_argv(base + ".in", base + ".out")
+
+    def _scratch_path(self, local_rank: int) -> str:
+        return os.path.join(self._scratch, f"{self._attempt}_{local_rank}")
+
+    def failures(self, failed: list[WorkerProcess]) -> dict[int, ProcessFailure]:
+        """Describe ``failed`` workers, keyed by global rank."""
+        result = {}
+        for proc in failed:
+            worker = self._group.workers[proc.local_rank]
+            assert proc.returncode is not None
+            result[worker.global_rank] = make_failure(
+                local_rank=proc.local_rank,
+                global_rank=worker.global_rank,
+                pid=proc.pid,
+                exitcode=proc.returncode,
+                error_file=self._logs.error_file(proc.local_rank),
+                role=self._group.spec.role,
+                timestamp=proc.exited_at,
+            )
+        return result
+
+    def return_values(self) -> dict[int, Any]:
+        """What callable entrypoints returned, keyed by global rank (empty for commands)."""
+        if isinstance(self._group.spec.entrypoint, str):
+            return {}
+        return {
+            worker.global_rank: callables.read_result(
+                self._scratch_path(worker.local_rank) + ".out"
+            )
+            for worker in self._group.workers
+        }
+
+    async def stop(self, grace: float) -> None:
+        """Stop and reap every worker (SIGTERM, ``grace`` s, SIGKILL), then drain the logs."""
+        procs, self.processes = self.processes, []
+        if procs:
+            await stop_processes(procs, grace)
+        await self._logs.aclose()
