@@ -82,6 +82,7 @@ class RunChannel:
         self._token = ""
         self._writing = False
         self._turns: deque[asyncio.Future[None]] = deque()
+        self._quiet_waiters: asyncio.Future[None] | None = None
         self._shared: dict[Hashable, _Shared[Any]] = {}
         self._batches: dict[Hashable, asyncio.Future[Any]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -184,10 +185,31 @@ class RunChannel:
             if not turn.done():
                 turn.set_result(None)
                 return
+        quiet, self._quiet_waiters = self._quiet_waiters, None
+        if quiet is not None and not quiet.done():
+            quiet.set_result(None)
+
+    async def _quiet(self, deadline: float) -> None:
+        """Wait until no write of this channel is queued or under way (or ``deadline``).
+
+        Waiters woken in the middle of a burst of local writes (N nodes joining) would
+        only read and wait again; they wake once, when the burst is over.
+        """
+        loop = asyncio.get_running_loop()
+        while (self._writing or self._turns) and loop.time() < deadline:
+            if self._quiet_waiters is None:
+                self._quiet_waiters = loop.create_future()
+            await asyncio.wait({self._quiet_waiters}, timeout=deadline - loop.time())
 
     async def wait_for_change(self, token: str, timeout: float, read_timeout: float) -> None:
-        if timeout <= 0 or token_is_older(token, self._token):
+        if timeout <= 0:
             return
+        deadline = asyncio.get_running_loop().time() + timeout
+        if not token_is_older(token, self._token):
+            await self._wait_for_token(token, timeout, read_timeout)
+        await self._quiet(deadline)
+
+    async def _wait_for_token(self, token: str, timeout: float, read_timeout: float) -> None:
 
         async def poll() -> None:
             while True:
