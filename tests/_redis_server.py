@@ -41,12 +41,13 @@ from typing import Any
 import pytest
 import redis
 
-__all__ = ["RedisServer", "redis_server_fixture"]
+__all__ = ["RedisServer", "free_port", "redis_server_fixture"]
 
 _START_TIMEOUT = 20.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -70,7 +71,7 @@ class RedisServer:
             pytest.skip("redis-server is not on PATH")
         self.binary = binary
         self.password = password
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.extra_args = extra_args
         self.process: subprocess.Popen[bytes] | None = None
         self._drainer: threading.Thread | None = None

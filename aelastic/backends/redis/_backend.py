@@ -305,18 +305,10 @@ class RedisBackend:
             if remaining <= 0:
                 return
             period = min(remaining, self._recheck)
-            if not watch.subscribed:
-                if not client.listener_failing:
-                    await _wait_event(watch.ready, period)
-                if not watch.subscribed:  # no notifications: ask the server, on the period
-                    if (await self._read_now(False))[1] != token:
-                        return
-                    waiter = watch.waiter(token)
-                    try:
-                        await watch.sleep(waiter, period)
-                    finally:
-                        watch.discard(waiter)
-                    continue
+            if not watch.subscribed:  # connecting, or reconnecting after a loss
+                if await self._wait_unsubscribed(client, watch, token, period):
+                    return
+                continue
             waiter = watch.waiter(token)
             try:
                 order = compare_tokens(token, watch.latest)
@@ -331,6 +323,29 @@ class RedisBackend:
                 ask_server = True  # the safety net: nothing heard for a whole period
             finally:
                 watch.discard(waiter)
+
+    async def _wait_unsubscribed(
+        self, client: SharedClient, watch: RunWatch, token: Token, period: float
+    ) -> bool:
+        """Wait while notifications are off; whether the token is known to have moved.
+
+        Gives the listener a moment to subscribe (it wakes the waiter when it does, or when
+        it fails); if it cannot, asks the server, which fails within ``read_timeout`` when
+        Redis is unreachable, and otherwise waits for the listener up to ``period``.
+        """
+        waiter = watch.waiter(token)
+        try:
+            if not client.listener_failing:
+                await watch.sleep(waiter, period)
+            if watch.subscribed:
+                return False
+            _, current = await self._read_now(False)
+            if current != token:
+                return True
+            await watch.sleep(waiter, period)
+            return False
+        finally:
+            watch.discard(waiter)
 
     # -- the members' key-value store -----------------------------------------------------
 
@@ -355,7 +370,13 @@ class RedisBackend:
             ValueError: The stored value is not an integer.
         """
         full, op = self._keys.kv(key), self._keys.op(secrets.token_hex(12))
-        args = [int(amount), self._ttl_ms, self._keys.channel, b"k" + key.encode(), _OP_TTL_MS]
+        args = [
+            int(amount),
+            self._ttl_ms,
+            self._keys.channel,
+            b"k" + key.encode(),
+            min(_OP_TTL_MS, int(self._ttl_ms)),
+        ]
         try:
             reply = await self._script("kv_add", lua.KV_ADD, [full, op], args)
         except RendezvousConnectionError as exc:
@@ -407,7 +428,11 @@ class RedisBackend:
         while True:
             period = min(deadline - loop.time(), self._recheck)
             if not watch.subscribed and not client.listener_failing and period > 0:
-                await _wait_event(watch.ready, period)
+                waiter = watch.waiter(keys=names)  # woken when the listener subscribes
+                try:
+                    await watch.sleep(waiter, period)
+                finally:
+                    watch.discard(waiter)
             waiter = watch.waiter(keys=names)
             try:
                 if not full or await self._call("kv_wait", all_exist):
@@ -429,15 +454,6 @@ class RedisBackend:
             return
         await client.unwatch(watch)
         await release_client(client)
-
-
-async def _wait_event(event: asyncio.Event, timeout: float) -> None:
-    if not event.is_set():
-        task = asyncio.ensure_future(event.wait())
-        try:
-            await asyncio.wait({task}, timeout=timeout)
-        finally:
-            task.cancel()
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

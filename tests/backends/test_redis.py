@@ -1,0 +1,522 @@
+"""The Redis backend against a real redis-server: protocol, credentials, faults, scale."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+import redis
+
+from aelastic import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
+from aelastic.backends.base import RendezvousBackend
+from aelastic.backends.redis import (
+    ENV_PASSWORD,
+    ENV_USERNAME,
+    RedisBackend,
+    _scripts,
+    _shared,
+    create_backend,
+    parse_endpoint,
+)
+from aelastic.rendezvous import DynamicRendezvousHandler, RendezvousInfo, create_handler
+from aelastic.rendezvous.state import decode_state
+from aelastic.store import Store
+from tests._redis_server import RedisServer, free_port, redis_server_fixture
+
+pytestmark = pytest.mark.anyio
+
+#: Generous bound for "promptly" on a shared 2-core machine.
+PROMPT = 10.0
+PASSWORD = "s3cret-pa55"
+
+server = redis_server_fixture()
+auth_server = redis_server_fixture(password=PASSWORD)
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A server of this test alone (fault tests stop, kill and restart it)."""
+    with RedisServer() as srv:
+        yield srv
+
+
+@asynccontextmanager
+async def backend(url: str, run_id: str, **conf: Any) -> AsyncIterator[RedisBackend]:
+    b = create_backend(RendezvousParameters("redis", url, run_id, 1, 1, **conf))
+    try:
+        yield b
+    finally:
+        await b.aclose()
+
+
+@asynccontextmanager
+async def group(
+    url: str, run_id: str, count: int, min_nodes: int, max_nodes: int, **conf: Any
+) -> AsyncIterator[list[DynamicRendezvousHandler]]:
+    conf = {"join_timeout": 60, "last_call_timeout": 0.2, "read_timeout": 10, **conf}
+    params = RendezvousParameters(
+        "redis", url, run_id, min_nodes, max_nodes, local_addr="127.0.0.1", **conf
+    )
+    made = [create_handler(params) for _ in range(count)]
+    try:
+        yield made
+    finally:
+        for h in made:
+            await h.aclose()
+
+
+async def join_all(handlers: list[DynamicRendezvousHandler]) -> list[RendezvousInfo[Store]]:
+    with anyio.fail_after(3 * PROMPT):
+        return list(await asyncio.gather(*(h.next_rendezvous() for h in handlers)))
+
+
+def assert_one_group(infos: list[RendezvousInfo[Store]], size: int) -> None:
+    assert sorted(i.rank for i in infos) == list(range(size))
+    assert {i.world_size for i in infos} == {size}
+
+
+def foreign_cas(srv: RedisServer, keys: _scripts.RunKeys, data: bytes, token: str) -> Any:
+    """Run the compare-and-set script from another client (another process, in effect)."""
+    with srv.client() as client:
+        cas = client.register_script(_scripts.CAS)
+        return cas(keys=[keys.state], args=[token, data, "feed", 60_000, keys.channel])
+
+
+# -- endpoints and credentials --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", ("localhost", 6379, 0, False, None, None)),
+        ("myhost", ("myhost", 6379, 0, False, None, None)),
+        ("myhost:7000", ("myhost", 7000, 0, False, None, None)),
+        ("[::1]:7001", ("::1", 7001, 0, False, None, None)),
+        ("redis://myhost", ("myhost", 6379, 0, False, None, None)),
+        ("redis://myhost:7002/3", ("myhost", 7002, 3, False, None, None)),
+        ("redis://:pw@myhost", ("myhost", 6379, 0, False, None, "pw")),
+        ("redis://alice:p%40ss@myhost:1/2", ("myhost", 1, 2, False, "alice", "p@ss")),
+        ("rediss://bob:x@[fe80::1]:6380/0", ("fe80::1", 6380, 0, True, "bob", "x")),
+        ("REDIS://MyHost:9", ("MyHost", 9, 0, False, None, None)),
+    ],
+)
+def test_endpoint_forms(text: str, expected: tuple[Any, ...]) -> None:
+    e = parse_endpoint(text, environ={})
+    assert (e.host, e.port, e.db, e.tls, e.username, e.password) == expected
+    assert e.password is None or e.password not in e.display
+    assert e.password is None or e.password not in repr(e)
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("myhost:", "port"),
+        ("myhost:abc", "port"),
+        ("myhost:0", "port"),
+        ("myhost:65536", "port"),
+        ("http://myhost", "scheme"),
+        ("unix:///tmp/redis.sock", "scheme"),
+        ("redis://:6379", "host is missing"),
+        ("redis://myhost/x", "database"),
+        ("redis://myhost/1/2", "database"),
+        ("redis://myhost?db=1", "query"),
+        ("redis://[::1", "IPv6"),
+        ("::1:6379", "brackets"),
+        ("user:secret-word@myhost:1", "bare host"),
+        ("my host", "white space"),
+    ],
+)
+def test_bad_endpoints_are_value_errors_that_hide_passwords(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why) as info:
+        parse_endpoint(text, environ={})
+    assert "secret-word" not in str(info.value)
+    assert "redis://" in str(info.value)  # says what is expected
+
+
+def test_credentials_precedence_config_then_url_then_environment() -> None:
+    env = {ENV_USERNAME: "env-user", ENV_PASSWORD: "env-pw"}
+    assert parse_endpoint("h", environ=env).password == "env-pw"
+    assert parse_endpoint("h", environ=env).username == "env-user"
+    assert parse_endpoint("redis://u:url-pw@h", environ=env).password == "url-pw"
+    picked = parse_endpoint("redis://u:url-pw@h", {"password": "cfg-pw"}, env)
+    assert (picked.username, picked.password) == ("u", "cfg-pw")
+    assert parse_endpoint("h", {"username": "cfg-user"}, env).username == "cfg-user"
+
+
+def test_bad_options_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="ssl_cert_reqs"):
+        parse_endpoint("h", {"ssl_cert_reqs": "maybe"}, {})
+    with pytest.raises(ValueError, match="tls"):
+        parse_endpoint("h", {"tls": "sometimes"}, {})
+    with pytest.raises(ValueError, match="read_timeout"):
+        create_backend(RendezvousParameters("redis", "h", "r", 1, 1, read_timeout=0))
+    with pytest.raises(ValueError, match="key_ttl"):
+        create_backend(RendezvousParameters("redis", "h", "r", 1, 1, key_ttl=-1))
+    assert parse_endpoint("h", {"tls": "yes"}, {}).tls
+
+
+def test_endpoint_property_never_shows_the_password() -> None:
+    b = create_backend(
+        RendezvousParameters("redis", "redis://alice:hunter2@myhost:7000/1", "r", 1, 1)
+    )
+    assert b.endpoint == "redis://alice@myhost:7000/1"
+    assert "hunter2" not in repr(b)
+    assert isinstance(b, RendezvousBackend)
+
+
+async def test_password_from_config_url_or_environment_is_accepted(
+    auth_server: RedisServer, run_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with backend(auth_server.url, run_id, password=PASSWORD) as b:
+        assert await b.compare_and_set(b"x", "") == (True, b"x", (await b.read())[1])
+    url_with_password = f"redis://:{PASSWORD}@127.0.0.1:{auth_server.port}/0"
+    async with backend(url_with_password, run_id) as b:
+        assert (await b.read())[0] == b"x"
+    monkeypatch.setenv(ENV_PASSWORD, PASSWORD)
+    async with backend(auth_server.url, run_id) as b:
+        assert (await b.read())[0] == b"x"
+
+
+@pytest.mark.parametrize("password", [None, "wrong-password"])
+async def test_wrong_or_missing_password_fails_at_once_saying_auth_failed(
+    auth_server: RedisServer, run_id: str, password: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ENV_PASSWORD, raising=False)
+    conf = {} if password is None else {"password": password}
+    async with backend(auth_server.url, run_id, read_timeout=30, **conf) as b:
+        start = time.monotonic()
+        with pytest.raises(RendezvousConnectionError, match="Authentication") as info:
+            await b.read()
+        assert time.monotonic() - start < PROMPT  # not retried until read_timeout
+    assert f"127.0.0.1:{auth_server.port}" in str(info.value)
+    assert "wrong-password" not in str(info.value)
+
+
+# -- the state cell -------------------------------------------------------------------------
+
+
+async def test_state_cell_compare_and_set(server: RedisServer, run_id: str) -> None:
+    async with backend(server.url, run_id) as b:
+        assert await b.read() == (None, "")
+        written, state, token = await b.compare_and_set(b"one", "")
+        assert (written, state) == (True, b"one")
+        epoch, _, version = token.partition(".")
+        assert epoch and version == "1"
+        assert await b.read() == (b"one", token)
+        assert await b.compare_and_set(b"two", "") == (False, b"one", token)
+        assert await b.compare_and_set(b"two", "bogus") == (False, b"one", token)
+        written, state, token2 = await b.compare_and_set(b"two", token)
+        assert (written, state, token2) == (True, b"two", f"{epoch}.2")
+        assert await b.compare_and_set(b"three", token) == (False, b"two", token2)
+        binary = bytes(range(256)) * 10
+        assert (await b.compare_and_set(binary, token2))[:2] == (True, binary)
+
+
+async def test_stale_token_fails_against_a_write_from_another_process(
+    server: RedisServer, run_id: str
+) -> None:
+    async with backend(server.url, run_id) as b:
+        _, _, token = await b.compare_and_set(b"mine", "")
+        new_token = foreign_cas(server, b.keys, b"theirs", token)[1].decode()
+        assert await b.compare_and_set(b"again", token) == (False, b"theirs", new_token)
+
+
+async def test_token_is_new_after_flushall_no_aba(server: RedisServer, run_id: str) -> None:
+    async with backend(server.url, run_id) as b:
+        _, _, old = await b.compare_and_set(b"x", "")
+        _, _, old = await b.compare_and_set(b"y", old)
+        with server.client() as client:
+            client.flushall()
+        assert await b.read() == (None, "")
+        assert await b.compare_and_set(b"z", old) == (False, None, "")
+        _, _, new = await b.compare_and_set(b"x", "")
+        _, _, new = await b.compare_and_set(b"y", new)
+        assert new != old and new.endswith(".2")
+        assert (await b.compare_and_set(b"stale", old))[0] is False
+
+
+async def test_keys_are_namespaced_and_expire(server: RedisServer, run_id: str) -> None:
+    async with backend(server.url, run_id, key_ttl=100) as b:
+        await b.compare_and_set(b"x", "")
+        await b.kv_set("k", b"v")
+        await b.kv_add("n", 1)
+        with server.client() as client:
+            keys = {k.decode() for k in client.keys(f"aelastic:{{{run_id}}}:*")}
+            assert {f"aelastic:{{{run_id}}}:state", f"aelastic:{{{run_id}}}:kv:k"} <= keys
+            assert all(0 < client.ttl(k) <= 100 for k in keys)  # op records included
+            client.expire(b.keys.state, 5)
+        await b.compare_and_set(b"y", (await b.read())[1])  # a write refreshes the expiry
+        with server.client() as client:
+            assert client.ttl(b.keys.state) > 50
+    assert _scripts.RunKeys("p", "a{b}c").base.startswith("p:{sha1-")
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "shape"),
+    [
+        ("string", b"not a hash", "type"),
+        ("list", [b"a", b"b"], "type"),
+        ("hash", {"something": "else"}, "fields"),
+        ("hash", {"epoch": "e", "version": "x", "data": "d"}, "fields"),
+        ("hash", {"epoch": "e", "version": "1"}, "fields"),
+    ],
+)
+async def test_foreign_state_is_reported_and_left_untouched(
+    server: RedisServer, run_id: str, kind: str, value: Any, shape: str
+) -> None:
+    async with backend(server.url, run_id) as b:
+        with server.client() as client:
+            if kind == "string":
+                client.set(b.keys.state, value)
+            elif kind == "list":
+                client.rpush(b.keys.state, *value)
+            else:
+                client.hset(b.keys.state, mapping=value)
+            before = client.dump(b.keys.state)
+        with pytest.raises(RendezvousStateError, match="left as it is"):
+            await b.read()
+        with pytest.raises(RendezvousStateError, match="left as it is"):
+            await b.compare_and_set(b"mine", "")
+        with pytest.raises(RendezvousStateError):
+            await b.wait_for_change("", 1)
+        with server.client() as client:
+            assert client.dump(b.keys.state) == before
+
+
+async def test_garbage_state_bytes_fail_in_the_codec_and_stay(
+    server: RedisServer, run_id: str
+) -> None:
+    async with group(server.url, run_id, 1, 1, 1) as (handler,):
+        keys = _scripts.RunKeys("aelastic", run_id)
+        foreign_cas(server, keys, b"\x00garbage{", "")
+        with server.client() as client:
+            before = client.dump(keys.state)
+        with anyio.fail_after(PROMPT), pytest.raises(RendezvousStateError):
+            await handler.next_rendezvous()
+        with server.client() as client:
+            assert client.dump(keys.state) == before
+
+
+async def test_foreign_store_value_is_reported_and_left_untouched(
+    server: RedisServer, run_id: str
+) -> None:
+    async with backend(server.url, run_id) as b:
+        key = b.keys.kv("k")
+        with server.client() as client:
+            client.rpush(key, b"x")
+        for call in (
+            b.kv_get(["k"]),
+            b.kv_set("k", b"v"),
+            b.kv_add("k", 1),
+            b.kv_compare_set("k", None, b"v"),
+            b.kv_delete("k"),
+        ):
+            with pytest.raises(RendezvousStateError):
+                await call
+        with server.client() as client:
+            assert client.lrange(key, 0, -1) == [b"x"]
+
+
+# -- waiting --------------------------------------------------------------------------------
+
+
+async def test_waiter_wakes_on_a_change_without_polling(server: RedisServer, run_id: str) -> None:
+    async with backend(server.url, run_id, recheck_interval=60) as b:
+        _, _, token = await b.compare_and_set(b"v1", "")
+        start = time.monotonic()
+        await b.wait_for_change(token, 0.3)  # nothing changes: it times out
+        assert 0.25 <= time.monotonic() - start < PROMPT
+        waiters = [asyncio.ensure_future(b.wait_for_change(token, 60)) for _ in range(20)]
+        await asyncio.sleep(0.2)
+        assert not any(w.done() for w in waiters)
+        start = time.monotonic()
+        foreign_cas(server, b.keys, b"v2", token)  # another process writes
+        with anyio.fail_after(PROMPT):
+            await asyncio.gather(*waiters)
+        assert time.monotonic() - start < 2.0  # woken by the change, not the 60 s re-read
+
+
+async def test_wait_returns_at_once_for_a_stale_token(server: RedisServer, run_id: str) -> None:
+    async with backend(server.url, run_id, recheck_interval=60) as b:
+        _, _, t1 = await b.compare_and_set(b"v1", "")
+        await b.compare_and_set(b"v2", t1)
+        with anyio.fail_after(PROMPT):
+            await b.wait_for_change(t1, 60)
+            await b.wait_for_change("", 60)
+            await b.wait_for_change("other-epoch.1", 60)
+
+
+async def test_kv_wait_wakes_when_the_keys_appear(server: RedisServer, run_id: str) -> None:
+    async with backend(server.url, run_id, recheck_interval=60) as b:
+        waiter = asyncio.ensure_future(b.kv_wait(["k1", "k2"], 60))
+        async with backend(server.url, run_id) as writer:
+            await writer.kv_set("k1", b"1")
+            await asyncio.sleep(0.1)
+            assert not waiter.done()
+            start = time.monotonic()
+            await writer.kv_set("k2", b"2")
+            with anyio.fail_after(PROMPT):
+                assert await waiter is True
+            assert time.monotonic() - start < 2.0
+        assert await b.kv_wait(["zz"], 0.2) is False
+
+
+# -- the members' store ---------------------------------------------------------------------
+
+
+async def test_key_value_store_matches_the_memory_backend(server: RedisServer, run_id: str) -> None:
+    async with backend(server.url, run_id) as b:
+        await b.kv_set("a", b"1")
+        assert await b.kv_get(["a", "missing", ""]) == [b"1", None, None]
+        assert await b.kv_get([]) == []
+        assert await b.kv_add("n", 5) == 5
+        assert await b.kv_add("n", -7) == -2
+        assert await b.kv_add("a", 0) == 1
+        await b.kv_set("text", b"abc")
+        with pytest.raises(ValueError, match="not an integer"):
+            await b.kv_add("text", 1)
+        await b.kv_set("big", str(2**63 - 1).encode())
+        with pytest.raises(ValueError):
+            await b.kv_add("big", 1)
+        assert await b.kv_compare_set("c", None, b"v") == b"v"
+        assert await b.kv_compare_set("c", None, b"w") == b"v"
+        assert await b.kv_compare_set("c", b"x", b"w") == b"v"
+        assert await b.kv_compare_set("c", b"v", b"w") == b"w"
+        assert await b.kv_compare_set("absent", b"e", b"d") == b"e"
+        assert await b.kv_get(["absent"]) == [None]
+        assert await b.kv_delete("c") is True
+        assert await b.kv_delete("c") is False
+        assert await b.kv_wait(["a"], 0) is True
+        assert await b.kv_wait(["a", "zz"], 0) is False
+        assert await b.kv_wait([], 0) is True
+        binary = bytes(range(256))
+        await b.kv_set("bin", binary)
+        await b.kv_set("ünï{}:*", b"")
+        assert await b.kv_get(["bin", "ünï{}:*"]) == [binary, b""]
+
+
+async def test_concurrent_adds_from_many_backends_all_count(
+    server: RedisServer, run_id: str
+) -> None:
+    backends = [create_backend(RendezvousParameters("redis", server.url, run_id, 1, 1))]
+    backends += [create_backend(RendezvousParameters("redis", server.url, run_id, 1, 1))]
+    try:
+        results = await asyncio.gather(*(backends[i % 2].kv_add("n", 1) for i in range(100)))
+        assert sorted(results) == list(range(1, 101))
+    finally:
+        for b in backends:
+            await b.aclose()
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("operation", ["read", "compare_and_set", "wait_for_change", "kv_get"])
+async def test_unreachable_redis_fails_within_read_timeout_naming_it(operation: str) -> None:
+    port = free_port()
+    url = f"redis://:hidden-pw@127.0.0.1:{port}/0"  # nothing listens there
+    async with backend(url, "run", read_timeout=0.5) as b:
+        calls = {
+            "read": b.read,
+            "compare_and_set": lambda: b.compare_and_set(b"x", ""),
+            "wait_for_change": lambda: b.wait_for_change("", 30),
+            "kv_get": lambda: b.kv_get(["k"]),
+        }
+        start = time.monotonic()
+        with anyio.fail_after(PROMPT), pytest.raises(RendezvousConnectionError) as info:
+            await calls[operation]()
+        assert time.monotonic() - start < 0.5 + 5.0
+    assert f"redis://127.0.0.1:{port}/0" in str(info.value)
+    assert "hidden-pw" not in str(info.value)
+
+
+async def test_transient_outage_is_retried(own_server: RedisServer, run_id: str) -> None:
+    async with backend(own_server.url, run_id, read_timeout=20) as b:
+        await b.kv_set("k", b"1")
+        own_server.stop()
+        pending = asyncio.ensure_future(b.kv_set("k", b"2"))
+        await asyncio.sleep(0.3)
+        assert not pending.done()  # retrying, not failed
+        own_server.start()
+        with anyio.fail_after(PROMPT):
+            await pending
+        assert await b.kv_get(["k"]) == [b"2"]
+
+
+@pytest.mark.parametrize("how", ["restart", "sigkill"])
+async def test_redis_lost_mid_rendezvous_then_fresh_rendezvous_works(
+    own_server: RedisServer, run_id: str, how: str
+) -> None:
+    async with group(own_server.url, run_id, 3, 3, 3, recheck_interval=60) as handlers:
+        first_two = [asyncio.ensure_future(h.next_rendezvous()) for h in handlers[:2]]
+        observer = handlers[2].backend
+        with anyio.fail_after(PROMPT):  # both joined and are waiting for the third
+            data, token = await observer.read()
+            while data is None or len(decode_state(data).participants) < 2:
+                await observer.wait_for_change(token, PROMPT)
+                data, token = await observer.read()
+        if how == "restart":
+            own_server.stop()
+        else:
+            own_server.kill()
+        own_server.start()  # empty: the state is gone
+        third = asyncio.ensure_future(handlers[2].next_rendezvous())
+        with anyio.fail_after(3 * PROMPT):
+            results = await asyncio.gather(*first_two, third, return_exceptions=True)
+        for result in results:  # each node completed or failed with a clear error
+            assert isinstance(result, RendezvousInfo | RendezvousConnectionError), result
+        infos = await join_all(handlers)  # and a fresh round works
+        assert_one_group(infos, 3)
+
+
+async def test_listener_resubscribes_after_a_restart(own_server: RedisServer, run_id: str) -> None:
+    async with backend(own_server.url, run_id, recheck_interval=60) as b:
+        _, _, token = await b.compare_and_set(b"v1", "")
+        own_server.restart()
+        with anyio.fail_after(PROMPT):
+            while (await b.read())[1] != "":
+                pass
+            _, _, token = await b.compare_and_set(b"v1", "")
+        waiter = asyncio.ensure_future(b.wait_for_change(token, 60))
+        with anyio.fail_after(PROMPT):  # the listener is subscribed again
+            while not b._watch or not b._watch.subscribed:  # type: ignore[union-attr]
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert not waiter.done()
+        start = time.monotonic()
+        foreign_cas(own_server, b.keys, b"v2", token)
+        with anyio.fail_after(PROMPT):
+            await waiter
+        assert time.monotonic() - start < 2.0
+
+
+# -- scale and resources --------------------------------------------------------------------
+
+
+async def test_many_handlers_in_one_process_share_few_connections(
+    server: RedisServer, run_id: str
+) -> None:
+    async with group(server.url, run_id, 64, 64, 64, max_connections=8) as handlers:
+        infos = await join_all(handlers)
+        assert_one_group(infos, 64)
+        with server.client() as client:
+            clients = client.client_list()
+        ours = [c for c in clients if c["cmd"] != "client|list"]
+        assert len(ours) <= 8 + 1  # the pool and one pub/sub connection
+    loop = asyncio.get_running_loop()
+    assert not _shared._clients.get(loop)  # everything released
+
+
+async def test_aclose_is_idempotent_and_closed_backend_refuses(
+    server: RedisServer, run_id: str
+) -> None:
+    b = create_backend(RendezvousParameters("redis", server.url, run_id, 1, 1))
+    await b.aclose()  # never used: nothing to release
+    await b.aclose()
+    with pytest.raises(RendezvousConnectionError, match="closed"):
+        await b.read()
