@@ -10,7 +10,6 @@ from typing import Any
 
 import anyio
 import pytest
-import redis
 
 from aelastic import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
 from aelastic.backends.base import RendezvousBackend
@@ -483,9 +482,10 @@ async def test_listener_resubscribes_after_a_restart(own_server: RedisServer, ru
                 pass
             _, _, token = await b.compare_and_set(b"v1", "")
         waiter = asyncio.ensure_future(b.wait_for_change(token, 60))
+        watch = b._watch
+        assert watch is not None
         with anyio.fail_after(PROMPT):  # the listener is subscribed again
-            while not b._watch or not b._watch.subscribed:  # type: ignore[union-attr]
-                await asyncio.sleep(0.01)
+            await watch.ready.wait()
         await asyncio.sleep(0.1)
         assert not waiter.done()
         start = time.monotonic()
