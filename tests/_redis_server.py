@@ -14,6 +14,7 @@ Usage::
     # stopped here
 
     RedisServer(password="s3cret")           # --requirepass; url stays without the password
+    RedisServer(tls=True)                    # rediss:// only; server.ca_file is its certificate
 
     # in a test module or conftest: a fixture (scope "module" by default) yielding a started
     # server, killed at the end of the scope; a test that stops it must start it again
@@ -61,10 +62,16 @@ class RedisServer:
         password: Start with ``--requirepass`` (clients must authenticate).
         port: Port to use (default: a free one, kept across restarts).
         extra_args: More ``redis-server`` arguments.
+        tls: Serve TLS only, with a fresh self-signed certificate for 127.0.0.1
+            (:attr:`ca_file`); the url is then ``rediss://``.
     """
 
     def __init__(
-        self, password: str | None = None, port: int | None = None, extra_args: tuple[str, ...] = ()
+        self,
+        password: str | None = None,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        tls: bool = False,
     ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -77,6 +84,11 @@ class RedisServer:
         self._drainer: threading.Thread | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="aelastic-redis-")
         self.log_path = Path(self._dir.name) / "redis.log"
+        self.tls = tls
+        self.ca_file = Path(self._dir.name) / "cert.pem"
+        self._key_file = Path(self._dir.name) / "key.pem"
+        if tls:
+            self._make_certificate()
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -84,8 +96,17 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT/0`` (without the password)."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        """``redis://127.0.0.1:PORT/0`` (``rediss://`` with TLS; never the password)."""
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+
+    def _make_certificate(self) -> None:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            pytest.skip("openssl is not on PATH")
+        args = [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        args += ["-keyout", str(self._key_file), "-out", str(self.ca_file)]
+        args += ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+        subprocess.run(args, check=True, capture_output=True)
 
     @property
     def running(self) -> bool:
@@ -100,7 +121,13 @@ class RedisServer:
         """
         if self.running:
             return self
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        args = [self.binary, "--bind", "127.0.0.1"]
+        if self.tls:
+            args += ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no"]
+            args += ["--tls-cert-file", str(self.ca_file), "--tls-key-file", str(self._key_file)]
+            args += ["--tls-ca-cert-file", str(self.ca_file)]
+        else:
+            args += ["--port", str(self.port)]
         args += ["--save", "", "--appendonly", "no", "--dir", self._dir.name]
         if self.password:
             args += ["--requirepass", self.password]
@@ -142,6 +169,8 @@ class RedisServer:
 
     def client(self, **kwargs: Any) -> redis.Redis:
         """A synchronous client of this server (with the password); close it after use."""
+        if self.tls:
+            kwargs.update(ssl=True, ssl_ca_certs=str(self.ca_file))
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **kwargs)
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -196,6 +196,18 @@ async def test_wrong_or_missing_password_fails_at_once_saying_auth_failed(
     assert "wrong-password" not in str(info.value)
 
 
+async def test_tls_with_the_servers_certificate(run_id: str) -> None:
+    with RedisServer(tls=True) as srv:
+        assert srv.url.startswith("rediss://")
+        async with backend(srv.url, run_id, ssl_ca_certs=str(srv.ca_file)) as b:
+            assert (await b.compare_and_set(b"x", ""))[0] is True
+            async with group(srv.url, run_id + "-g", 2, 2, 2, ssl_ca_certs=str(srv.ca_file)) as g:
+                assert_one_group(await join_all(g), 2)
+        async with backend(srv.url, run_id, read_timeout=0.5) as b:  # an unknown certificate
+            with anyio.fail_after(PROMPT), pytest.raises(RendezvousConnectionError, match="rediss"):
+                await b.read()
+
+
 # -- the state cell -------------------------------------------------------------------------
 
 
