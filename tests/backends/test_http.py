@@ -255,18 +255,12 @@ async def test_server_checks_every_route(token_server: HttpServer, run_id: str) 
 async def test_unreachable_server_fails_within_read_timeout(run_id: str) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     async with backend(endpoint, run_id, read_timeout=1.0) as b:
-        start = time.monotonic()
-        with pytest.raises(RendezvousConnectionError, match=endpoint):
-            await b.read()
-        assert 0.9 <= time.monotonic() - start < 5.0
-        # Later calls during the same outage give up as soon as they fail, not one
-        # read_timeout each (N queued writers must not take N x read_timeout).
-        calls = [lambda: b.compare_and_set(b"x", ""), lambda: b.kv_set("k", b"v")]
+        calls = [lambda: b.read(), lambda: b.compare_and_set(b"x", ""), lambda: b.kv_set("k", b"")]
         for call in calls:
             start = time.monotonic()
             with pytest.raises(RendezvousConnectionError, match=endpoint):
                 await call()
-            assert time.monotonic() - start < 2.0
+            assert 0.9 <= time.monotonic() - start < 5.0
 
 
 async def test_queued_writers_fail_together_when_the_server_is_down(run_id: str) -> None:
@@ -278,7 +272,7 @@ async def test_queued_writers_fail_together_when_the_server_is_down(run_id: str)
             *(b.compare_and_set(b"x", "") for b in backends), return_exceptions=True
         )
         assert all(isinstance(r, RendezvousConnectionError) for r in results), results
-        assert time.monotonic() - start < 5.0
+        assert time.monotonic() - start < 5.0  # not 20 x read_timeout
     finally:
         for b in backends:
             await b.aclose()
@@ -370,6 +364,52 @@ async def test_corrupt_persistence_file_is_a_clear_startup_error(tmp_path: Path)
         finally:
             srv.close()
         assert path.read_bytes() == content  # left as it was
+
+
+async def test_unwritable_persistence_file_is_503_then_recovers(
+    tmp_path: Path, run_id: str
+) -> None:
+    folder = tmp_path / "state"
+    folder.mkdir()
+    srv = HttpServer(persist=folder / "runs.json")
+    try:
+        srv.start()
+        async with backend(srv.url, run_id, read_timeout=1.0) as b:
+            await b.kv_set("before", b"1")
+            folder.rename(tmp_path / "moved")  # the server can no longer write its file
+            with pytest.raises(RendezvousConnectionError, match="could not persist"):
+                await b.kv_add("n", 1)
+            assert srv.running
+            folder.mkdir()
+            # The change was kept; a retry (same Idempotency-Key) would not apply it twice.
+            assert await b.kv_add("n", 1) == 2
+        assert json.loads((folder / "runs.json").read_bytes())["runs"][run_id]["kv"]
+    finally:
+        srv.close()
+
+
+def test_second_server_on_a_busy_port_fails_clearly(server: HttpServer) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = [sys.executable, "-m", "aelastic.backends.http.server", "--port", str(server.port)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"cannot serve on 127.0.0.1:{server.port}" in done.stderr
+
+
+async def test_idle_runs_expire() -> None:
+    from aelastic.backends.http._runs import RunStore
+
+    store = RunStore()
+    old, busy, fresh = store.run("old"), store.run("busy"), store.run("fresh")
+    for run in (old, busy, fresh):
+        store.state_written(run, b"s")
+    old.touched = busy.touched = time.monotonic() - 100
+    waiter = asyncio.ensure_future(store.wait_state(busy, 30))
+    await asyncio.sleep(0)
+    assert store.expire(50) == 1
+    assert set(store.runs) == {"busy", "fresh"}
+    store.close()
+    await waiter
 
 
 async def test_shutdown_does_not_wait_for_long_polls(own_server: HttpServer, run_id: str) -> None:

@@ -99,30 +99,25 @@ def _auth_middleware(token: str) -> Any:
 
 
 class _Replays:
-    """Answers of recent mutating requests, by idempotency key (bounded, oldest out)."""
+    """Answers of recent mutating requests, by idempotency key (bounded, oldest out).
+
+    A change is applied synchronously, so the answer is known (and cached) before any
+    duplicate can arrive; a duplicate gets the cached answer and, like the first, waits
+    until the change is on disk.
+    """
 
     def __init__(self) -> None:
-        self._answers: OrderedDict[str, asyncio.Future[_Reply | None]] = OrderedDict()
+        self._answers: OrderedDict[str, _Reply] = OrderedDict()
 
-    async def once(self, key: str | None, apply: Callable[[], Awaitable[_Reply]]) -> _Reply:
+    def once(self, key: str | None, apply: Callable[[], _Reply]) -> _Reply:
         """Apply a request once per ``key``; a repeat gets the first answer."""
         if key is None:
-            return await apply()
-        while (known := self._answers.get(key)) is not None:
-            reply = await asyncio.shield(known)
-            if reply is not None:
-                return reply
-        future: asyncio.Future[_Reply | None] = asyncio.get_running_loop().create_future()
-        self._answers[key] = future
-        if len(self._answers) > _MAX_REPLAYS:
-            self._answers.popitem(last=False)
-        try:
-            reply = await apply()
-        except BaseException:
-            self._answers.pop(key, None)  # failed: a retry may apply it again
-            future.set_result(None)
-            raise
-        future.set_result(reply)
+            return apply()
+        reply = self._answers.get(key)
+        if reply is None:
+            reply = self._answers[key] = apply()
+            if len(self._answers) > _MAX_REPLAYS:
+                self._answers.popitem(last=False)
         return reply
 
 
@@ -167,21 +162,16 @@ def _idempotency_key(request: web.Request) -> str | None:
     return None if key is None else f"{request.method} {request.path} {key}"
 
 
-async def _answer(request: web.Request, reply: _Reply) -> web.Response:
+async def _mutate(request: web.Request, apply: Callable[[], _Reply]) -> web.Response:
+    """Apply a change (once per idempotency key), wait until it is durable, answer.
+
+    If the persistence file cannot be written the answer is 503: the change is kept in
+    memory, and a retry with the same key gets the same answer once the file is written.
+    """
+    reply = request.app[_REPLAYS].once(_idempotency_key(request), apply)
+    await _store(request).durable()
     status, body = reply
     return web.json_response(body, status=status)
-
-
-async def _mutate(request: web.Request, apply: Callable[[], _Reply]) -> web.Response:
-    store = _store(request)
-
-    async def durable() -> _Reply:
-        reply = apply()
-        await store.durable()
-        return reply
-
-    replays = request.app[_REPLAYS]
-    return await _answer(request, await replays.once(_idempotency_key(request), durable))
 
 
 def _state_reply(run: Run) -> dict[str, Any]:

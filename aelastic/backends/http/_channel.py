@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
+from ...rendezvous.api import RendezvousConnectionError
 from ._transport import Connection
 from .wire import SchemaError, b64decode, b64encode, require_token, token_is_older
 
@@ -83,6 +84,7 @@ class RunChannel:
         self._writing = False
         self._turns: deque[asyncio.Future[None]] = deque()
         self._quiet_waiters: asyncio.Future[None] | None = None
+        self._write_failure: tuple[float, RendezvousConnectionError] | None = None
         self._shared: dict[Hashable, _Shared[Any]] = {}
         self._batches: dict[Hashable, asyncio.Future[Any]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -131,12 +133,21 @@ class RunChannel:
     ) -> tuple[bool, bytes | None, str]:
         if token_is_older(token, self._token):
             return False, self._state, self._token
+        loop = asyncio.get_running_loop()
+        queued_at = loop.time()
         await self._take_turn()
+        failure = self._write_failure
+        if failure is not None and failure[0] > queued_at:
+            # The server failed the writer ahead for read_timeout while this one waited:
+            # fail alike at once rather than spend another read_timeout on it.
+            self._writing = False
+            self._pass_turn()
+            raise RendezvousConnectionError(str(failure[1]))
         if token_is_older(token, self._token):
             # Stale after waiting: fail now and leave the turn free for the retry that
             # follows synchronously; if none comes, the next writer is woken.
             self._writing = False
-            asyncio.get_running_loop().call_soon(self._pass_turn)
+            loop.call_soon(self._pass_turn)
             return False, self._state, self._token
         try:
             answer = await self.conn.call(
@@ -147,6 +158,10 @@ class RunChannel:
                 accept=frozenset({200, 409}),
                 idempotent=False,
             )
+            self._write_failure = None
+        except RendezvousConnectionError as exc:
+            self._write_failure = (loop.time(), exc)
+            raise
         finally:
             self._writing = False
             self._pass_turn()

@@ -35,8 +35,6 @@ _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 1.0
 #: Extra seconds a long-poll attempt may take beyond what the server was asked to hold it.
 _HOLD_MARGIN = 10.0
-#: Failures further apart than this (seconds) belong to separate outages.
-_OUTAGE_GAP = 5.0
 
 
 class Connection:
@@ -54,10 +52,6 @@ class Connection:
         self.endpoint = endpoint
         self.refs = 0
         self.loop = asyncio.get_running_loop()
-        #: Loop time of the earliest failure since the last success (``None``: healthy),
-        #: and of the latest failure.
-        self.failing_since: float | None = None
-        self.last_failure = 0.0
         self.runs: dict[str, RunChannel] = {}  # run id -> channel (managed by the client)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
@@ -99,12 +93,13 @@ class Connection:
             url = url.with_query(query)
         headers = {} if idempotent else {"Idempotency-Key": uuid.uuid4().hex}
         loop = asyncio.get_running_loop()
-        first_failure: float | None = None
+        first_failure: float | None = None  # start of the first failed attempt
+        answered: str | None = None  # the first failure the server itself reported
         backoff = _FIRST_BACKOFF
         while True:
             started = loop.time()
-            since = self._failing_since(first_failure)
-            remaining = read_timeout if since is None else since + read_timeout - started
+            since = started if first_failure is None else first_failure
+            remaining = since + read_timeout - started
             if hold:
                 remaining = min(remaining, _HOLD_MARGIN)
             try:
@@ -114,43 +109,28 @@ class Connection:
                 ) as response:
                     status = response.status
                     if status not in _RETRY_STATUSES:
-                        self.failing_since = None
                         return status, await self._answer(response, method, accept)
                     problem = f"it answered {status} ({await _error_text(response)})"
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 problem = _describe(exc)
-            if first_failure is None:
-                first_failure = started
-            if self.failing_since is None or started - self.last_failure > _OUTAGE_GAP:
-                self.failing_since = started
-            self.last_failure = loop.time()
-            since = self._failing_since(first_failure)
-            assert since is not None
+            if answered is None and problem.startswith("it answered"):
+                answered = problem
+            first_failure = since
             now = loop.time()
-            if now - since >= read_timeout:
+            if now - first_failure >= read_timeout:
+                if answered is not None and answered != problem:
+                    problem = f"{problem}; before that {answered}"
                 raise RendezvousConnectionError(
                     f"The rendezvous server at {self.endpoint} could not be reached for "
-                    f"{now - since:.3g} s (read_timeout {read_timeout:g} s): {problem}."
+                    f"{now - first_failure:.3g} s (read_timeout {read_timeout:g} s): {problem}."
                 )
             if give_up_at is not None and now >= give_up_at:
                 return None
-            delay = min(backoff, since + read_timeout - now)
+            delay = min(backoff, first_failure + read_timeout - now)
             if give_up_at is not None:
                 delay = min(delay, max(give_up_at - now, 0.0))
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, _MAX_BACKOFF)
-
-    def _failing_since(self, first_failure: float | None) -> float | None:
-        """Since when the server has been failing, for a call whose first failure is given.
-
-        The connection remembers its earliest failure not followed by a success, so that
-        calls queued behind a failing one give up together, not one ``read_timeout`` each.
-        """
-        times = [] if first_failure is None else [first_failure]
-        ongoing = asyncio.get_running_loop().time() - self.last_failure <= _OUTAGE_GAP
-        if self.failing_since is not None and ongoing:
-            times.append(self.failing_since)
-        return min(times) if times else None
 
     async def _answer(
         self, response: aiohttp.ClientResponse, method: str, accept: frozenset[int]
