@@ -196,6 +196,48 @@ async def test_wrong_or_missing_password_fails_at_once_saying_auth_failed(
     assert "wrong-password" not in str(info.value)
 
 
+async def test_acl_user_from_config_with_password_from_environment(
+    auth_server: RedisServer, run_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with auth_server.client() as client:
+        client.acl_setuser(
+            "alice",
+            enabled=True,
+            passwords=["+alice-pw"],
+            categories=["+@all"],
+            keys=["aelastic:*"],
+            channels=["aelastic:*"],
+        )
+        for name, keys, channels in (("bob", ["other:*"], ["*"]), ("carol", ["*"], ["x"])):
+            client.acl_setuser(
+                name,
+                enabled=True,
+                passwords=[f"+{name}-pw"],
+                categories=["+@all"],
+                keys=keys,
+                channels=channels,
+                reset_channels=True,
+            )
+    monkeypatch.setenv(ENV_PASSWORD, "alice-pw")
+    async with group(auth_server.url, run_id, 2, 2, 2, username="alice") as g:
+        assert_one_group(await join_all(g), 2)
+    monkeypatch.setenv(ENV_PASSWORD, "bob-pw")  # bob may not touch the run's keys
+    async with backend(auth_server.url, run_id, username="bob") as b:
+        with pytest.raises(RendezvousConnectionError, match="refused") as info:
+            await b.compare_and_set(b"x", "")
+    assert f"bob@127.0.0.1:{auth_server.port}" in str(info.value)
+    # carol may not subscribe: no notifications, so waits fall back to the safety net
+    monkeypatch.setenv(ENV_PASSWORD, "carol-pw")
+    async with backend(auth_server.url, run_id, username="carol", recheck_interval=0.2) as b:
+        _, _, token = await b.compare_and_set(b"mine", "")
+        waiting = asyncio.ensure_future(b.wait_for_change(token, 60))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        foreign_cas(auth_server, b.keys, b"theirs", token)
+        with anyio.fail_after(PROMPT):
+            await waiting
+
+
 async def test_tls_with_the_servers_certificate(run_id: str) -> None:
     with RedisServer(tls=True) as srv:
         assert srv.url.startswith("rediss://")

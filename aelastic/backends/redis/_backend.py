@@ -99,6 +99,11 @@ class RedisBackend:
         ):
             if not value > 0:
                 raise ValueError(f"The Redis backend option '{what}' ({value}) must be positive.")
+        if not key_prefix or "{" in key_prefix or "}" in key_prefix:
+            raise ValueError(
+                f"The Redis backend option 'key_prefix' ({key_prefix!r}) must be non-empty "
+                "and without braces (they delimit the run's hash tag)."
+            )
         self._run_id = run_id
         self._endpoint = endpoint
         self._keys = lua.RunKeys(key_prefix, run_id)
@@ -360,7 +365,7 @@ class RedisBackend:
         if not keys:
             return []
         full = [self._keys.kv(k) for k in keys]
-        values: list[bytes | None] = await self._script("kv_get", lua.KV_GET, full, [])
+        values: list[bytes | None] = await self._script("kv_get", lua.KV_GET, full, [self._ttl_ms])
         return list(values)
 
     async def kv_add(self, key: str, amount: int) -> int:

@@ -12,7 +12,8 @@ Redis Cluster hash tag, so a run lives on one slot and multi-key scripts stay le
   ``k<key>`` (store) from inside its script, so a waiter can never miss a change that
   happened after it subscribed.
 
-Every write refreshes the expiry of what it wrote (``key_ttl``), so finished runs vanish.
+Every write (and every read of a store key) refreshes the expiry of what it touched
+(``key_ttl``), so finished runs vanish while a long round keeps its keys.
 The scripts check the type and shape of what they find and answer with a status instead
 of touching a value that aelastic did not write: ``-1`` (wrong Redis type), ``-2`` (a
 hash without a valid ``epoch``/``version``/``data``), ``-3`` (not an integer).
@@ -136,10 +137,14 @@ return {1, token}
 """
 )
 
-#: KEYS: the keys. -> their values (nil when missing); a foreign type raises WRONGTYPE.
+#: KEYS: the keys. ARGV: ttl ms. -> their values (nil when missing); a foreign type raises
+#: WRONGTYPE. Reading a key refreshes its expiry: a long round keeps its store.
 KV_GET = """
 local out = {}
-for i, key in ipairs(KEYS) do out[i] = redis.call('GET', key) end
+for i, key in ipairs(KEYS) do
+  out[i] = redis.call('GET', key)
+  if out[i] then redis.call('PEXPIRE', key, ARGV[1]) end
+end
 return out
 """
 

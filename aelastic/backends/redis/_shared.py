@@ -426,7 +426,8 @@ class SharedClient:
                     log.exception("pub/sub listener at %s failed", self.endpoint.display)
                 elif not self.listener_failing:
                     log.warning(
-                        "pub/sub at %s lost (%s); waiters re-read while it reconnects",
+                        "pub/sub at %s failed (%s); waiters re-read on the safety-net period "
+                        "until it is back",
                         self.endpoint.display,
                         exc,
                     )
