@@ -404,6 +404,24 @@ async def test_wait_returns_at_once_for_a_stale_token(server: RedisServer, run_i
             await b.wait_for_change("other-epoch.1", 60)
 
 
+async def test_run_watched_again_right_after_release_still_wakes(
+    server: RedisServer, run_id: str
+) -> None:
+    async with backend(server.url, run_id + "-keeps-the-connection-open") as keeper:
+        await keeper.read()
+        token = ""
+        for round_ in range(5):  # subscribe, unsubscribe, subscribe: only the last counts
+            async with backend(server.url, run_id) as released:
+                await released.read()
+            async with backend(server.url, run_id, recheck_interval=60) as b:
+                waiting = asyncio.ensure_future(b.wait_for_change(token, 60))
+                await asyncio.sleep(0.05)
+                assert not waiting.done()
+                token = foreign_cas(server, b.keys, str(round_).encode(), token)[1].decode()
+                with anyio.fail_after(2.0):
+                    await waiting
+
+
 async def test_kv_wait_wakes_when_the_keys_appear(server: RedisServer, run_id: str) -> None:
     async with backend(server.url, run_id, recheck_interval=60) as b:
         waiter = asyncio.ensure_future(b.kv_wait(["k1", "k2"], 60))

@@ -272,6 +272,7 @@ class SharedClient:
         self._listener: asyncio.Task[None] | None = None
         self._conn: Connection | None = None
         self._sent: set[bytes] = set()
+        self._unacked: dict[bytes, int] = {}  # (UN)SUBSCRIBEs sent, not yet confirmed
         self._send_lock = asyncio.Lock()
         self.listener_failing = False
         self._loading: asyncio.Future[None] | None = None
@@ -392,6 +393,7 @@ class SharedClient:
             if conn is None or (channel in self._sent) == subscribing:
                 return  # not connected (the listener subscribes on connect) or nothing to do
             (self._sent.add if subscribing else self._sent.discard)(channel)
+            self._unacked[channel] = self._unacked.get(channel, 0) + 1
             try:
                 await conn.send_command(command, channel, check_health=False)
             except (RedisError, OSError) as exc:
@@ -413,6 +415,7 @@ class SharedClient:
                 await asyncio.wait_for(conn.connect(), CONNECT_TIMEOUT)  # type: ignore[no-untyped-call]
                 async with self._send_lock:
                     self._sent = set(self._watches)
+                    self._unacked = dict.fromkeys(self._sent, 1)
                     if self._sent:
                         await conn.send_command("SUBSCRIBE", *self._sent, check_health=False)
                     self._conn = conn
@@ -435,6 +438,7 @@ class SharedClient:
             finally:
                 self._conn = None
                 self._sent = set()
+                self._unacked = {}
                 for watch in list(self._watches.values()):
                     watch.on_lost()
                 with contextlib.suppress(Exception):
@@ -461,7 +465,16 @@ class SharedClient:
     def _dispatch(self, response: Any) -> None:
         if not isinstance(response, list) or len(response) < 2:
             return
-        kind, watch = response[0], self._watches.get(response[1])
+        kind, channel = response[0], response[1]
+        if kind in (b"subscribe", b"unsubscribe"):
+            # Only the confirmation of the last (un)subscription sent counts: an old
+            # "subscribe" must not mark a channel live that was unsubscribed since.
+            left = self._unacked.get(channel, 0) - 1
+            if left > 0:
+                self._unacked[channel] = left
+                return
+            self._unacked.pop(channel, None)
+        watch = self._watches.get(channel)
         if watch is None:
             return
         if kind == b"message" and len(response) == 3:
