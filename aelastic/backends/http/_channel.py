@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
@@ -214,17 +215,18 @@ class RunChannel:
         while (self._writing or self._turns) and loop.time() < deadline:
             if self._quiet_waiters is None:
                 self._quiet_waiters = loop.create_future()
-            await asyncio.wait({self._quiet_waiters}, timeout=deadline - loop.time())
+            left = None if deadline == math.inf else deadline - loop.time()
+            await asyncio.wait({self._quiet_waiters}, timeout=left)
 
-    async def wait_for_change(self, token: str, timeout: float, read_timeout: float) -> None:
-        if timeout <= 0:
+    async def wait_for_change(self, token: str, timeout: float | None, read_timeout: float) -> None:
+        if timeout is not None and timeout <= 0:
             return
-        deadline = asyncio.get_running_loop().time() + timeout
+        deadline = math.inf if timeout is None else asyncio.get_running_loop().time() + timeout
         if not token_is_older(token, self._token):
             await self._wait_for_token(token, timeout, read_timeout)
         await self._quiet(deadline)
 
-    async def _wait_for_token(self, token: str, timeout: float, read_timeout: float) -> None:
+    async def _wait_for_token(self, token: str, timeout: float | None, read_timeout: float) -> None:
 
         async def poll() -> None:
             while True:
@@ -343,7 +345,7 @@ class RunChannel:
             raise
 
     async def _share(
-        self, key: Hashable, poll: Callable[[], Awaitable[None]], timeout: float
+        self, key: Hashable, poll: Callable[[], Awaitable[None]], timeout: float | None
     ) -> bool:
         shared = self._shared.get(key)
         if shared is None or shared.task.done():

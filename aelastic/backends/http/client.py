@@ -144,8 +144,11 @@ class HttpBackend:
         """
         return await self._open().compare_and_set(bytes(state), token, self._read_timeout)
 
-    async def wait_for_change(self, token: Token, timeout: float) -> None:
+    async def wait_for_change(self, token: Token, timeout: float | None) -> None:
         """Return once the stored token differs from ``token``, or after ``timeout`` s.
+
+        A long-poll (shared by the backends of this loop waiting on the same token); with
+        ``timeout=None`` it waits as long as it takes.
 
         Raises:
             RendezvousConnectionError: The server was unreachable for ``read_timeout``.
