@@ -355,7 +355,19 @@ async def test_persistence_keeps_state_and_keys_across_restarts(
 
 async def test_corrupt_persistence_file_is_a_clear_startup_error(tmp_path: Path) -> None:
     path = tmp_path / "runs.json"
-    for content in (b"{not json", b'{"format": "something else"}', b""):
+    head = '{"format": "aelastic.http.runs", "version": '
+    contents = [
+        b"{not json",
+        b"",
+        b'{"format": "something else"}',
+        (head + '2, "runs": {}}').encode(),
+        (head + '1, "runs": {"r": {"state": "!!", "kv": {}}}}').encode(),
+        (
+            head + '1, "runs": {"r": {"state": "eA==", "epoch": 3, "version": 1, "kv": {}}}}'
+        ).encode(),
+        (head + '1, "runs": {"r": {"state": null, "kv": {"k": 5}}}}').encode(),
+    ]
+    for content in contents:
         path.write_bytes(content)
         srv = HttpServer(persist=path)
         try:

@@ -14,7 +14,10 @@ x changes):
   share one request (sent after all of them were called, so each sees every write that
   finished before its call);
 * long-polls are shared by what they wait for (a token, a set of keys) and are cancelled when
-  their last waiter leaves.
+  their last waiter leaves;
+* a waiter whose state changed while writes of this channel are queued or under way returns
+  when they are done: it would only read and wait again, once per write of the burst;
+* writers queued behind one that failed for ``read_timeout`` fail with it at once.
 The server still decides every compare-and-set; the mirror only saves requests that would fail.
 """
 

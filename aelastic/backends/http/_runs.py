@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .wire import SchemaError, b64decode, b64encode, require_run_id
+from .wire import SchemaError, b64decode, b64encode, parse_token, require_run_id
 
 __all__ = ["PersistenceError", "Run", "RunStore"]
 
@@ -242,13 +242,15 @@ def _parse_runs(doc: Any) -> Iterable[tuple[str, Run]]:
             raise SchemaError(f"run {run_id!r} must be an object")
         run = Run()
         state, kv = item.get("state"), item.get("kv")
-        run.epoch, run.version = item.get("epoch"), item.get("version")  # type: ignore[assignment]
+        epoch, version = item.get("epoch"), item.get("version")
         if state is not None:
             if not isinstance(state, str):
                 raise SchemaError(f"the state of run {run_id!r} must be base64 text or null")
             run.state = b64decode(state, f"state of run {run_id!r}")
-            if not (isinstance(run.epoch, str) and run.epoch and type(run.version) is int):
+            valid = type(version) is int and parse_token(f"{epoch}.{version}") is not None
+            if not (isinstance(epoch, str) and isinstance(version, int) and valid):
                 raise SchemaError(f"run {run_id!r} has an invalid epoch or version")
+            run.epoch, run.version = epoch, version
         if not isinstance(kv, dict) or not all(isinstance(v, str) for v in kv.values()):
             raise SchemaError(f"the keys of run {run_id!r} must map to base64 text")
         run.kv = {k: b64decode(v, f"key {k!r} of run {run_id!r}") for k, v in kv.items()}

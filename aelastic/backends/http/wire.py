@@ -26,6 +26,7 @@ __all__ = [
     "MAX_RUN_ID_LENGTH",
     "MAX_WAIT",
     "TOKEN_ENV",
+    "ParsedToken",
     "SchemaError",
     "b64decode",
     "b64encode",
