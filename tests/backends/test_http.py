@@ -142,6 +142,8 @@ async def test_key_value_store_matches_the_memory_backend(server: HttpServer, ru
         assert await b.kv_wait(["a"], 0) is True
         assert await b.kv_wait(["a", "zz"], 0) is False
         assert await b.kv_wait(["zz"], 0.2) is False
+        assert await b.kv_get([]) == []
+        assert await b.kv_wait([], 1) is True
         binary = bytes(range(256))
         await b.kv_set("bin", binary)
         assert await b.kv_get(["bin"]) == [binary]

@@ -250,6 +250,8 @@ class RunChannel:
 
     async def kv_get(self, keys: Sequence[str], read_timeout: float) -> list[bytes | None]:
         wanted = list(keys)
+        if not wanted:
+            return []
 
         async def send() -> list[bytes | None]:
             doc = await self._call("POST", "/kv/get", read_timeout, body={"keys": wanted})
@@ -263,6 +265,8 @@ class RunChannel:
 
     async def kv_wait(self, keys: Sequence[str], timeout: float, read_timeout: float) -> bool:
         wanted = list(keys)
+        if not wanted:
+            return True
         if timeout <= 0:
             return all(v is not None for v in await self.kv_get(wanted, read_timeout))
 

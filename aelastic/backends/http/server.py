@@ -7,7 +7,8 @@ file (a group commit: each answer waits until the snapshot holding its change is
 (and ``aelastic serve``) call it. It binds to loopback unless told otherwise.
 
 HTTP API (version 1). Every body, request and answer, is a JSON object; bytes are base64
-text. ``{run}`` is the run id, URL-encoded (1..256 characters). With a token configured
+text. ``{run}`` is the run id, URL-encoded (1..256 characters); keys have up to 1024
+characters (no NUL), and a request names 1..4096 of them. With a token configured
 (``token=`` or ``AELASTIC_HTTP_TOKEN``) every request needs ``Authorization: Bearer <token>``
 (compared in constant time), else ``401``. Mutating requests may carry an
 ``Idempotency-Key`` header (up to 128 characters): a retry of a request already applied gets
