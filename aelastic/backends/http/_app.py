@@ -51,6 +51,7 @@ DEFAULT_RUN_TTL = 24 * 3600.0
 
 _STORE: web.AppKey[RunStore] = web.AppKey("aelastic_run_store", RunStore)
 _MAX_REPLAYS = 8192
+_MAX_REPLAY_SIZE = 1024
 _MAX_IDEMPOTENCY_KEY = 128
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _Reply = tuple[int, dict[str, Any]]
@@ -103,7 +104,9 @@ class _Replays:
 
     A change is applied synchronously, so the answer is known (and cached) before any
     duplicate can arrive; a duplicate gets the cached answer and, like the first, waits
-    until the change is on disk.
+    until the change is on disk. Large answers (a lost compare-and-set carries the whole
+    state) are not kept: their requests change nothing, or are naturally idempotent
+    (``compare_set``), so a retry may simply be evaluated again.
     """
 
     def __init__(self) -> None:
@@ -115,9 +118,11 @@ class _Replays:
             return apply()
         reply = self._answers.get(key)
         if reply is None:
-            reply = self._answers[key] = apply()
-            if len(self._answers) > _MAX_REPLAYS:
-                self._answers.popitem(last=False)
+            reply = apply()
+            if sum(len(v) for v in reply[1].values() if isinstance(v, str)) <= _MAX_REPLAY_SIZE:
+                self._answers[key] = reply
+                if len(self._answers) > _MAX_REPLAYS:
+                    self._answers.popitem(last=False)
         return reply
 
 
