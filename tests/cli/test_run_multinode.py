@@ -1,0 +1,106 @@
+"""`aelastic run` on several nodes (launcher processes) over Redis and HTTP, without torch.
+
+A node that dies (SIGKILL to its launcher and worker) makes the survivor re-form the group
+alone; a node that arrives late makes the running one re-form a bigger group. The workers
+finish as soon as they see the world size the test waits for.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ._proc import Cli, alive
+
+# Prints its world; exits 0 once the world has the size given as argument, else waits.
+WORKER = """
+import os, sys, time
+world = int(os.environ["WORLD_SIZE"])
+print(f"worker pid={os.getpid()} world={world} rank={os.environ['RANK']}", flush=True)
+if world != int(sys.argv[1]):
+    time.sleep(120)
+"""
+
+
+@pytest.fixture(params=["http", "redis"])
+def rendezvous(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    if request.param == "http":
+        pytest.importorskip("aiohttp")
+        from tests._http_server import HttpServer
+
+        with HttpServer() as server:
+            yield "http", server.endpoint
+    else:
+        pytest.importorskip("redis")
+        from tests._redis_server import RedisServer
+
+        with RedisServer() as server:
+            yield "redis", server.url
+
+
+def _node(tmp_path: Path, rendezvous: tuple[str, str], run_id: str, want_world: int) -> Cli:
+    backend, endpoint = rendezvous
+    return Cli(
+        [
+            "run",
+            "--nnodes=1:2",
+            f"--rdzv-backend={backend}",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}",
+            "--rdzv-conf=last_call_timeout=0.5,keep_alive_interval=0.2,keep_alive_max_attempt=2",
+            "--local-addr=127.0.0.1",
+            "--max-restarts=3",
+            "worker.py",
+            str(want_world),
+        ],
+        tmp_path,
+    )
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fp:
+            return [int(p) for p in fp.read().split()]
+    except OSError:
+        return []
+
+
+def _has(text: str):  # type: ignore[no-untyped-def]
+    return lambda lines: any(text in line for line in lines)
+
+
+def test_survivor_reforms_the_group(
+    tmp_path: Path, rendezvous: tuple[str, str], run_id: str
+) -> None:
+    (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
+    with _node(tmp_path, rendezvous, run_id, 1) as a, _node(tmp_path, rendezvous, run_id, 1) as b:
+        # Both start together (last call 0.5 s), or one joins the other's next round.
+        a.wait_for(_has("world=2"))
+        b.wait_for(_has("world=2"))
+        worker_b = _children(b.proc.pid)
+        for pid in [b.proc.pid, *worker_b]:  # node B loses power
+            os.kill(pid, signal.SIGKILL)
+        b.wait(30)
+        assert a.wait(60) == 0, a.output
+    assert "node(s) lost" in a.output
+    assert re.search(r"world=1 rank=0", a.output)
+    assert not [pid for pid in worker_b if alive(pid)]
+
+
+def test_late_node_scales_the_group_up(
+    tmp_path: Path, rendezvous: tuple[str, str], run_id: str
+) -> None:
+    (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
+    with _node(tmp_path, rendezvous, run_id, 2) as a:
+        a.wait_for(_has("world=1"))
+        with _node(tmp_path, rendezvous, run_id, 2) as b:
+            assert b.wait(60) == 0, b.output
+            assert a.wait(60) == 0, a.output
+    assert "node(s) waiting to join" in a.output or "rescaling" in a.output, a.output
+    assert "world=2" in a.output and "world=2" in b.output
