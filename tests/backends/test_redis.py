@@ -567,6 +567,38 @@ async def test_listener_resubscribes_after_a_restart(own_server: RedisServer, ru
         assert time.monotonic() - start < 2.0
 
 
+async def test_pubsub_connection_killed_is_replaced(server: RedisServer, run_id: str) -> None:
+    async with backend(server.url, run_id, recheck_interval=60) as b:
+        _, _, token = await b.compare_and_set(b"v1", "")
+        watch, shared = b._watch, b._client
+        assert watch is not None and shared is not None and watch.subscribed
+        killed = shared._conn
+        with server.client() as client:
+            assert client.client_kill_filter(_type="pubsub") >= 1
+        with anyio.fail_after(PROMPT):
+            while shared._conn is killed:  # the loss wakes the waiters (spuriously)
+                await b.wait_for_change(token, PROMPT)
+            await watch.ready.wait()  # resubscribed on a new connection
+        waiting = asyncio.ensure_future(b.wait_for_change(token, 60))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        foreign_cas(server, b.keys, b"v2", token)
+        with anyio.fail_after(2.0):
+            await waiting
+
+
+async def test_a_retried_add_counts_once(server: RedisServer, run_id: str) -> None:
+    async with backend(server.url, run_id) as b:
+        assert await b.kv_add("n", 1) == 1
+        keys = [b.keys.kv("n"), b.keys.op("retried")]
+        with server.client() as client:
+            add = client.register_script(_scripts.KV_ADD)
+            args = [5, 60_000, b.keys.channel, b"kn", 60_000]
+            assert add(keys=keys, args=args) == [1, 6]
+            assert add(keys=keys, args=args) == [1, 6]  # the same operation, sent again
+        assert await b.kv_get(["n"]) == [b"6"]
+
+
 # -- scale and resources --------------------------------------------------------------------
 
 

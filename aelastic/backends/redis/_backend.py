@@ -58,6 +58,9 @@ _TRANSIENT = (
     OSError,
 )
 
+#: Longest idle time of the pub/sub connection before the listener checks it with a PING.
+_HEALTH_INTERVAL = 5.0
+
 #: How long the result of a ``kv_add`` is kept so that a retried add does not count twice.
 _OP_TTL_MS = 10 * 60 * 1000
 
@@ -145,7 +148,8 @@ class RedisBackend:
             self._bind_lock = asyncio.Lock()
         async with self._bind_lock:
             if self._client is None:
-                client = acquire_client(self._endpoint, self._max_connections, self._recheck)
+                health = min(self._recheck, _HEALTH_INTERVAL)
+                client = acquire_client(self._endpoint, self._max_connections, health)
                 self._loop, self._client = loop, client
                 self._watch = await client.watch(self._keys.channel)
         assert self._client is not None and self._watch is not None
@@ -421,6 +425,8 @@ class RedisBackend:
 
     async def kv_wait(self, keys: Sequence[str], timeout: float) -> bool:
         """Wait until every key in ``keys`` exists; ``False`` if ``timeout`` passed first."""
+        if not keys:
+            return True
         client, watch = await self._bind()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(timeout, 0.0)
@@ -440,7 +446,7 @@ class RedisBackend:
                     watch.discard(waiter)
             waiter = watch.waiter(keys=names)
             try:
-                if not full or await self._call("kv_wait", all_exist):
+                if await self._call("kv_wait", all_exist):
                     return True
                 period = min(deadline - loop.time(), self._recheck)
                 if period <= 0:
