@@ -70,6 +70,11 @@ def test_serve_status_and_a_running_job(tmp_path: Path, run_id: str) -> None:
             node.signal(signal.SIGTERM)
             assert node.wait(60) == 1
 
+        # The stopped node left the rendezvous (without closing it for the others).
+        code, out = _status(tmp_path, endpoint, run_id, "--json")
+        doc = json.loads(out)
+        assert doc["participants"] == [] and not doc["closed"], doc
+
         server.signal(signal.SIGTERM)
         assert server.wait(30) == 0
 

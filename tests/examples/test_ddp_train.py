@@ -26,6 +26,7 @@ def test_readme_quick_start_command() -> None:
     assert "all workers of this node succeeded" in out
 
 
+@pytest.mark.slow
 def test_crash_restart_resume_then_a_smaller_world(tmp_path: Path) -> None:
     checkpoints = str(tmp_path / "ckpt")
     common = ["examples/ddp_train.py", f"--checkpoint-dir={checkpoints}", "--checkpoint-every=5"]

@@ -10,6 +10,7 @@ pytest.importorskip("torch")
 pytest.importorskip("aiohttp")
 
 
+@pytest.mark.slow
 def test_survivor_carries_on() -> None:
     code, out = run(["examples/elastic_demo.py", "--steps=15", "--step-time=0.1"], timeout=240)
     assert code == 0, out
