@@ -245,6 +245,8 @@ async def test_tls_with_the_servers_certificate(run_id: str) -> None:
             assert (await b.compare_and_set(b"x", ""))[0] is True
             async with group(srv.url, run_id + "-g", 2, 2, 2, ssl_ca_certs=str(srv.ca_file)) as g:
                 assert_one_group(await join_all(g), 2)
+        async with backend(srv.url, run_id, ssl_cert_reqs="none") as b:  # not verified
+            assert (await b.read())[0] == b"x"
         async with backend(srv.url, run_id, read_timeout=0.5) as b:  # an unknown certificate
             with anyio.fail_after(PROMPT), pytest.raises(RendezvousConnectionError, match="rediss"):
                 await b.read()
