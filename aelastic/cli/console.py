@@ -10,6 +10,7 @@ took. Workers' own output is not touched: it goes to stdout/stderr as the agent 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -19,6 +20,10 @@ from ..agent.api import ProcessFailure, RunResult
 from ..agent.events import AgentEvent, EventKind
 
 __all__ = ["Console", "describe_exit", "summarize_failure"]
+
+
+#: "(3 restarts left)" inside the agent's reason: the console says it once, at the end.
+_RESTARTS_LEFT = re.compile(r"\s*\(\d+ restarts? left\)")
 
 
 def _plural(count: int, word: str) -> str:
@@ -149,7 +154,7 @@ class Console:
                 return None
             return f"the group changed: {_membership(data)}"
         if kind is EventKind.RESTART:
-            reason = data.get("reason", "?")
+            reason = _RESTARTS_LEFT.sub("", str(data.get("reason", "?")))
             if data.get("spent"):
                 left = int(data.get("restarts_left", 0))
                 return f"restarting the workers ({reason}); {_plural(left, 'restart')} left"
