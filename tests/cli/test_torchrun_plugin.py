@@ -145,6 +145,25 @@ def test_store_is_a_torch_store(run_id: str) -> None:
         handler.shutdown()
 
 
+def test_store_serves_init_process_group(run_id: str) -> None:
+    import torch
+
+    handler = get_rendezvous_handler(_params(run_id))
+    try:
+        info = handler.next_rendezvous()
+        store = dist.PrefixStore("pg", info.store)
+        dist.init_process_group("gloo", store=store, rank=info.rank, world_size=info.world_size)
+        try:
+            value = torch.ones(3)
+            dist.all_reduce(value)
+            dist.barrier()
+            assert value.tolist() == [1.0, 1.0, 1.0]
+        finally:
+            dist.destroy_process_group()
+    finally:
+        handler.shutdown()
+
+
 def test_two_nodes_and_a_lost_member(run_id: str) -> None:
     params = _params(run_id, nodes=2, keep_alive_interval="0.1", keep_alive_max_attempt="2")
     first, second = get_rendezvous_handler(params), get_rendezvous_handler(params)
