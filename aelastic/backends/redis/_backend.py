@@ -155,15 +155,14 @@ class RedisBackend:
         assert self._client is not None and self._watch is not None
         return self._client, self._watch
 
-    async def _call(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
-        """Run ``attempt`` with retries on transient failures, within ``read_timeout``."""
+    async def _call(self, what: str, attempt: Callable[[float], Awaitable[T]]) -> T:
+        """Run ``attempt(timeout)`` with retries on transient failures, within ``read_timeout``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._read_timeout
         delay = 0.05
         while True:
             try:
-                remaining = max(deadline - loop.time(), 0.001)
-                return await asyncio.wait_for(attempt(), remaining)
+                return await attempt(max(deadline - loop.time(), 0.001))
             except AuthenticationError as exc:
                 raise RendezvousConnectionError(
                     f"Authentication to Redis at {self.endpoint} failed ({what}): {exc} "
@@ -195,12 +194,12 @@ class RedisBackend:
         command = ("EVALSHA", _SHA[src], len(keys), *keys, *args)
         shareable = src in _READ_ONLY
 
-        async def run() -> Any:
+        async def run(timeout: float) -> Any:
             try:
-                return await shared.command(*command, shareable=shareable)
+                return await shared.command(*command, timeout=timeout, shareable=shareable)
             except NoScriptError:  # a new or restarted server: load them all, then run
-                await shared.load_scripts(lua.SCRIPTS.values())
-                return await shared.command(*command, shareable=shareable)
+                await asyncio.wait_for(shared.load_scripts(lua.SCRIPTS.values()), timeout)
+                return await shared.command(*command, timeout=timeout, shareable=shareable)
 
         try:
             return await self._call(what, run)
@@ -433,8 +432,9 @@ class RedisBackend:
         full = [self._keys.kv(k) for k in keys]
         names = [k.encode() for k in keys]
 
-        async def all_exist() -> bool:
-            return bool(await client.command("EXISTS", *full, shareable=True) == len(full))
+        async def all_exist(timeout: float) -> bool:
+            found = await client.command("EXISTS", *full, timeout=timeout, shareable=True)
+            return bool(found == len(full))
 
         while True:
             period = min(deadline - loop.time(), self._recheck)

@@ -31,7 +31,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from ._endpoint import RedisEndpoint
 
@@ -281,11 +281,12 @@ class SharedClient:
 
     # -- commands -------------------------------------------------------------------------
 
-    async def command(self, *args: Any, shareable: bool = False) -> Any:
+    async def command(self, *args: Any, timeout: float, shareable: bool = False) -> Any:
         """Run one command, pipelined with the others issued in the same loop iteration.
 
         Args:
             *args: The command and its arguments.
+            timeout: Seconds to wait for the reply (``asyncio.TimeoutError`` after).
             shareable: The command only reads: identical ones of one batch run once.
 
         Returns:
@@ -296,7 +297,11 @@ class SharedClient:
         self._pending.append((args, shareable, future))
         if len(self._pending) == 1:
             loop.call_soon(self._flush)
-        return await future
+        timer = loop.call_later(timeout, _time_out, future)
+        try:
+            return await future
+        finally:
+            timer.cancel()
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
@@ -320,10 +325,7 @@ class SharedClient:
         if not commands:
             return
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for args in commands:
-                    pipe.execute_command(*args)
-                replies = await pipe.execute(raise_on_error=False)
+            replies = await self._execute(commands)
         except BaseException as exc:
             for futures in groups.values():
                 for future in futures:
@@ -344,6 +346,19 @@ class SharedClient:
                     future.set_exception(reply)
                 else:
                     future.set_result(reply)
+
+    async def _execute(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Replies (or reply errors) of ``commands``, in one round trip."""
+        if len(commands) == 1:
+            try:
+                return [await self.redis.execute_command(*commands[0])]  # type: ignore[no-untyped-call]
+            except ResponseError as exc:
+                return [exc]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for args in commands:
+                pipe.execute_command(*args)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+            return replies
 
     async def load_scripts(self, scripts: Iterable[str]) -> None:
         """Load ``scripts`` into the server's script cache (one load at a time per client)."""
@@ -501,6 +516,11 @@ class SharedClient:
                 await task
         await self.redis.aclose()
         await self.pool.disconnect()
+
+
+def _time_out(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_exception(asyncio.TimeoutError())
 
 
 def _quiet_handshake() -> dict[str, Any]:
