@@ -293,3 +293,82 @@ def test_torchrun_two_nodes(worker: Path, run_id: str, shared_endpoint: tuple[st
     combined = "".join(outs)
     assert combined.count("OK rank=") == 2
     assert "world=2 sum=3" in combined
+
+
+# A worker without torch: prints its world, finishes once it runs in a world of one.
+WORLD_WORKER = """
+import os, time
+world = int(os.environ["WORLD_SIZE"])
+print(f"world={world} pid={os.getpid()}", flush=True)
+if world != 1:
+    time.sleep(120)
+"""
+
+
+def _lines_until(proc: subprocess.Popen[str], text: str, seen: list[str], timeout: float) -> None:
+    """Read ``proc``'s output into ``seen`` until a line contains ``text`` (in a thread)."""
+    found = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if text in line:
+                found.set()
+                return
+
+    threading.Thread(target=pump, daemon=True).start()
+    assert found.wait(timeout), "".join(seen)
+
+
+def test_torchrun_survivors_reform_after_a_node_dies(tmp_path: Path, run_id: str) -> None:
+    if not _http_ready():
+        pytest.skip("the HTTP backend client has not landed yet")
+    from tests._http_server import HttpServer
+
+    worker = tmp_path / "world.py"
+    worker.write_text(WORLD_WORKER)
+    with HttpServer() as server:
+        args = [
+            "--nnodes=1:2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=aelastic-http",
+            f"--rdzv-endpoint={server.endpoint}",
+            f"--rdzv-id={run_id}",
+            "--rdzv-conf=last_call_timeout=1,keep_alive_interval=0.2,keep_alive_max_attempt=2",
+            "--local-addr=127.0.0.1",
+            str(worker),
+        ]
+        a, b = (_torchrun(*args, cwd=tmp_path) for _ in range(2))
+        try:
+            out_a: list[str] = []
+            out_b: list[str] = []
+            _lines_until(a, "world=2", out_a, 90)
+            _lines_until(b, "world=2", out_b, 90)
+            # Node B dies with its worker: no goodbye, no more heartbeats.
+            victims = [b.pid, *_child_pids(b.pid)]
+            for pid in victims:
+                os.kill(pid, 9)
+            b.wait(30)
+            # torch's own agent sees num_nodes_waiting() > 0 and re-forms the group alone.
+            a.wait(90)
+            rest = a.stdout.read() if a.stdout else ""
+        finally:
+            for proc in (a, b):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                if proc.stdout is not None:
+                    proc.stdout.close()
+    output = "".join(out_a) + rest
+    assert a.returncode == 0, output
+    assert "world=1" in output
+
+
+def _child_pids(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fp:
+            direct = [int(p) for p in fp.read().split()]
+    except OSError:
+        return []
+    return direct + [q for child in direct for q in _child_pids(child)]
