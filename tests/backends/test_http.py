@@ -556,6 +556,26 @@ async def test_many_handlers_in_one_process_form_one_group(server: HttpServer, r
         assert len({(i.bootstrap_store_info.master_port) for i in infos}) == 1  # type: ignore[union-attr]
 
 
+async def test_nodes_that_share_nothing_form_one_group(server: HttpServer, run_id: str) -> None:
+    # A server without auth ignores tokens, but the client keeps one session per token:
+    # each handler is then on its own, like nodes in separate processes (conflicts happen).
+    handlers = [
+        create_handler(
+            RendezvousParameters(
+                "http", server.url, run_id, 12, 12, local_addr="127.0.0.1", token=f"t{i}"
+            )
+        )
+        for i in range(12)
+    ]
+    try:
+        with anyio.fail_after(30):
+            infos = await asyncio.gather(*(h.next_rendezvous() for h in handlers))
+        assert sorted(i.rank for i in infos) == list(range(12))
+    finally:
+        for h in handlers:
+            await h.aclose()
+
+
 async def test_members_share_the_round_store(server: HttpServer, run_id: str) -> None:
     async with group(server.url, run_id, 3, 3, 3) as g:
         infos = await asyncio.gather(*(h.next_rendezvous() for h in g))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
@@ -41,6 +42,9 @@ T = TypeVar("T")
 
 #: Longest a long-poll asks the server to hold it (seconds); waits loop on it.
 LONG_POLL = 30.0
+#: First and largest bound of the random pause after a write lost to another process (s).
+_CONFLICT_BACKOFF = 0.001
+_MAX_CONFLICT_BACKOFF = 0.25
 
 
 def _segment(run_id: str) -> str:
@@ -89,6 +93,7 @@ class RunChannel:
         self._turns: deque[asyncio.Future[None]] = deque()
         self._quiet_waiters: asyncio.Future[None] | None = None
         self._write_failure: tuple[float, RendezvousConnectionError] | None = None
+        self._conflicts = 0  # consecutive writes lost to other processes
         self._shared: dict[Hashable, _Shared[Any]] = {}
         self._batches: dict[Hashable, asyncio.Future[Any]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -173,13 +178,30 @@ class RunChannel:
         status, doc = answer
         if status == 409:
             current, current_token = self._parse_state(doc)
-            return False, current, current_token
+            return await self._back_off(current, current_token, read_timeout)
+        self._conflicts = 0
         try:
             new_token = require_token(doc.get("token"))
         except SchemaError as exc:
             raise self.conn.protocol_error(f"a write without a valid token ({exc})") from None
         self._learn(state, new_token)
         return True, state, new_token
+
+    async def _back_off(
+        self, state: bytes | None, token: str, read_timeout: float
+    ) -> tuple[bool, bytes | None, str]:
+        """After a write lost to another process: a jittered pause, then the fresh state.
+
+        Many processes writing at once would otherwise all retry at once, and all but one
+        lose again (N^2 writes for N nodes). The pause grows with consecutive losses.
+        """
+        self._conflicts += 1
+        limit = min(_CONFLICT_BACKOFF * 2 ** min(self._conflicts, 16), _MAX_CONFLICT_BACKOFF)
+        await asyncio.sleep(random.uniform(0, limit))
+        if token_is_older(token, self._token):
+            return False, self._state, self._token
+        current, current_token = await self.read(read_timeout)
+        return False, current, current_token
 
     async def _take_turn(self) -> None:
         while self._writing:
