@@ -3,9 +3,9 @@
 How it works: every write is one Lua script (see :mod:`._scripts`) that checks what it
 finds, writes, refreshes the expiry and publishes the change, atomically. Reads of the
 state by many nodes of one process share one in-flight request; compare-and-set calls of
-one process take turns (:class:`._shared.Turn`), and one that carries a token older than
+one process take turns (:class:`._watch.Turn`), and one that carries a token older than
 an answer this process already has fails at once with that answer. Waiting registers with
-the process's pub/sub listener (:mod:`._shared`) and returns when a message says the
+the process's pub/sub listener (:mod:`._shared`, :mod:`._watch`) and returns when a message says the
 token moved; the server is asked only when the process cannot tell (first wait after a
 subscription, a token of another epoch) and on the safety-net period ``recheck_interval``.
 
@@ -38,7 +38,8 @@ from ...rendezvous.api import RendezvousConnectionError, RendezvousStateError
 from ..base import NO_STATE, Token
 from . import _scripts as lua
 from ._endpoint import RedisEndpoint
-from ._shared import Order, RunWatch, SharedClient, acquire_client, compare_tokens, release_client
+from ._shared import SharedClient, acquire_client, release_client
+from ._watch import Order, RunWatch, compare_tokens
 
 __all__ = ["RedisBackend"]
 

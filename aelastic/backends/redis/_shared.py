@@ -1,30 +1,24 @@
-"""Connections shared by every Redis backend of one event loop, and change notifications.
+"""Connections shared by every Redis backend of one event loop and endpoint.
 
 How it works: many handlers in one process (the benchmark runs hundreds as tasks of one
 loop) each create a backend, but the backends of one ``(event loop, endpoint)`` share a
-:class:`SharedClient`: one bounded connection pool for commands and one pub/sub connection.
-Its listener task subscribes to the channel of every run in use (a :class:`RunWatch` each,
-reference counted) and turns each message into local wake-ups, so a change costs one
-message per process however many nodes wait. The listener pings the server when idle,
-reconnects with backoff, resubscribes, and wakes every waiter after a reconnection (a
-message may have been lost meanwhile: waiters re-read).
-
-A :class:`RunWatch` also keeps what the process knows about the run: the token of the last
-change notified (``latest``), a counter of everything that made local knowledge newer
-(``seq``, which keeps a shared in-flight read from answering for a later caller), the last
-compare-and-set answer (``cached``), and the in-process order of compare-and-set calls
-(:class:`Turn`).
+:class:`SharedClient`: a bounded pool for commands and one pub/sub connection. Commands
+issued in the same loop iteration go out as one pipeline (identical reads run once). The
+listener task subscribes to the channel of every run in use (a :class:`~._watch.RunWatch`
+each, reference counted) and turns each message into local wake-ups, so a change costs one
+message per process however many nodes wait. It pings the server when idle, reconnects
+with backoff, resubscribes, and wakes every waiter after a loss (a message may have been
+missed meanwhile: waiters re-read).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import inspect
 import logging
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -34,220 +28,14 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from ._endpoint import RedisEndpoint
+from ._watch import RunWatch
 
-__all__ = ["Order", "RunWatch", "SharedClient", "Turn", "acquire_client", "compare_tokens"]
+__all__ = ["SharedClient", "acquire_client", "release_client"]
 
 log = logging.getLogger("aelastic.backends.redis")
 
-#: Longest delay of a wake-up while writes of this process to the same run are queued
-#: (their notifications follow at once: waking the waiters for each would waste CPU).
-MAX_HOLD = 0.05
-
 #: Seconds to open a connection (TCP, TLS, AUTH) before that attempt counts as failed.
 CONNECT_TIMEOUT = 10.0
-
-
-class Order(enum.Enum):
-    """How a token relates to a newer piece of knowledge about the run."""
-
-    SAME = "same"  # equal, or known to be newer: nothing to report yet
-    CHANGED = "changed"  # known to be older: the stored token differs
-    UNKNOWN = "unknown"  # cannot tell without asking the server
-
-
-def _parse(token: str) -> tuple[str, int] | None:
-    epoch, dot, version = token.partition(".")
-    if not dot or not version.isdigit():
-        return None
-    return epoch, int(version)
-
-
-def compare_tokens(token: str, known: str | None) -> Order:
-    """Relate ``token`` (what a caller holds) to ``known`` (a token the server had later).
-
-    Tokens of one epoch are ordered by version; anything else is :attr:`Order.UNKNOWN`.
-    """
-    if known is None:
-        return Order.UNKNOWN
-    if token == known:
-        return Order.SAME
-    mine, theirs = _parse(token), _parse(known)
-    if mine is None or theirs is None or mine[0] != theirs[0]:
-        return Order.UNKNOWN
-    return Order.CHANGED if mine[1] < theirs[1] else Order.SAME
-
-
-class Turn:
-    """The in-process order of compare-and-set calls on one run.
-
-    One call at a time goes to the server. A caller that lost keeps the turn for its
-    immediate retry (made in the same loop iteration, since deciding again is pure
-    computation) and loses it at the next iteration otherwise. So N nodes of one process
-    joining at once cost about N writes, not N² lost races.
-
-    Args:
-        on_idle: Called when the turn becomes free with nobody queued for it.
-    """
-
-    def __init__(self, on_idle: Callable[[], None]) -> None:
-        self._lock = asyncio.Lock()
-        self._owner: asyncio.Task[Any] | None = None
-        self._lease = 0
-        self._queued = 0
-        self._on_idle = on_idle
-
-    @property
-    def busy(self) -> bool:
-        """Whether a write of this process is under way or queued."""
-        return self._lock.locked() or self._queued > 0
-
-    async def acquire(self) -> None:
-        """Take the turn (at once if this task kept it)."""
-        task = asyncio.current_task()
-        if task is not None and self._owner is task:
-            self._lease += 1
-            return
-        self._queued += 1
-        try:
-            await self._lock.acquire()
-        finally:
-            self._queued -= 1
-        self._owner = task
-        self._lease += 1
-
-    def release(self) -> None:
-        """Give the turn to the next caller."""
-        self._owner = None
-        self._lease += 1
-        self._lock.release()
-        if not self._queued:
-            self._on_idle()
-
-    def keep(self) -> None:
-        """Keep the turn for the owner's retry; release it at the next loop iteration."""
-        lease = self._lease
-        asyncio.get_running_loop().call_soon(self._expire, lease)
-
-    def _expire(self, lease: int) -> None:
-        if self._lease == lease and self._lock.locked():
-            self.release()
-
-
-class _Waiter:
-    __slots__ = ("future", "keys", "token")
-
-    def __init__(self, future: asyncio.Future[bool], token: str, keys: frozenset[bytes]) -> None:
-        self.future = future
-        self.token = token
-        self.keys = keys
-
-    def wake(self) -> None:
-        if not self.future.done():
-            self.future.set_result(True)
-
-    def expire(self) -> None:
-        if not self.future.done():
-            self.future.set_result(False)
-
-
-class RunWatch:
-    """What this process knows about one run's changes; shared by the run's backends."""
-
-    def __init__(self, channel: bytes) -> None:
-        self.channel = channel
-        self.refs = 0
-        self.subscribed = False
-        self.ready = asyncio.Event()
-        self.latest: str | None = None
-        self.seq = 0
-        self.cached: tuple[bytes | None, str] | None = None
-        self.turn = Turn(self._turn_idle)
-        self._held: asyncio.TimerHandle | None = None
-        self.inflight_read: tuple[int, asyncio.Task[tuple[bytes | None, str]]] | None = None
-        self._state_waiters: set[_Waiter] = set()
-        self._key_waiters: set[_Waiter] = set()
-
-    def waiter(self, token: str = "", keys: Iterable[bytes] = ()) -> _Waiter:
-        """Register a waiter for a state change from ``token`` or for ``keys`` to change."""
-        key_set = frozenset(keys)
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), token, key_set)
-        (self._key_waiters if key_set else self._state_waiters).add(waiter)
-        return waiter
-
-    @property
-    def holding(self) -> bool:
-        """Whether wake-ups wait for this process's queued writes to the run."""
-        return self._held is not None
-
-    async def sleep(self, waiter: _Waiter, timeout: float) -> bool:
-        """Wait until ``waiter`` is woken (``True``) or ``timeout`` passes (``False``)."""
-        if waiter.future.done():
-            return True
-        timer = asyncio.get_running_loop().call_later(timeout, waiter.expire)
-        try:
-            return await waiter.future
-        finally:
-            timer.cancel()
-
-    def discard(self, waiter: _Waiter) -> None:
-        """Forget ``waiter`` (it was woken or gave up)."""
-        self._state_waiters.discard(waiter)
-        self._key_waiters.discard(waiter)
-        waiter.future.cancel()
-
-    def wake_all(self) -> None:
-        """Wake every waiter (it may have missed a change: it re-reads)."""
-        if self._held is not None:
-            self._held.cancel()
-            self._held = None
-        for waiter in (*self._state_waiters, *self._key_waiters):
-            waiter.wake()
-
-    def on_message(self, payload: bytes) -> None:
-        """A write of the run was published: wake who it concerns."""
-        kind, body = payload[:1], payload[1:]
-        if kind == b"s":
-            self.latest = body.decode("ascii", "replace")
-            self.seq += 1
-            if not self.turn.busy:
-                self._wake_state_waiters()
-            elif self._held is None:  # more writes of this process are coming: wake after
-                loop = asyncio.get_running_loop()
-                self._held = loop.call_later(MAX_HOLD, self._wake_state_waiters)
-        elif kind == b"k":
-            for waiter in self._key_waiters:
-                if body in waiter.keys:
-                    waiter.wake()
-
-    def _wake_state_waiters(self) -> None:
-        if self._held is not None:
-            self._held.cancel()
-            self._held = None
-        latest = self.latest
-        for waiter in self._state_waiters:
-            if compare_tokens(waiter.token, latest) is not Order.SAME:
-                waiter.wake()
-
-    def _turn_idle(self) -> None:
-        if self._held is not None:
-            self._wake_state_waiters()
-
-    def on_subscribed(self) -> None:
-        """The channel is (again) subscribed: messages from now on arrive."""
-        self.subscribed = True
-        self.latest = None
-        self.seq += 1
-        self.ready.set()
-        self.wake_all()
-
-    def on_lost(self) -> None:
-        """The pub/sub connection is gone: messages may be lost until resubscribed."""
-        if self.subscribed:
-            self.subscribed = False
-            self.latest = None
-            self.seq += 1
-            self.ready.clear()
-        self.wake_all()
 
 
 class SharedClient:
