@@ -14,7 +14,10 @@ bare ``host[:port]`` (default port 6379). Credentials may also come from the con
 * ``tls``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``: TLS.
 
 See :mod:`._scripts` for the key layout, :mod:`._shared` for how handlers of one process
-share connections and notifications, :mod:`._backend` for the operations.
+share connections, :mod:`._watch` for notifications and local waiters, :mod:`._backend`
+for the operations. Needs a standalone Redis (or a primary); Redis Cluster and Sentinel
+discovery are not supported (the run's keys share one hash tag, so a cluster-aware proxy
+works).
 """
 
 from __future__ import annotations
