@@ -45,13 +45,20 @@ from .errors import format_failures
 from .events import AgentEvent, AgentMetrics, EventBus, EventKind, EventStream
 from .membership import GroupChanged, RoundGroup
 from .policy import Action, Decision, Observation, Trigger, decide
-from .process import WorkerProcess
+from .process import WorkerProcess, stop_processes
 from .ranks import AgentRecord, assign_ranks, record_key
+from .standby import Standby, launch_of, standby_env
 from .workers import WorkerSet
 
 __all__ = ["ElasticAgent"]
 
 log = logging.getLogger("aelastic.agent")
+
+#: Seconds after an attempt's start before its warm standbys start (so that they do not
+#: compete with the workers' own startup for CPU).
+_STANDBY_DELAY = 0.25
+#: Seconds an idle standby gets to exit on SIGTERM.
+_STANDBY_GRACE = 2.0
 
 
 class ElasticAgent:
@@ -72,6 +79,9 @@ class ElasticAgent:
         self._restarts_left = spec.max_restarts
         self._attempt = -1
         self._workers: WorkerSet | None = None
+        self._launch = launch_of(spec)
+        self._standbys: dict[int, Standby] = {}
+        self._standby_task: asyncio.Task[None] | None = None
         self._round: RoundGroup | None = None
         self._reserved: socket.socket | None = None
         self._run_dir: str | None = None
@@ -338,7 +348,14 @@ class ElasticAgent:
             self._handler.get_run_id(),
         )
         started = time.monotonic()
-        await workers.start(before_spawn=self._release_port)
+        standbys = await self._take_standbys()
+        try:
+            await workers.start(before_spawn=self._release_port, standbys=standbys)
+        finally:
+            used = {id(p) for p in workers.processes + workers.discarded}
+            await self._stop_standbys([s for s in standbys.values() if id(s.process) not in used])
+        if self._launch is not None:
+            self._standby_task = asyncio.ensure_future(self._prepare_standbys())
         self._set_state(WorkerState.HEALTHY)
         data: dict[str, Any] = {
             "pids": {p.local_rank: p.pid for p in workers.processes},
@@ -347,6 +364,33 @@ class ElasticAgent:
         if stopped_at is not None:
             data["recovery"] = time.monotonic() - stopped_at
         self._emit(EventKind.WORKERS_STARTED, **data)
+
+    async def _prepare_standbys(self) -> None:
+        """Start the next attempt's interpreters once this attempt's had their start."""
+        await asyncio.sleep(_STANDBY_DELAY)
+        assert self._launch is not None
+        env = standby_env(self._spec)
+        for rank in range(self._spec.local_world_size):
+            try:
+                self._standbys[rank] = Standby(self._launch, env, rank)
+            except OSError as exc:
+                log.warning("could not start a warm standby: %s", exc)
+                return
+        pids = {rank: standby.process.pid for rank, standby in self._standbys.items()}
+        self._emit(EventKind.STANDBYS_READY, pids=pids)
+
+    async def _take_standbys(self) -> dict[int, Standby]:
+        task, self._standby_task = self._standby_task, None
+        if task is not None:
+            await cancel_and_wait(task)
+        standbys, self._standbys = self._standbys, {}
+        return standbys
+
+    async def _stop_standbys(self, standbys: list[Standby]) -> None:
+        for standby in standbys:
+            standby.close()
+        if standbys:
+            await stop_processes([s.process for s in standbys], _STANDBY_GRACE)
 
     async def _supervise(self) -> tuple[Observation, dict[int, ProcessFailure]]:
         """Wait for the first thing that calls for action; what it was and who failed."""
@@ -443,6 +487,7 @@ class ElasticAgent:
     async def _shutdown(self, result: RunResult | None) -> None:
         """Stop and reap every worker, leave the rendezvous, release what the run made."""
         try:
+            await self._stop_standbys(list((await self._take_standbys()).values()))
             await self._stop_workers(WorkerState.STOPPED)
             self._release_port()
             if self._joined:

@@ -115,6 +115,9 @@ class WorkerSpec:
             local rank's entry of the agent's list (or the local rank) and ``LOCAL_RANK`` 0.
         close_on_failure: Close the rendezvous for every node when this node fails for good
             (torch's behaviour); otherwise just leave it so the others may go on.
+        warm_standby: Keep one idle interpreter per local rank, started ahead of time, so
+            a restart skips Python's startup (only for ``sys.executable`` running a script
+            or ``-m module``; the worker sees the same environment, argv and ``__main__``).
     """
 
     role: str
@@ -137,6 +140,7 @@ class WorkerSpec:
     exit_barrier_timeout: float = 300.0
     virtual_local_rank: bool = False
     close_on_failure: bool = True
+    warm_standby: bool = True
 
     def __post_init__(self) -> None:
         if self.local_world_size <= 0:

@@ -14,10 +14,42 @@ from typing import Any
 
 from .api import Worker, WorkerGroup
 
-__all__ = ["LOCAL_RANK_MACRO", "cuda_visible_device", "substitute_args", "worker_env"]
+__all__ = [
+    "ATTEMPT_KEYS",
+    "LOCAL_RANK_MACRO",
+    "cuda_visible_device",
+    "substitute_args",
+    "worker_env",
+]
 
 #: Replaced by the worker's local rank in string arguments (torch's ``macros.local_rank``).
 LOCAL_RANK_MACRO = "${local_rank}"
+
+
+#: The variables the agent sets per worker and attempt (everything else is inherited).
+ATTEMPT_KEYS = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCHELASTIC_ERROR_FILE",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "OMP_NUM_THREADS",
+        "CUDA_VISIBLE_DEVICES",
+    }
+)
 
 
 def substitute_args(args: Sequence[Any], local_rank: int) -> tuple[Any, ...]:

@@ -51,6 +51,8 @@ class EventKind(str, enum.Enum):
     RESTART = "restart"
     #: The exit barrier ended: ``duration``, ``complete`` (every member succeeded).
     EXIT_BARRIER = "exit_barrier"
+    #: Warm standbys for the next attempt are up: ``pids`` (by local rank).
+    STANDBYS_READY = "standbys_ready"
     #: The run ended (the last event of a stream): ``reason``.
     FINISHED = "finished"
 

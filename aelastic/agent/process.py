@@ -72,6 +72,10 @@ class WorkerProcess:
         )
         return cls(popen, local_rank)
 
+    def restarted(self) -> None:
+        """Note that the process starts its real work now (a warm standby released)."""
+        self.started_at = time.monotonic()
+
     def __repr__(self) -> str:
         return f"WorkerProcess(local_rank={self.local_rank}, pid={self.pid}, rc={self.returncode})"
 

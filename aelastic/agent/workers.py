@@ -10,9 +10,10 @@ their own sessions, and hands the teed pipes to the log copier. It turns exits i
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import IO, Any
 
 from . import callables
 from .api import ProcessFailure, WorkerGroup
@@ -20,8 +21,13 @@ from .env import substitute_args, worker_env
 from .errors import make_failure
 from .logs import AttemptLogs
 from .process import WorkerProcess, stop_processes
+from .standby import Standby
 
 __all__ = ["WorkerSet"]
+
+log = logging.getLogger("aelastic.agent")
+
+_Stream = int | IO[Any] | None
 
 
 class WorkerSet:
@@ -52,11 +58,19 @@ class WorkerSet:
         self._run_id = run_id
         self._logs = AttemptLogs(group.spec, run_dir, attempt)
         self.processes: list[WorkerProcess] = []
+        #: Standbys that could not serve (closed; stop them).
+        self.discarded: list[WorkerProcess] = []
 
-    async def start(self, before_spawn: Callable[[], None] = lambda: None) -> None:
+    async def start(
+        self,
+        before_spawn: Callable[[], None] = lambda: None,
+        standbys: Mapping[int, Standby] | None = None,
+    ) -> None:
         """Start every worker; ``before_spawn`` runs just before each spawn.
 
-        On any error the workers already started are stopped before it propagates.
+        A usable warm standby of the local rank becomes the worker; one that is not (or
+        fails) is closed and left in :attr:`discarded` for the caller to stop. On any error
+        the workers already started are stopped before it propagates.
 
         Raises:
             OSError: A command could not be started.
@@ -76,7 +90,9 @@ class WorkerSet:
                 stdout, stderr = self._logs.child_streams(rank)
                 before_spawn()
                 try:
-                    proc = WorkerProcess.start(argv, env, rank, stdout=stdout, stderr=stderr)
+                    proc = self._warm(standbys, rank, env, (stdout, stderr))
+                    if proc is None:
+                        proc = WorkerProcess.start(argv, env, rank, stdout=stdout, stderr=stderr)
                 except BaseException:
                     self._logs.abandon(rank)
                     raise
@@ -86,6 +102,27 @@ class WorkerSet:
         except BaseException:
             await self.stop(0.0)
             raise
+
+    def _warm(
+        self,
+        standbys: Mapping[int, Standby] | None,
+        local_rank: int,
+        env: Mapping[str, str],
+        streams: tuple[_Stream, _Stream],
+    ) -> WorkerProcess | None:
+        standby = None if standbys is None else standbys.get(local_rank)
+        if standby is None:
+            return None
+        if standby.usable_for(env):
+            args = substitute_args(self._group.spec.args, local_rank)[standby.launch.consumed :]
+            fds = [None if s is None else s if isinstance(s, int) else s.fileno() for s in streams]
+            try:
+                return standby.release(env, args, fds)
+            except OSError as exc:
+                log.info("warm standby of local rank %d unusable (%s): cold start", local_rank, exc)
+        standby.close()
+        self.discarded.append(standby.process)
+        return None
 
     def _argv(self, local_rank: int) -> list[str]:
         spec = self._group.spec
@@ -130,7 +167,8 @@ class WorkerSet:
 
     async def stop(self, grace: float) -> None:
         """Stop and reap every worker (SIGTERM, ``grace`` s, SIGKILL), then drain the logs."""
-        procs, self.processes = self.processes, []
+        procs, self.processes = self.processes + self.discarded, []
+        self.discarded = []
         if procs:
             await stop_processes(procs, grace)
         await self._logs.aclose()

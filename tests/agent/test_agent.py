@@ -88,6 +88,34 @@ async def test_worker_environment_is_torchs(run_id: str, tmp_path: Any) -> None:
         assert hello["argv"] == ["env", f"--lr={local_rank}"]
 
 
+async def test_warm_restart_looks_like_a_cold_start(run_id: str, tmp_path: Any) -> None:
+    handler = make_handler(run_id)
+    async with WorkerHub() as hub:
+        spec = worker_spec(handler, hub, "env", 2, "--lr=${local_rank}", max_restarts=1)
+        agent = ElasticAgent(spec)
+        ready = asyncio.Event()
+        agent.add_listener(lambda e: e.kind is EventKind.STANDBYS_READY and ready.set())
+        async with running(agent) as task:
+            cold = await hub.gather(2)
+            await asyncio.wait_for(ready.wait(), 30)
+            hub.tell(cold[0]["pid"], "exit 1")
+            warm = await hub.gather(2)
+            for hello in warm:
+                hub.release(hello["pid"])
+            assert (await task).state is WorkerState.SUCCEEDED
+    for before, after in zip(cold, warm, strict=True):
+        assert "-c" not in before["orig_argv"] and "-c" in after["orig_argv"]  # really warm
+        assert after["main"] == before["main"]
+        assert after["argv"] == before["argv"]
+        changed = {"TORCHELASTIC_RESTART_COUNT", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
+        same = {k: v for k, v in before["env"].items() if k not in changed}
+        assert {k: v for k, v in after["env"].items() if k not in changed} == same
+        assert after["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
+        assert after["env"]["TORCHELASTIC_ERROR_FILE"].endswith(
+            f"attempt_1/{before['local_rank']}/error.json"
+        )
+
+
 async def test_crash_restarts_the_group(run_id: str, tmp_path: Any) -> None:
     handler = make_handler(run_id)
     async with WorkerHub() as hub:
@@ -172,14 +200,19 @@ async def test_cancelling_run_leaves_nothing_running(run_id: str) -> None:
     async with WorkerHub() as hub:
         agent = ElasticAgent(worker_spec(handler, hub, "grandchild", 2))
         agent.add_listener(events.append)
+        ready = asyncio.Event()
+        agent.add_listener(lambda e: e.kind is EventKind.STANDBYS_READY and ready.set())
         async with running(agent) as task:
             hellos = await hub.gather(2)
+            await asyncio.wait_for(ready.wait(), 30)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
     for hello in hellos:
         assert reaped(hello["pid"]), hello
         assert not_running(hello["grandchild"]), hello
+    standbys = next(e for e in events if e.kind is EventKind.STANDBYS_READY).data["pids"]
+    assert len(standbys) == 2 and all(reaped(pid) for pid in standbys.values())
     data, _ = await handler.backend.read()
     assert data is not None
     state = decode_state(data)

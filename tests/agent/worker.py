@@ -35,6 +35,15 @@ def main() -> int:
     }
     if mode == "env":
         hello["env"] = dict(os.environ)
+        hello["main"] = {
+            "argv0": sys.argv[0],
+            "path0": sys.path[0],
+            "file": __file__,
+            "name": __name__,
+            "package": __package__,
+            "spec": __spec__,
+        }
+        hello["orig_argv"] = sys.orig_argv
     if mode == "ignore_term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = None

@@ -1,0 +1,191 @@
+"""Warm standbys: interpreters started ahead of time, so a restart skips Python's startup.
+
+How it works: most of a restart's latency is the new workers' interpreter startup (about
+0.1 s here, far more than the agent's own work). When the entrypoint is this interpreter
+running a script or ``-m module`` (what ``torchrun`` and ``aelastic run`` launch), the
+agent keeps one idle interpreter per local rank, started with the same executable, flags,
+working directory and environment as the worker would get, minus the variables that change
+per attempt. It blocks (no CPU) on a Unix socket. To start a worker the agent sends it the
+full environment, the argv and the redirected stdout/stderr descriptors (SCM_RIGHTS); the
+standby applies them, then runs the script in ``__main__`` as ``python script.py`` would
+(``sys.path[0]``, ``__file__``, ``sys.argv``), or the module as ``python -m`` does.
+
+A standby is used only when that is indistinguishable for the worker: the environment
+apart from the per-attempt variables is unchanged since it started, and it is alive.
+Otherwise the worker is started cold. Standbys die with the agent (they exit when the
+socket closes) and are stopped with the workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .api import WorkerSpec
+from .env import ATTEMPT_KEYS
+from .process import WorkerProcess
+
+__all__ = ["Launch", "Standby", "launch_of", "standby_env"]
+
+#: Interpreter options that may precede the script (flags without a value).
+_FLAGS = frozenset({"-u", "-B", "-O", "-OO", "-s", "-E", "-q", "-b", "-bb", "-d", "-v"})
+
+_ZYGOTE = """\
+def _aelastic_standby():
+    import json, os, socket, sys
+    ctl = socket.socket(fileno=int(sys.argv[1]))
+    try:
+        msg, fds, _flags, _addr = socket.recv_fds(ctl, 1 << 22, 2)
+    except OSError:
+        os._exit(0)
+    if not msg:
+        os._exit(0)  # the agent is gone
+    ctl.close()
+    job = json.loads(msg)
+    for target, fd in zip(job["dup"], fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    for key in job["unset"]:
+        os.environ.pop(key, None)
+    os.environ.update(job["env"])
+    main = sys.modules["__main__"].__dict__
+    for name in [n for n in main if not n.startswith("__")]:
+        del main[name]
+    if job["module"] is not None:
+        import runpy
+        sys.argv[:] = [job["module"], *job["args"]]
+        sys.path[0] = os.getcwd()
+        runpy._run_module_as_main(job["module"])
+        return
+    path = job["script"]
+    sys.argv[:] = [path, *job["args"]]
+    if not os.path.isfile(path) or not path.endswith((".py", ".pyw")):
+        import runpy
+        runpy.run_path(path, run_name="__main__")
+        return
+    import io
+    from importlib.machinery import SourceFileLoader
+    full = os.path.abspath(path)
+    sys.path[0] = os.path.dirname(os.path.realpath(path))
+    with io.open_code(full) as f:
+        code = compile(f.read(), full, "exec")
+    main.update(__name__="__main__", __file__=full, __cached__=None, __doc__=None,
+                __package__=None, __spec__=None, __loader__=SourceFileLoader("__main__", full))
+    exec(code, main)
+_aelastic_standby()
+"""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a worker command runs Python: ``exe [flags] (script | -m module) args``."""
+
+    executable: str
+    flags: tuple[str, ...]
+    script: str | None
+    module: str | None
+    #: How many leading arguments the flags and the script or module take.
+    consumed: int
+
+
+def launch_of(spec: WorkerSpec) -> Launch | None:
+    """The Python launch of ``spec``'s command, or ``None`` when a standby cannot run it."""
+    entry = spec.entrypoint
+    if not isinstance(entry, str) or not spec.warm_standby:
+        return None
+    if os.path.realpath(entry) != os.path.realpath(sys.executable):
+        return None
+    args = [str(a) for a in spec.args]
+    flags = []
+    while args and args[0] in _FLAGS:
+        flags.append(args.pop(0))
+    if not args or "${local_rank}" in args[0] or (args[0] == "-m" and len(args) < 2):
+        return None
+    if args[0] == "-m":
+        if "${local_rank}" in args[1]:
+            return None
+        return Launch(entry, tuple(flags), None, args[1], len(flags) + 2)
+    if args[0].startswith("-"):
+        return None  # -c, -X, -W, ...: not worth the parsing
+    return Launch(entry, tuple(flags), args[0], None, len(flags) + 1)
+
+
+def standby_env(spec: WorkerSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a standby starts with: the worker's without the per-attempt keys."""
+    env = dict(os.environ if base is None else base)
+    env.update(spec.env)
+    return {k: v for k, v in env.items() if k not in ATTEMPT_KEYS}
+
+
+class Standby:
+    """An idle interpreter that becomes a worker on :meth:`release`.
+
+    Args:
+        launch: The worker's Python launch.
+        base_env: The environment to start it with (the worker's, minus per-attempt keys).
+        local_rank: The local rank it will serve.
+    """
+
+    def __init__(self, launch: Launch, base_env: Mapping[str, str], local_rank: int) -> None:
+        self.launch = launch
+        self.base_env = dict(base_env)
+        self.local_rank = local_rank
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            argv = [launch.executable, *launch.flags, "-c", _ZYGOTE, str(theirs.fileno())]
+            self.process = WorkerProcess.start(
+                argv, self.base_env, local_rank, pass_fds=[theirs.fileno()]
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        self._ctl = mine
+
+    def usable_for(self, env: Mapping[str, str]) -> bool:
+        """Whether a worker with ``env`` would see exactly what a cold start gives it."""
+        if self.process.returncode is not None:
+            return False
+        keys = (set(env) | set(self.base_env)) - ATTEMPT_KEYS
+        return all(env.get(k) == self.base_env.get(k) for k in keys)
+
+    def release(
+        self, env: Mapping[str, str], args: Sequence[str], streams: Sequence[int | None]
+    ) -> WorkerProcess:
+        """Make the standby run the worker; its process is then the worker's.
+
+        Args:
+            env: The worker's full environment.
+            args: The worker's arguments after the script or module.
+            streams: Descriptors for stdout and stderr (``None``: keep the agent's).
+
+        Raises:
+            OSError: The standby is gone.
+        """
+        dup = [target for target, fd in zip((1, 2), streams, strict=True) if fd is not None]
+        fds = [fd for fd in streams if fd is not None]
+        job = {
+            "env": dict(env),
+            "unset": sorted(set(self.base_env) - set(env)),
+            "dup": dup,
+            "script": self.launch.script,
+            "module": self.launch.module,
+            "args": [str(a) for a in args],
+        }
+        try:
+            socket.send_fds(self._ctl, [json.dumps(job).encode()], fds)
+        finally:
+            self._ctl.close()
+        self.process.restarted()
+        return self.process
+
+    def close(self) -> None:
+        """Close the control socket (an idle standby then exits by itself)."""
+        with contextlib.suppress(OSError):
+            self._ctl.close()
