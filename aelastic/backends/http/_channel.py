@@ -280,7 +280,7 @@ class RunChannel:
             values = doc.get("values")
             if not isinstance(values, list) or len(values) != len(wanted):
                 raise self.conn.protocol_error("a kv/get answer without one value per key")
-            return [None if v is None else self._bytes(v) for v in values]
+            return [None if v is None else self.decode_value(v) for v in values]
 
         result: list[bytes | None] = await self._batched(("kv_get", *wanted), send)
         return result
@@ -320,7 +320,8 @@ class RunChannel:
         assert answer is not None
         return answer
 
-    def _bytes(self, value: Any) -> bytes:
+    def decode_value(self, value: Any) -> bytes:
+        """A base64 value of an answer, or the error for an answer that does not fit."""
         if not isinstance(value, str):
             raise self.conn.protocol_error("a value that is not base64 text")
         try:

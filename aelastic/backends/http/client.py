@@ -191,7 +191,7 @@ class HttpBackend:
             "desired": b64encode(bytes(desired)),
         }
         _, doc = await self._kv("compare_set", body)
-        return self._open()._bytes(doc.get("value"))
+        return self._open().decode_value(doc.get("value"))
 
     async def kv_delete(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
