@@ -223,20 +223,14 @@ def _join(
         return Step(Outcome.ERROR_TIMEOUT)
 
     if state.complete:
-        if len(state.participants) < settings.max_nodes:
-            if node not in state.wait_list:
-                new = replace(
-                    state,
-                    wait_list=state.wait_list | {node},
-                    last_heartbeats=MappingProxyType(_beat(state, node, now)),
-                )
-                return _write(new, Transition.ADD_TO_WAIT_LIST)
-        elif node not in state.wait_list:
-            new = replace(
-                state,
-                redundancy_list=state.redundancy_list | {node},
-                last_heartbeats=MappingProxyType(_beat(state, node, now)),
-            )
+        if node not in state.wait_list:
+            # Room left: wait for the next round; none: stand by as redundant.
+            beats = MappingProxyType(_beat(state, node, now))
+            if len(state.participants) < settings.max_nodes:
+                waiting = replace(state, wait_list=state.wait_list | {node}, last_heartbeats=beats)
+                return _write(waiting, Transition.ADD_TO_WAIT_LIST)
+            redundant = state.redundancy_list | {node}
+            new = replace(state, redundancy_list=redundant, last_heartbeats=beats)
             return _write(new, Transition.ADD_TO_REDUNDANCY_LIST)
     elif is_participant:
         count = len(state.participants)
