@@ -309,7 +309,9 @@ def _local_ranks(text: str) -> frozenset[int] | None:
     return ranks
 
 
-def _backend(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str, bool, list[str]]:
+def _backend(
+    args: argparse.Namespace, min_nodes: int, max_nodes: int
+) -> tuple[str, str, str, bool, list[str]]:
     """(backend, endpoint, run_id, standalone, warnings) after torchrun's defaulting rules."""
     name = args.rdzv_backend.strip()
     warnings: list[str] = []
@@ -337,6 +339,11 @@ def _backend(args: argparse.Namespace, max_nodes: int) -> tuple[str, str, str, b
         backend = name
     if backend in ("redis", "http") and not args.rdzv_endpoint:
         raise UsageError(f"--rdzv-backend {name} needs --rdzv-endpoint")
+    if backend == "memory" and min_nodes > 1:
+        raise UsageError(
+            "the memory backend lives in this process: it cannot wait for other nodes "
+            "(use --rdzv-backend redis or http)"
+        )
     if backend == "memory" and max_nodes > 1:
         warnings.append("the memory backend only joins nodes of this one process")
     if args.node_rank != 0:
@@ -383,7 +390,7 @@ def config_from_args(
         nproc, device = nproc_resolver(args.nproc_per_node)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    backend, endpoint, run_id, standalone, warnings = _backend(args, max_nodes)
+    backend, endpoint, run_id, standalone, warnings = _backend(args, min_nodes, max_nodes)
     if not run_id.strip():
         raise UsageError("--rdzv-id must not be empty")
     conf = parse_rdzv_conf(args.rdzv_conf)

@@ -221,6 +221,7 @@ def test_script_arguments_are_not_parsed() -> None:
         (["--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h:1", "x.py"], "unknown"),
         (["--rdzv-backend", "redis", "x.py"], "needs --rdzv-endpoint"),
         (["--nnodes", "2", "x.py"], "static rendezvous across nodes"),
+        (["--nnodes", "2", "--rdzv-backend", "memory", "x.py"], "cannot wait for other nodes"),
         (["--rdzv-conf", "a=1,b", "--standalone", "x.py"], "must have a value"),
         (["--rdzv-conf", "=1", "--standalone", "x.py"], "key1=value1"),
         (["-r", "7", "x.py"], "--redirects"),
