@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
@@ -16,13 +15,19 @@ _T = TypeVar("_T")
 
 
 async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
-    """Cancel ``task`` and wait until it is over (its outcome is dropped)."""
+    """Cancel ``task`` and wait until it is over (its outcome is dropped).
+
+    Cancelling the caller meanwhile is not swallowed: it propagates as usual.
+    """
     if not task.done():
         task.cancel()
-    with contextlib.suppress(BaseException):
-        await asyncio.wait({task})
-    if task.done() and not task.cancelled():
-        task.exception()  # mark it retrieved
+    task.add_done_callback(_retrieve)
+    await asyncio.wait({task})
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # mark it retrieved: the outcome is not wanted
 
 
 async def quietly(awaitable: Awaitable[Any], what: str) -> None:

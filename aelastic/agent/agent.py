@@ -189,9 +189,9 @@ class ElasticAgent:
             except RendezvousGracefulExitError as exc:
                 log.info("rendezvous gracefully exited: %s", exc)
                 return RunResult(WorkerState.SUCCEEDED)
-            except RendezvousClosedError:
-                if failures:  # our own failure is the better answer
-                    return self._failed(failures, "the rendezvous closed before a restart")
+            except RendezvousError as exc:
+                if failures:  # our own failure is the root cause, the rendezvous the end
+                    return self._failed(failures, f"no restart ({type(exc).__name__}: {exc})")
                 raise
             except GroupChanged as changed:
                 await self._act_on_membership(changed.decision)
@@ -390,7 +390,7 @@ class ElasticAgent:
         for standby in standbys:
             standby.close()
         if standbys:
-            await stop_processes([s.process for s in standbys], _STANDBY_GRACE)
+            await uncancellable(stop_processes([s.process for s in standbys], _STANDBY_GRACE))
 
     async def _supervise(self) -> tuple[Observation, dict[int, ProcessFailure]]:
         """Wait for the first thing that calls for action; what it was and who failed."""
@@ -448,7 +448,8 @@ class ElasticAgent:
         if workers is None:
             return
         running = any(p.returncode is None for p in workers.processes)
-        await workers.stop(self._spec.stop_grace_period)
+        # Shielded: a cancellation waits for the stop to finish, then goes on.
+        await uncancellable(workers.stop(self._spec.stop_grace_period))
         if running and state is WorkerState.STOPPED:
             self._set_state(WorkerState.STOPPED)
 

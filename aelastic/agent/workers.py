@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from . import callables
+from ._aio import uncancellable
 from .api import ProcessFailure, WorkerGroup
 from .env import substitute_args, worker_env
 from .errors import make_failure
@@ -100,7 +101,7 @@ class WorkerSet:
                 worker.id = proc.pid
                 await self._logs.after_spawn(rank, worker.global_rank)
         except BaseException:
-            await self.stop(0.0)
+            await uncancellable(self.stop(0.0))
             raise
 
     def _warm(

@@ -325,3 +325,19 @@ async def test_events_and_metrics(run_id: str) -> None:
     metrics = agent.metrics
     assert metrics.rendezvous_count == 2 and metrics.restarts == 1 and metrics.rescales == 0
     assert metrics.worker_starts == 2 and metrics.last_recovery_duration is not None
+
+
+async def test_cancel_during_a_stop_waits_for_the_stop(run_id: str) -> None:
+    handler = make_handler(run_id)
+    async with WorkerHub() as hub:
+        agent = ElasticAgent(worker_spec(handler, hub, "ignore_term", 2, stop_grace_period=1.0))
+        exited = asyncio.Event()
+        agent.add_listener(lambda e: e.kind is EventKind.WORKER_EXITED and exited.set())
+        async with running(agent) as task:
+            hellos = await hub.gather(2)
+            hub.tell(hellos[0]["pid"], "exit 1")
+            await asyncio.wait_for(exited.wait(), 30)  # the stop of the other one begins
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    assert all(reaped(h["pid"]) for h in hellos)

@@ -198,3 +198,27 @@ async def test_survivor_rescales_within_the_heartbeat_window_when_a_peer_is_kill
             finally:
                 peer.kill()
                 peer.wait()
+
+
+async def test_failure_stays_the_root_cause_when_the_restart_cannot_rendezvous(
+    run_id: str,
+) -> None:
+    async with WorkerHub() as hub:
+        # The peer cannot rejoin in time: its worker ignores SIGTERM, its grace is long.
+        failing = ElasticAgent(
+            worker_spec(make_handler(run_id, 2, 2, join_timeout=1.0), hub, nproc=1, max_restarts=1)
+        )
+        stuck = ElasticAgent(
+            worker_spec(
+                make_handler(run_id, 2, 2), hub, "ignore_term", nproc=1, stop_grace_period=3.0
+            )
+        )
+        async with running(failing) as a, running(stuck) as b:
+            pair = await hub.gather(2)
+            mine = failing.get_worker_group().workers[0].id
+            hub.tell(mine, "exit 4")
+            result = await a
+            b.cancel()
+    assert result.state is WorkerState.FAILED
+    assert [f.exitcode for f in result.failures.values()] == [4]
+    assert all(reaped(h["pid"]) for h in pair)
