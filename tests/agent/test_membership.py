@@ -19,7 +19,7 @@ from aelastic.rendezvous import RendezvousClosedError
 from aelastic.rendezvous.state import decode_state
 
 from .._http_server import HttpServer
-from .helpers import WorkerHub, make_handler, reaped, running, worker_spec
+from .helpers import WorkerHub, make_handler, not_running, reaped, running, worker_spec
 
 pytestmark = pytest.mark.anyio
 
@@ -222,3 +222,20 @@ async def test_failure_stays_the_root_cause_when_the_restart_cannot_rendezvous(
     assert result.state is WorkerState.FAILED
     assert [f.exitcode for f in result.failures.values()] == [4]
     assert all(reaped(h["pid"]) for h in pair)
+
+
+async def test_ctrl_c_in_a_run_sync_script_stops_its_workers(run_id: str) -> None:
+    async with WorkerHub() as hub:
+        env = {**os.environ, **hub.env, "PYTHONPATH": str(ROOT)}
+        args = [str(Path(__file__).with_name("peer.py")), "memory", "local", run_id]
+        args.append("last_call_timeout=0.1")
+        script = subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT)  # noqa: ASYNC220
+        try:
+            hello = await hub.next()
+            script.send_signal(signal.SIGINT)
+            code = await asyncio.wait_for(asyncio.to_thread(script.wait), 60)
+        finally:
+            script.kill()
+            script.wait()
+    assert code in (-signal.SIGINT, 1, 130)  # KeyboardInterrupt, after the cleanup
+    assert not_running(hello["pid"])
