@@ -106,3 +106,34 @@ def test_serve_port_in_use(tmp_path: Path) -> None:
         code, out = run_cli(["serve", "--port", str(port)], tmp_path)
     assert code == 1
     assert "cannot serve" in out
+
+
+def test_status_watch_prints_each_change(tmp_path: Path, run_id: str) -> None:
+    from tests._http_server import HttpServer
+
+    (tmp_path / "sleep.py").write_text(textwrap.dedent(SLEEP))
+    with HttpServer() as server:
+        args = ["status", "--rdzv-backend", "http", "--rdzv-endpoint", server.endpoint]
+        with Cli([*args, "--rdzv-id", run_id, "--watch"], tmp_path) as watch:
+            watch.wait_for(lambda lines: any("no rendezvous state" in line for line in lines))
+            node = Cli(
+                [
+                    "run",
+                    "--rdzv-backend=http",
+                    f"--rdzv-endpoint={server.endpoint}",
+                    f"--rdzv-id={run_id}",
+                    "--local-addr=127.0.0.1",
+                    "sleep.py",
+                ],
+                tmp_path,
+            )
+            with node:
+                watch.wait_for(lambda lines: any(", complete" in line for line in lines))
+                watch.wait_for(lambda lines: any("rank   0  127.0.0.1_" in line for line in lines))
+                node.wait_for(lambda lines: any("worker pid=" in line for line in lines))
+                node.signal(signal.SIGTERM)
+                assert node.wait(60) == 1, node.output
+            # The node left: the watcher shows a state without participants.
+            watch.wait_for(lambda lines: any("participants (0)" in line for line in lines))
+            watch.signal(signal.SIGINT)
+            assert watch.wait(30) in (0, 130)
