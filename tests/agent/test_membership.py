@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -239,3 +240,40 @@ async def test_ctrl_c_in_a_run_sync_script_stops_its_workers(run_id: str) -> Non
             script.wait()
     assert code in (-signal.SIGINT, 1, 130)  # KeyboardInterrupt, after the cleanup
     assert not_running(hello["pid"])
+
+
+async def test_workers_run_on_through_a_backend_outage(run_id: str, tmp_path: Path) -> None:
+    conf = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 20, "read_timeout": 2}
+    with HttpServer(persist=tmp_path / "runs.json") as server:
+        handler = make_handler(run_id, backend="http", endpoint=server.endpoint, **conf)
+        async with WorkerHub() as hub:
+            agent = ElasticAgent(worker_spec(handler, hub, nproc=1))
+            noticed = asyncio.Event()
+            watcher = _OnLog("watching the rendezvous failed", noticed)
+            logging.getLogger("aelastic.agent").addHandler(watcher)
+            try:
+                async with running(agent) as task:
+                    hello = await hub.next()
+                    server.stop()  # the backend goes away while the worker runs
+                    await asyncio.wait_for(noticed.wait(), 30)
+                    server.start()
+                    hub.release(hello["pid"])
+                    result = await task
+            finally:
+                logging.getLogger("aelastic.agent").removeHandler(watcher)
+            assert hub.pending() == 0  # never restarted
+        await handler.aclose()
+    assert result.state is WorkerState.SUCCEEDED
+    assert agent.metrics.restarts == 0 and agent.metrics.rescales == 0
+
+
+class _OnLog(logging.Handler):
+    """Sets an event when a log message contains some text."""
+
+    def __init__(self, text: str, event: asyncio.Event) -> None:
+        super().__init__()
+        self.text, self.event = text, event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
