@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 import socket
 import tempfile
@@ -43,22 +42,17 @@ from .api import (
 )
 from .errors import format_failures
 from .events import AgentEvent, AgentMetrics, EventBus, EventKind, EventStream
+from .logs import run_log_dir
 from .membership import GroupChanged, RoundGroup
 from .policy import Action, Decision, Observation, Trigger, decide
-from .process import WorkerProcess, stop_processes
+from .process import WorkerProcess
 from .ranks import AgentRecord, assign_ranks, record_key
-from .standby import Standby, launch_of, standby_env
+from .standby import StandbyPool
 from .workers import WorkerSet
 
 __all__ = ["ElasticAgent"]
 
 log = logging.getLogger("aelastic.agent")
-
-#: Seconds after an attempt's start before its warm standbys start (so that they do not
-#: compete with the workers' own startup for CPU).
-_STANDBY_DELAY = 0.25
-#: Seconds an idle standby gets to exit on SIGTERM.
-_STANDBY_GRACE = 2.0
 
 
 class ElasticAgent:
@@ -79,9 +73,9 @@ class ElasticAgent:
         self._restarts_left = spec.max_restarts
         self._attempt = -1
         self._workers: WorkerSet | None = None
-        self._launch = launch_of(spec)
-        self._standbys: dict[int, Standby] = {}
-        self._standby_task: asyncio.Task[None] | None = None
+        self._standbys = StandbyPool(
+            spec, lambda pids: self._emit(EventKind.STANDBYS_READY, pids=pids)
+        )
         self._round: RoundGroup | None = None
         self._reserved: socket.socket | None = None
         self._run_dir: str | None = None
@@ -173,7 +167,8 @@ class ElasticAgent:
 
     async def _invoke_run(self) -> RunResult:
         spec = self._spec
-        self._prepare_dirs()
+        self._scratch = tempfile.mkdtemp(prefix="aelastic_agent_")
+        self._run_dir, self._own_log_root = run_log_dir(self._spec, self._handler.get_run_id())
         log.info(
             "agent for role '%s' starting %d worker(s) of %s, run '%s'",
             spec.role,
@@ -322,20 +317,6 @@ class ElasticAgent:
 
     # -- workers --------------------------------------------------------------------------
 
-    def _prepare_dirs(self) -> None:
-        spec = self._spec
-        self._scratch = tempfile.mkdtemp(prefix="aelastic_agent_")
-        if spec.log_dir == os.devnull:
-            self._run_dir = None
-            return
-        root = spec.log_dir
-        if root is None:
-            root = self._own_log_root = tempfile.mkdtemp(prefix="aelastic_")
-        elif os.path.isfile(root):
-            raise NotADirectoryError(f"log_dir {root} is a file")
-        self._run_dir = os.path.join(root, self._handler.get_run_id())
-        os.makedirs(self._run_dir, exist_ok=True)
-
     async def _start_workers(self, stopped_at: float | None) -> None:
         self._attempt += 1
         assert self._scratch is not None
@@ -348,14 +329,13 @@ class ElasticAgent:
             self._handler.get_run_id(),
         )
         started = time.monotonic()
-        standbys = await self._take_standbys()
+        standbys = await self._standbys.take()
         try:
             await workers.start(before_spawn=self._release_port, standbys=standbys)
         finally:
             used = {id(p) for p in workers.processes + workers.discarded}
-            await self._stop_standbys([s for s in standbys.values() if id(s.process) not in used])
-        if self._launch is not None:
-            self._standby_task = asyncio.ensure_future(self._prepare_standbys())
+            await self._standbys.discard(s for s in standbys.values() if id(s.process) not in used)
+        self._standbys.schedule()
         self._set_state(WorkerState.HEALTHY)
         data: dict[str, Any] = {
             "pids": {p.local_rank: p.pid for p in workers.processes},
@@ -364,33 +344,6 @@ class ElasticAgent:
         if stopped_at is not None:
             data["recovery"] = time.monotonic() - stopped_at
         self._emit(EventKind.WORKERS_STARTED, **data)
-
-    async def _prepare_standbys(self) -> None:
-        """Start the next attempt's interpreters once this attempt's had their start."""
-        await asyncio.sleep(_STANDBY_DELAY)
-        assert self._launch is not None
-        env = standby_env(self._spec)
-        for rank in range(self._spec.local_world_size):
-            try:
-                self._standbys[rank] = Standby(self._launch, env, rank)
-            except OSError as exc:
-                log.warning("could not start a warm standby: %s", exc)
-                return
-        pids = {rank: standby.process.pid for rank, standby in self._standbys.items()}
-        self._emit(EventKind.STANDBYS_READY, pids=pids)
-
-    async def _take_standbys(self) -> dict[int, Standby]:
-        task, self._standby_task = self._standby_task, None
-        if task is not None:
-            await cancel_and_wait(task)
-        standbys, self._standbys = self._standbys, {}
-        return standbys
-
-    async def _stop_standbys(self, standbys: list[Standby]) -> None:
-        for standby in standbys:
-            standby.close()
-        if standbys:
-            await uncancellable(stop_processes([s.process for s in standbys], _STANDBY_GRACE))
 
     async def _supervise(self) -> tuple[Observation, dict[int, ProcessFailure]]:
         """Wait for the first thing that calls for action; what it was and who failed."""
@@ -488,7 +441,7 @@ class ElasticAgent:
     async def _shutdown(self, result: RunResult | None) -> None:
         """Stop and reap every worker, leave the rendezvous, release what the run made."""
         try:
-            await self._stop_standbys(list((await self._take_standbys()).values()))
+            await self._standbys.aclose()
             await self._stop_workers(WorkerState.STOPPED)
             self._release_port()
             if self._joined:

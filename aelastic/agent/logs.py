@@ -19,6 +19,7 @@ import enum
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from string import Template
@@ -26,7 +27,7 @@ from typing import IO, Any
 
 from .api import Std, WorkerSpec, std_map
 
-__all__ = ["AttemptLogs", "Target", "line_prefix", "plan_streams"]
+__all__ = ["AttemptLogs", "Target", "line_prefix", "plan_streams", "run_log_dir"]
 
 
 class Target(enum.Enum):
@@ -36,6 +37,27 @@ class Target(enum.Enum):
     DEVNULL = "devnull"
     FILE = "file"
     TEE = "tee"
+
+
+def run_log_dir(spec: WorkerSpec, run_id: str) -> tuple[str | None, str | None]:
+    """Create ``<log_dir>/<run_id>``; it and the root made for it when ``log_dir`` is ``None``.
+
+    Returns:
+        ``(run_dir, made_root)``: ``(None, None)`` for ``os.devnull`` (no files at all).
+
+    Raises:
+        NotADirectoryError: ``log_dir`` is a file.
+    """
+    if spec.log_dir == os.devnull:
+        return None, None
+    root, made = spec.log_dir, None
+    if root is None:
+        root = made = tempfile.mkdtemp(prefix="aelastic_")
+    elif os.path.isfile(root):
+        raise NotADirectoryError(f"log_dir {root} is a file")
+    run_dir = os.path.join(root, run_id)
+    os.makedirs(run_dir, exist_ok=True)
+    return run_dir, made
 
 
 def plan_streams(spec: WorkerSpec, files: bool) -> dict[int, tuple[Target, Target]]:

@@ -18,19 +18,24 @@ socket closes) and are stopped with the workers.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import os
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ._aio import cancel_and_wait, uncancellable
 from .api import WorkerSpec
 from .env import ATTEMPT_KEYS
-from .process import WorkerProcess
+from .process import WorkerProcess, stop_processes
 
-__all__ = ["Launch", "Standby", "launch_of", "standby_env"]
+__all__ = ["STANDBY_DELAY", "Launch", "Standby", "StandbyPool", "launch_of", "standby_env"]
+
+log = logging.getLogger("aelastic.agent")
 
 #: Interpreter options that may precede the script (flags without a value).
 _FLAGS = frozenset({"-u", "-B", "-O", "-OO", "-s", "-E", "-q", "-b", "-bb", "-d", "-v"})
@@ -189,3 +194,63 @@ class Standby:
         """Close the control socket (an idle standby then exits by itself)."""
         with contextlib.suppress(OSError):
             self._ctl.close()
+
+
+#: Seconds after an attempt's start before its warm standbys start (so that they do not
+#: compete with the workers' own startup for CPU).
+STANDBY_DELAY = 0.25
+#: Seconds an idle standby gets to exit on SIGTERM.
+_STANDBY_GRACE = 2.0
+
+
+class StandbyPool:
+    """The standbys of the next attempt: started after each start, taken at the next.
+
+    Args:
+        spec: The worker spec (no standbys unless :func:`launch_of` accepts it).
+        on_ready: Called with ``{local_rank: pid}`` once the standbys are up.
+    """
+
+    def __init__(self, spec: WorkerSpec, on_ready: Callable[[dict[int, int]], None]) -> None:
+        self._spec = spec
+        self._launch = launch_of(spec)
+        self._on_ready = on_ready
+        self._ready: dict[int, Standby] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def schedule(self) -> None:
+        """Start the next attempt's standbys in a moment (when the spec allows any)."""
+        if self._launch is not None and self._task is None:
+            self._task = asyncio.ensure_future(self._start(self._launch))
+
+    async def _start(self, launch: Launch) -> None:
+        await asyncio.sleep(STANDBY_DELAY)
+        env = standby_env(self._spec)
+        for rank in range(self._spec.local_world_size):
+            try:
+                self._ready[rank] = Standby(launch, env, rank)
+            except OSError as exc:
+                log.warning("could not start a warm standby: %s", exc)
+                return
+        self._on_ready({rank: s.process.pid for rank, s in self._ready.items()})
+
+    async def take(self) -> dict[int, Standby]:
+        """The standbys that are up (by local rank); the pool is empty afterwards."""
+        task, self._task = self._task, None
+        if task is not None:
+            await cancel_and_wait(task)
+        ready, self._ready = self._ready, {}
+        return ready
+
+    @staticmethod
+    async def discard(standbys: Iterable[Standby]) -> None:
+        """Stop standbys that will not serve (shielded from cancellation)."""
+        unused = list(standbys)
+        for standby in unused:
+            standby.close()
+        if unused:
+            await uncancellable(stop_processes([s.process for s in unused], _STANDBY_GRACE))
+
+    async def aclose(self) -> None:
+        """Stop every standby."""
+        await self.discard((await self.take()).values())
