@@ -82,7 +82,7 @@ class ElasticAgent:
         self._scratch: str | None = None
         self._own_log_root: str | None = None
         self._joined = False
-        self._running = False
+        self._used = False
 
     def __repr__(self) -> str:
         return f"ElasticAgent(role={self._spec.role!r}, group={self._group!r})"
@@ -127,11 +127,11 @@ class ElasticAgent:
             RendezvousError: The rendezvous failed (timeout, closed by another node while
                 this one had no failure of its own, backend unreachable, ...).
             OSError: A worker command could not be started.
-            RuntimeError: The agent is already running.
+            RuntimeError: This agent already ran (an agent runs once).
         """
-        if self._running:
-            raise RuntimeError("this ElasticAgent is already running")
-        self._running = True
+        if self._used:
+            raise RuntimeError("an ElasticAgent runs once: make a new one")
+        self._used = True
         result: RunResult | None = None
         try:
             result = await self._invoke_run()
@@ -167,7 +167,8 @@ class ElasticAgent:
 
     async def _invoke_run(self) -> RunResult:
         spec = self._spec
-        self._scratch = tempfile.mkdtemp(prefix="aelastic_agent_")
+        if not isinstance(self._spec.entrypoint, str):  # payloads of callables
+            self._scratch = tempfile.mkdtemp(prefix="aelastic_agent_")
         self._run_dir, self._own_log_root = run_log_dir(self._spec, self._handler.get_run_id())
         log.info(
             "agent for role '%s' starting %d worker(s) of %s, run '%s'",
@@ -319,7 +320,6 @@ class ElasticAgent:
 
     async def _start_workers(self, stopped_at: float | None) -> None:
         self._attempt += 1
-        assert self._scratch is not None
         workers = self._workers = WorkerSet(
             self._group,
             self._attempt,
@@ -455,7 +455,6 @@ class ElasticAgent:
                 if path is not None:
                     shutil.rmtree(path, ignore_errors=True)
             self._scratch = None
-            self._running = False
             reason = "cancelled or error" if result is None else result.state.value
             self._emit(EventKind.FINISHED, reason=reason)
             self._bus.close()

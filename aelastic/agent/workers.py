@@ -38,7 +38,7 @@ class WorkerSet:
         group: The group, after rank assignment.
         attempt: The attempt number (names the log directory).
         run_dir: ``<log_dir>/<run_id>``, or ``None`` for no log files.
-        scratch: A private directory for callable payloads and results.
+        scratch: A private directory for callable payloads and results (callables only).
         restart_count: Restarts spent so far.
         run_id: The rendezvous run id.
     """
@@ -48,7 +48,7 @@ class WorkerSet:
         group: WorkerGroup,
         attempt: int,
         run_dir: str | None,
-        scratch: str,
+        scratch: str | None,
         restart_count: int,
         run_id: str,
     ) -> None:
@@ -136,6 +136,7 @@ class WorkerSet:
         return callables.child_argv(base + ".in", base + ".out")
 
     def _scratch_path(self, local_rank: int) -> str:
+        assert self._scratch is not None, "callable entrypoints need a scratch directory"
         return os.path.join(self._scratch, f"{self._attempt}_{local_rank}")
 
     def failures(self, failed: list[WorkerProcess]) -> dict[int, ProcessFailure]:

@@ -267,10 +267,13 @@ async def test_run_sync_from_a_thread_while_a_loop_runs(run_id: str) -> None:
     handler = make_handler(run_id)
     spec = worker_spec(handler, WorkerHub(), nproc=2)
     spec.entrypoint, spec.args = _square, (2,)
-    result = await asyncio.to_thread(ElasticAgent(spec).run_sync)
+    agent = ElasticAgent(spec)
+    result = await asyncio.to_thread(agent.run_sync)
     assert result.return_values == {0: 4, 1: 5}
     with pytest.raises(RuntimeError, match="await run"):
         ElasticAgent(spec).run_sync()
+    with pytest.raises(RuntimeError, match="runs once"):
+        await agent.run()
 
 
 async def test_missing_command_raises_and_leaves(run_id: str) -> None:

@@ -147,7 +147,7 @@ async def test_a_node_failing_for_good_closes_the_run_for_all(run_id: str) -> No
 
 
 async def test_survivor_rescales_within_the_heartbeat_window_when_a_peer_is_killed(
-    run_id: str,
+    run_id: str, tmp_path: Path
 ) -> None:
     interval, attempts = 0.3, 2
     window = interval * attempts
@@ -160,6 +160,7 @@ async def test_survivor_rescales_within_the_heartbeat_window_when_a_peer_is_kill
     with HttpServer() as server:
         async with WorkerHub() as hub:
             env = {**os.environ, **hub.env, "PYTHONPATH": str(ROOT)}
+            env["AELASTIC_TEST_LOG_DIR"] = str(tmp_path)
             args = [str(Path(__file__).with_name("peer.py")), "http", server.endpoint, run_id]
             args += [f"{k}={v}" for k, v in conf.items()]
             peer = subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT)  # noqa: ASYNC220
