@@ -57,7 +57,8 @@ async def test_redirect_and_tee_per_attempt(
     for attempt in (0, 1):
         rank0 = run_dir / f"attempt_{attempt}" / "0"
         rank1 = run_dir / f"attempt_{attempt}" / "1"
-        assert (rank0 / "stdout.log").read_text() == "out 0\nno newline"
+        if attempt == 1:  # in attempt 0, rank 0 may be stopped before it printed
+            assert (rank0 / "stdout.log").read_text() == "out 0\nno newline"
         assert not (rank0 / "stderr.log").exists()
         assert (rank1 / "stdout.log").read_text() == "out 1\nno newline"
         assert (rank1 / "stderr.log").read_text() == "err 1\n"
