@@ -73,6 +73,8 @@ class _Portal:
             asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 _portal_lock = threading.Lock()

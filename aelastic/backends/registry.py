@@ -11,10 +11,13 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
-from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
 from ..rendezvous.api import RendezvousParameters
 from .base import RendezvousBackend
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 __all__ = ["BackendFactory", "backend_names", "create_backend", "register_backend"]
 
@@ -67,8 +70,15 @@ def _load_builtin(name: str) -> BackendFactory | None:
     return factory
 
 
+def _entry_points() -> list[EntryPoint]:
+    # Imported here: importlib.metadata costs ~20 ms, and built-ins never need it.
+    from importlib.metadata import entry_points
+
+    return list(entry_points(group=ENTRY_POINT_GROUP))
+
+
 def _load_entry_point(name: str) -> BackendFactory | None:
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in _entry_points():
         if ep.name == name and ep.value.split(":")[0] not in {m for m, _, _ in _BUILTINS.values()}:
             factory: BackendFactory = ep.load()
             return factory
@@ -93,7 +103,7 @@ def _factory(name: str) -> BackendFactory:
 def backend_names() -> set[str]:
     """Names of the built-in, registered and entry-point backends."""
     names = set(_BUILTINS) | set(_registry)
-    names.update(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    names.update(ep.name for ep in _entry_points())
     return names
 
 

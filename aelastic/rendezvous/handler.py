@@ -159,17 +159,19 @@ class DynamicRendezvousHandler:
         try:
             await self._run(Op.LEAVE, deadline)
             state = await self._run(Op.JOIN, deadline)
+            rank = state.participants[self._node]
+            world_size = len(state.participants)
+            store = Store(self._backend, prefix=f"r{state.round}/")
+            bootstrap = await self._bootstrap(rank, store)
         except BaseException as exc:
+            # Cancelled (or broken) half-way: leave what was joined. A rendezvous error
+            # already left the state as it should be (the core removed this node).
             if not isinstance(exc, RendezvousError | ValueError):
                 await self._leave_quietly()
             raise
         self._round = state.round
         self._members = frozenset(state.participants)
         self._start_heartbeats()
-        rank = state.participants[self._node]
-        world_size = len(state.participants)
-        store = Store(self._backend, prefix=f"r{state.round}/")
-        bootstrap = await self._bootstrap(rank, store)
         log.info(
             "node %s joined round %d of '%s' as rank %d of %d in %.3f s",
             self._node,
@@ -368,8 +370,11 @@ class DynamicRendezvousHandler:
         key_addr = RendezvousStoreInfo.MASTER_ADDR_KEY
         key_port = RendezvousStoreInfo.MASTER_PORT_KEY
         if rank == 0:
-            await store.set(key_addr, self._node.addr)
-            await store.set(key_port, str(_free_port()))
+            info = RendezvousStoreInfo(self._node.addr, _free_port())
+            await asyncio.gather(
+                store.set(key_addr, info.master_addr), store.set(key_port, str(info.master_port))
+            )
+            return info
         addr, port = await store.multi_get([key_addr, key_port], self._settings.join_timeout)
         return RendezvousStoreInfo(addr.decode(), int(port))
 

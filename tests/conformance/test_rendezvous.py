@@ -213,3 +213,28 @@ async def test_rounds_get_separate_stores(make_params: MakeParams) -> None:
         second = await node.next_rendezvous()
         assert await second.store.try_get("key") is None
         assert await first.store.get("key") == b"round-0"
+
+
+async def test_cancelled_after_the_round_completed_leaves_too(make_params: MakeParams) -> None:
+    """Cancelled while waiting for rank 0's bootstrap keys: the node still leaves."""
+    async with handlers(make_params, 2, 2, 2) as (first, second):
+        stuck = asyncio.Event()
+
+        async def never_publish(rank: int, store: Store) -> None:
+            await stuck.wait()
+
+        rank0, other = sorted([first, second], key=lambda h: h.node)
+        rank0._bootstrap = never_publish  # type: ignore[method-assign,assignment]
+        joins = [asyncio.ensure_future(h.next_rendezvous()) for h in (rank0, other)]
+        with anyio.fail_after(PROMPT):
+            while True:
+                data, token = await other.backend.read()
+                if data is not None and decode_state(data).complete:
+                    break
+                await other.backend.wait_for_change(token, 1.0)
+        assert other.node in (await stored(other)).participants
+        for join in joins:
+            join.cancel()
+        await asyncio.gather(*joins, return_exceptions=True)
+        state = await stored(other)
+        assert not state.knows(other.node) and not state.knows(rank0.node)
