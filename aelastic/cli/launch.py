@@ -114,6 +114,7 @@ def build_spec(config: LaunchConfig) -> WorkerSpec:
         stop_grace_period=config.stop_grace_period,
         exit_barrier_timeout=config.exit_barrier_timeout,
         virtual_local_rank=config.virtual_local_rank,
+        warm_standby=config.warm_standby,
     )
 
 

@@ -186,6 +186,11 @@ def build_parser(prog: str = "aelastic run") -> argparse.ArgumentParser:
         kind=float,
         help="Seconds a finished node waits for the others (aelastic; torch: 300).",
     )
+    _flag(
+        p,
+        ["--no-warm-standby"],
+        help="Start restarted workers cold instead of from pre-started interpreters (aelastic).",
+    )
     _flag(p, ["-q", "--quiet"], help="No progress lines from the launcher (aelastic).")
     _flag(p, ["-v", "--verbose"], help="Also show aelastic's info logs (or set LOGLEVEL).")
     p.add_argument("training_script", help="The script (or module, or command) to run.")
@@ -220,6 +225,7 @@ class LaunchConfig:
     stop_grace_period: float = 30.0
     exit_barrier_timeout: float = 300.0
     virtual_local_rank: bool = False
+    warm_standby: bool = True
     signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
     env: Mapping[str, str] = field(default_factory=dict)
     quiet: bool = False
@@ -433,6 +439,7 @@ def config_from_args(
         stop_grace_period=grace,
         exit_barrier_timeout=args.exit_barrier_timeout,
         virtual_local_rank=bool(args.virtual_local_rank),
+        warm_standby=not args.no_warm_standby,
         signals=parse_signals(args.signals_to_handle),
         env=env,
         quiet=bool(args.quiet),

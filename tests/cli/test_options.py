@@ -263,3 +263,10 @@ def test_helpers() -> None:
     assert parse_rdzv_conf("") == {}
     assert parse_rdzv_conf("a = 1 ,b=x=y") == {"a": "1", "b": "x=y"}
     assert parse_signals("term,SIGINT,SIGTERM") == (signal.SIGTERM, signal.SIGINT)
+
+
+def test_warm_standby_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _config("train.py").warm_standby is True
+    assert _config("--no-warm-standby", "train.py").warm_standby is False
+    monkeypatch.setenv("PET_NO_WARM_STANDBY", "1")
+    assert _config("train.py").warm_standby is False
