@@ -89,16 +89,24 @@ class Step:
 _FINISH = Step(Outcome.FINISH)
 
 
-def prune(state: RendezvousState, settings: RendezvousSettings, now: float) -> RendezvousState:
+def prune(
+    state: RendezvousState,
+    settings: RendezvousSettings,
+    now: float,
+    spare: NodeDesc | None = None,
+) -> RendezvousState:
     """Remove the nodes whose last heartbeat is older than the heartbeat window.
 
+    ``spare`` is never pruned (a node does not judge itself dead: only others can).
     Returns ``state`` itself when nobody is dead.
     """
     beats = state.last_heartbeats
     expired = now - settings.heartbeat_window
     if not beats or min(beats.values()) >= expired:
         return state
-    dead = [n for n, beat in beats.items() if beat < expired]
+    dead = [n for n, beat in beats.items() if beat < expired and n != spare]
+    if not dead:
+        return state
     return _remove(state, settings, dead)
 
 
@@ -356,7 +364,9 @@ def view(
     Dead nodes are pruned locally, so a silent peer shows as lost once its heartbeat window
     has passed, whether or not anybody wrote the pruned state yet.
     """
-    current = prune(state if state is not None else RendezvousState(), settings, now)
+    stored = state if state is not None else RendezvousState()
+    # Silent peers show as lost; this node itself is removed only when others removed it.
+    current = prune(stored, settings, now, spare=node)
     same_round = current.round == round_
     present = current.participants.keys() if same_round else frozenset()
     return MembershipView(

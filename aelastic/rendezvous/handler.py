@@ -397,9 +397,15 @@ class DynamicRendezvousHandler:
     async def _heartbeats(self) -> None:
         interval = self._settings.keep_alive_interval
         while True:
-            await asyncio.sleep(interval)
+            # Due one interval after this node's last recorded heartbeat (which may be
+            # older than the round: the round can complete just before a beat was due).
+            state = self._state
+            beat = None if state is None else state.last_heartbeats.get(self._node)
+            due = interval if beat is None else beat + interval - self._clock.time()
+            await asyncio.sleep(max(due, 0.0))
             try:
                 deadline = self._clock.monotonic() + self._settings.heartbeat_timeout
                 await self._run(Op.KEEP_ALIVE, deadline)
             except RendezvousError as exc:
                 log.warning("node %s failed to send a heartbeat: %s", self._node, exc)
+                await asyncio.sleep(interval)  # the state did not move: do not spin

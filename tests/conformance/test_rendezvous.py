@@ -183,11 +183,22 @@ async def test_dead_member_is_pruned_and_survivor_reforms(make_params: MakeParam
         assert victim.node not in (await stored(survivor)).last_heartbeats
 
 
-async def test_heartbeats_keep_live_members_in_the_group(make_params: MakeParams) -> None:
-    conf = {"keep_alive_interval": 0.2, "keep_alive_max_attempt": 3}
-    async with handlers(make_params, 2, 2, 2, **conf) as group:
+@pytest.mark.parametrize(
+    ("min_nodes", "attempts"),
+    # (1, 2): one node of at most two waits out the last call, then the thinnest window.
+    [(2, 3), (1, 2)],
+)
+async def test_heartbeats_keep_live_members_in_the_group(
+    make_params: MakeParams, min_nodes: int, attempts: int
+) -> None:
+    conf = {
+        "keep_alive_interval": 0.2,
+        "keep_alive_max_attempt": attempts,
+        "last_call_timeout": 0.4,  # completes when a keep-alive is due, too
+    }
+    async with handlers(make_params, min_nodes, min_nodes, 2, **conf) as group:
         await join_all(group)
-        with anyio.move_on_after(1.0) as scope:
+        with anyio.move_on_after(1.5) as scope:
             await group[0].watch()
         assert scope.cancelled_caught, "a live member was reported lost"
         state = await stored(group[0])

@@ -246,3 +246,13 @@ def test_view_of_a_later_round_means_removed() -> None:
 def test_no_state_is_handled_like_an_empty_one(op: Op) -> None:
     s = settings()
     assert step(op, None, A, s, T0, FAR) == step(op, RendezvousState(), A, s, T0, FAR)
+
+
+def test_a_node_never_prunes_itself_in_its_own_view() -> None:
+    s = settings(min_nodes=1, max_nodes=2, keep_alive_interval=5, keep_alive_max_attempt=2)
+    state = complete_round(s, A, B)
+    late = T0 + 10.5  # both heartbeats are older than the 10 s window
+    seen = view(state, A, frozenset({A, B}), state.round, s, late)
+    assert not seen.removed and seen.lost == {B}
+    assert prune(state, s, late, spare=A).participants.keys() == {A}
+    assert not prune(state, s, late).participants
