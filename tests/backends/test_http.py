@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from aelastic.backends.http.server import create_app
 from aelastic.rendezvous import DynamicRendezvousHandler, create_handler
 from aelastic.rendezvous.state import decode_state
 from tests._http_server import HttpServer, free_port, serve_in_loop
+from tests._rendezvous_helpers import handler_group
 
 pytestmark = pytest.mark.anyio
 
@@ -65,20 +66,10 @@ async def backend(url: str, run_id: str, **kwargs: Any) -> AsyncIterator[HttpBac
         await b.aclose()
 
 
-@asynccontextmanager
-async def group(
+def group(
     url: str, run_id: str, count: int, min_nodes: int, max_nodes: int, **conf: Any
-) -> AsyncIterator[list[DynamicRendezvousHandler]]:
-    conf = {"join_timeout": 30, "last_call_timeout": 0.2, "read_timeout": 10, **conf}
-    params = RendezvousParameters(
-        "http", url, run_id, min_nodes, max_nodes, local_addr="127.0.0.1", **conf
-    )
-    made = [create_handler(params) for _ in range(count)]
-    try:
-        yield made
-    finally:
-        for h in made:
-            await h.aclose()
+) -> AbstractAsyncContextManager[list[DynamicRendezvousHandler]]:
+    return handler_group("http", url, run_id, count, min_nodes, max_nodes, **conf)
 
 
 async def raw(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import anyio
@@ -22,15 +22,15 @@ from aelastic.backends.redis import (
     create_backend,
     parse_endpoint,
 )
-from aelastic.rendezvous import DynamicRendezvousHandler, RendezvousInfo, create_handler
+from aelastic.rendezvous import DynamicRendezvousHandler, RendezvousInfo
 from aelastic.rendezvous.state import decode_state
 from aelastic.store import Store
 from tests._redis_server import RedisServer, free_port, redis_server_fixture
+from tests._rendezvous_helpers import PROMPT, assert_one_group, handler_group
+from tests._rendezvous_helpers import join_all as join_all_within
 
 pytestmark = pytest.mark.anyio
 
-#: Generous bound for "promptly" on a shared 2-core machine.
-PROMPT = 10.0
 PASSWORD = "s3cret-pa55"
 
 server = redis_server_fixture()
@@ -53,30 +53,16 @@ async def backend(url: str, run_id: str, **conf: Any) -> AsyncIterator[RedisBack
         await b.aclose()
 
 
-@asynccontextmanager
-async def group(
+def group(
     url: str, run_id: str, count: int, min_nodes: int, max_nodes: int, **conf: Any
-) -> AsyncIterator[list[DynamicRendezvousHandler]]:
-    conf = {"join_timeout": 60, "last_call_timeout": 0.2, "read_timeout": 10, **conf}
-    params = RendezvousParameters(
-        "redis", url, run_id, min_nodes, max_nodes, local_addr="127.0.0.1", **conf
+) -> AbstractAsyncContextManager[list[DynamicRendezvousHandler]]:
+    return handler_group(
+        "redis", url, run_id, count, min_nodes, max_nodes, **{"join_timeout": 60, **conf}
     )
-    made = [create_handler(params) for _ in range(count)]
-    try:
-        yield made
-    finally:
-        for h in made:
-            await h.aclose()
 
 
 async def join_all(handlers: list[DynamicRendezvousHandler]) -> list[RendezvousInfo[Store]]:
-    with anyio.fail_after(3 * PROMPT):
-        return list(await asyncio.gather(*(h.next_rendezvous() for h in handlers)))
-
-
-def assert_one_group(infos: list[RendezvousInfo[Store]], size: int) -> None:
-    assert sorted(i.rank for i in infos) == list(range(size))
-    assert {i.world_size for i in infos} == {size}
+    return await join_all_within(handlers, 3 * PROMPT)
 
 
 def foreign_cas(srv: RedisServer, keys: _scripts.RunKeys, data: bytes, token: str) -> Any:

@@ -16,50 +16,31 @@ from aelastic import (
     RendezvousTimeoutError,
 )
 from aelastic.backends.base import NO_STATE
-from aelastic.rendezvous import DynamicRendezvousHandler, RendezvousInfo, create_handler
+from aelastic.rendezvous import DynamicRendezvousHandler
 from aelastic.rendezvous.state import RendezvousState, decode_state
 from aelastic.store import Store
+from tests._rendezvous_helpers import PROMPT, assert_one_group, handler_group, join_all
 
 from .conftest import MakeParams
 
 pytestmark = pytest.mark.anyio
-
-# Generous bound for anything that should happen "promptly" on a shared 2-core machine.
-PROMPT = 10.0
 
 
 @asynccontextmanager
 async def handlers(
     make: MakeParams, count: int, min_nodes: int, max_nodes: int, **conf: object
 ) -> AsyncIterator[list[DynamicRendezvousHandler]]:
-    made = [create_handler(make(min_nodes, max_nodes, **conf)) for _ in range(count)]
-    try:
+    params = make(min_nodes, max_nodes, **conf)
+    async with handler_group(
+        params.backend, params.endpoint, params.run_id, count, min_nodes, max_nodes, **params.config
+    ) as made:
         yield made
-    finally:
-        for handler in made:
-            await handler.aclose()
-
-
-async def join_all(group: list[DynamicRendezvousHandler]) -> list[RendezvousInfo[Store]]:
-    with anyio.fail_after(PROMPT):
-        return list(await asyncio.gather(*(h.next_rendezvous() for h in group)))
 
 
 async def stored(handler: DynamicRendezvousHandler) -> RendezvousState:
     data, _ = await handler.backend.read()
     assert data is not None
     return decode_state(data)
-
-
-def assert_one_group(infos: list[RendezvousInfo[Store]], size: int) -> None:
-    assert sorted(i.rank for i in infos) == list(range(size))
-    assert {i.world_size for i in infos} == {size}
-    boot = {
-        (i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
-        for i in infos
-        if i.bootstrap_store_info
-    }
-    assert len(boot) == 1
 
 
 async def test_nodes_form_one_group_with_agreed_ranks(make_params: MakeParams) -> None:
