@@ -35,7 +35,7 @@ SLEEP = """
 import os, signal, sys, time
 if len(sys.argv) > 1 and sys.argv[1] == "--ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-print(f"worker pid={os.getpid()}", flush=True)
+os.write(1, f"worker pid={os.getpid()}\\n".encode())  # one atomic write
 time.sleep(120)
 """
 
@@ -123,7 +123,7 @@ def test_restart_then_success(tmp_path: Path) -> None:
 def test_signal_stops_workers(tmp_path: Path, sig: signal.Signals) -> None:
     script = _script(tmp_path, "sleep.py", SLEEP)
     with Cli(["run", "--nproc-per-node", "2", script], tmp_path) as cli:
-        cli.wait_for(lambda lines: sum("worker pid=" in line for line in lines) == 2)
+        cli.wait_for(lambda lines: len(re.findall(r"worker pid=\d+", "\n".join(lines))) == 2)
         pids = [int(m) for m in re.findall(r"worker pid=(\d+)", cli.output)]
         assert all(alive(pid) for pid in pids)
         cli.signal(sig)
