@@ -112,50 +112,6 @@ async def test_tokens_never_repeat_after_the_state_is_lost(server: HttpServer, r
         assert (await b.compare_and_set(b"y", first))[0] is False
 
 
-async def test_key_value_store_matches_the_memory_backend(server: HttpServer, run_id: str) -> None:
-    async with backend(server.url, run_id) as b:
-        await b.kv_set("a", b"1")
-        assert await b.kv_get(["a", "missing", ""]) == [b"1", None, None]
-        assert await b.kv_add("n", 5) == 5
-        assert await b.kv_add("n", -7) == -2
-        assert await b.kv_add("a", 0) == 1
-        await b.kv_set("text", b"abc")
-        with pytest.raises(ValueError, match="not an integer"):
-            await b.kv_add("text", 1)
-        assert await b.kv_compare_set("c", None, b"v") == b"v"
-        assert await b.kv_compare_set("c", None, b"w") == b"v"
-        assert await b.kv_compare_set("c", b"x", b"w") == b"v"
-        assert await b.kv_compare_set("c", b"v", b"w") == b"w"
-        assert await b.kv_compare_set("absent", b"e", b"d") == b"e"
-        assert await b.kv_get(["absent"]) == [None]
-        assert await b.kv_delete("c") is True
-        assert await b.kv_delete("c") is False
-        assert await b.kv_wait(["a"], 0) is True
-        assert await b.kv_wait(["a", "zz"], 0) is False
-        assert await b.kv_wait(["zz"], 0.2) is False
-        assert await b.kv_get([]) == []
-        assert await b.kv_wait([], 1) is True
-        binary = bytes(range(256))
-        await b.kv_set("bin", binary)
-        assert await b.kv_get(["bin"]) == [binary]
-
-
-async def test_kv_wait_wakes_when_the_keys_appear(server: HttpServer, run_id: str) -> None:
-    async with (
-        backend(server.url, run_id) as b,
-        backend(f"localhost:{server.port}", run_id) as writer,
-    ):
-        waiter = asyncio.ensure_future(b.kv_wait(["k1", "k2"], 30))
-        await writer.kv_set("k1", b"1")
-        await asyncio.sleep(0.05)  # the waiter must still wait for k2
-        assert not waiter.done()
-        start = time.monotonic()
-        await writer.kv_set("k2", b"2")
-        with anyio.fail_after(PROMPT):
-            assert await waiter is True
-        assert time.monotonic() - start < 2.0
-
-
 async def test_long_poll_wakes_promptly_and_times_out(server: HttpServer, run_id: str) -> None:
     async with backend(server.url, run_id) as b:
         _, _, token = await b.compare_and_set(b"v1", "")

@@ -1,0 +1,75 @@
+"""The backend protocol's key-value primitives, on every backend (the memory backend's
+semantics are the reference)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from aelastic.backends import RendezvousBackend, create_backend
+from tests._rendezvous_helpers import PROMPT
+
+from .conftest import MakeParams
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def made(make_params: MakeParams) -> AsyncIterator[RendezvousBackend]:
+    backend = create_backend(make_params(1, 1))
+    try:
+        yield backend
+    finally:
+        await backend.aclose()
+
+
+async def test_key_value_primitives(made: RendezvousBackend) -> None:
+    b = made
+    await b.kv_set("a", b"1")
+    assert await b.kv_get(["a", "missing", ""]) == [b"1", None, None]
+    assert await b.kv_get([]) == []
+    assert await b.kv_add("n", 5) == 5
+    assert await b.kv_add("n", -7) == -2
+    assert await b.kv_add("a", 0) == 1
+    await b.kv_set("text", b"abc")
+    with pytest.raises(ValueError, match="not an integer"):
+        await b.kv_add("text", 1)
+    assert await b.kv_compare_set("c", None, b"v") == b"v"
+    assert await b.kv_compare_set("c", None, b"w") == b"v"
+    assert await b.kv_compare_set("c", b"x", b"w") == b"v"
+    assert await b.kv_compare_set("c", b"v", b"w") == b"w"
+    assert await b.kv_compare_set("absent", b"e", b"d") == b"e"
+    assert await b.kv_get(["absent"]) == [None]
+    assert await b.kv_delete("c") is True
+    assert await b.kv_delete("c") is False
+    assert await b.kv_wait(["a"], 0) is True
+    assert await b.kv_wait(["a", "zz"], 0) is False
+    assert await b.kv_wait(["zz"], 0.2) is False
+    assert await b.kv_wait([], 0) is True
+    binary = bytes(range(256))
+    await b.kv_set("bin", binary)
+    await b.kv_set("ünï{}:*", b"")
+    assert await b.kv_get(["bin", "ünï{}:*"]) == [binary, b""]
+
+
+async def test_kv_wait_wakes_when_the_keys_appear(make_params: MakeParams) -> None:
+    # recheck_interval: Redis's safety-net re-read is pushed out, so only a notification wakes.
+    params = make_params(1, 1, recheck_interval=60)
+    waiting_backend, writer = create_backend(params), create_backend(params)
+    try:
+        waiter = asyncio.ensure_future(waiting_backend.kv_wait(["k1", "k2"], 60))
+        await writer.kv_set("k1", b"1")
+        await asyncio.sleep(0.1)
+        assert not waiter.done()  # still waiting for k2
+        start = time.monotonic()
+        await writer.kv_set("k2", b"2")
+        with anyio.fail_after(PROMPT):
+            assert await waiter is True
+        assert time.monotonic() - start < 2.0
+    finally:
+        await waiting_backend.aclose()
+        await writer.aclose()
