@@ -521,7 +521,10 @@ async def test_pubsub_connection_killed_is_replaced(server: RedisServer, run_id:
     async with backend(server.url, run_id, recheck_interval=60) as b:
         _, _, token = await b.compare_and_set(b"v1", "")
         watch, shared = b._watch, b._client
-        assert watch is not None and shared is not None and watch.subscribed
+        assert watch is not None and shared is not None
+        with anyio.fail_after(PROMPT):
+            await watch.ready.wait()  # the subscription is made in the background
+        assert watch.subscribed
         killed = shared._conn
         with server.client() as client:
             assert client.client_kill_filter(_type="pubsub") >= 1
