@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -128,6 +129,9 @@ def main(argv: list[str]) -> None:
         f"done: {args.steps} steps, loss {loss.item():.4f}, learned y = {weight[0]:.2f}*x0 "
         f"{weight[1]:+.2f}*x1 {model.bias.item():+.2f} (true: 3*x0 - 2*x1 + 0.5)"
     )
+    dist.barrier()  # every rank is done with the checkpoint
+    if rank == 0 and args.checkpoint_dir is None:
+        shutil.rmtree(path.parent, ignore_errors=True)  # the default one lives in the temp dir
     dist.destroy_process_group()
 
 

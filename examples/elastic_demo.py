@@ -21,6 +21,7 @@ import contextlib
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,6 +158,7 @@ def main(argv: list[str]) -> int:
         for node in nodes:
             node.stop()
         server.stop()
+        shutil.rmtree(checkpoints, ignore_errors=True)
 
 
 if __name__ == "__main__":
