@@ -263,7 +263,7 @@ def _leave(
     now: float,
     deadline: float,
 ) -> Step:
-    if not (state.knows(node) or node in state.last_heartbeats):
+    if not state.knows(node):  # listed nodes are exactly those with a heartbeat
         return _FINISH
     if now > deadline:
         return Step(Outcome.ERROR_TIMEOUT)
