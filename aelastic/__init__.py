@@ -4,18 +4,16 @@ The rendezvous types and exceptions carry torch's names and semantics. The core 
 imports torch.
 """
 
-from .rendezvous.api import (
+from .core.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
-    RendezvousInfo,
-    RendezvousParameters,
     RendezvousStateError,
-    RendezvousStoreInfo,
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
+from .core.params import RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
 
 __version__ = "0.1.0"
 

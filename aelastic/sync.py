@@ -20,10 +20,10 @@ from collections.abc import Coroutine, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from .core.params import RendezvousInfo, RendezvousParameters
+from .core.store import Store
 from .rendezvous import create_handler as create_async_handler
-from .rendezvous.api import RendezvousInfo, RendezvousParameters
 from .rendezvous.handler import DynamicRendezvousHandler
-from .store import Store
 
 __all__ = ["SyncRendezvousHandler", "SyncStore", "create_handler", "run"]
 

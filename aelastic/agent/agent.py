@@ -28,8 +28,8 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
-from ..rendezvous.api import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
-from ..rendezvous.core import MembershipView
+from ..core.errors import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
+from ..core.view import MembershipView
 from ._aio import cancel_and_wait, quietly, uncancellable
 from .api import (
     DEFAULT_ROLE,
@@ -449,7 +449,8 @@ class ElasticAgent:
                 failed = result is not None and result.is_failed()
                 if failed and self._spec.close_on_failure:
                     await quietly(self._handler.set_closed(), "close the rendezvous")
-                await quietly(self._handler.leave(), "leave the rendezvous")
+                succeeded = result is not None and result.state is WorkerState.SUCCEEDED
+                await quietly(self._handler.leave(finished=succeeded), "leave the rendezvous")
         finally:
             for path in (self._scratch, self._own_log_root if self._logs_disposable() else None):
                 if path is not None:
@@ -479,6 +480,8 @@ class ElasticAgent:
         self._emit(
             EventKind.MEMBERSHIP_CHANGED,
             lost=sorted(str(n) for n in view.lost),
+            lost_count=view.lost_count,
+            finished=view.finished,
             waiting=view.waiting,
             removed=view.removed,
             closed=view.closed,

@@ -19,8 +19,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ..core.store import Store
     from ..rendezvous.handler import DynamicRendezvousHandler
-    from ..store import Store
 
 __all__ = [
     "DEFAULT_ROLE",

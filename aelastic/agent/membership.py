@@ -16,11 +16,11 @@ import logging
 from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
-from ..rendezvous.api import RendezvousError
-from ..rendezvous.core import MembershipView
+from ..core.errors import RendezvousError
+from ..core.state import NodeDesc
+from ..core.store import Store
+from ..core.view import MembershipView
 from ..rendezvous.handler import DynamicRendezvousHandler
-from ..rendezvous.state import NodeDesc
-from ..store import Store
 from ._aio import cancel_and_wait
 from .policy import Action, Decision, Observation, Trigger, decide
 
@@ -77,20 +77,22 @@ class RoundGroup:
                 await asyncio.sleep(self._handler.settings.keep_alive_interval)
 
     async def observe(self, view: MembershipView) -> Observation:
-        """What ``view`` means for the policy (which lost members had finished)."""
-        finished = 0
+        """What ``view`` means for the policy (members that left after succeeding, or died
+        after marking themselves done, count as finished)."""
+        finished = view.finished
+        lost = view.lost_count
         peers_finished = False
         if not view.closed:
             for node in view.lost:
                 rank = self.members.get(node)
                 if rank is not None and await self.store.try_get(_done_key(rank)) is not None:
-                    finished += 1
+                    finished, lost = finished + 1, lost - 1
             peers_finished = bool(finished) or await self.store.try_get(_FINISHED_KEY) is not None
         return Observation(
             Trigger.MEMBERSHIP_CHANGED,
             closed=view.closed,
             removed=view.removed,
-            lost=len(view.lost) - finished,
+            lost=max(lost, 0),
             lost_finished=finished,
             waiting=view.waiting,
             peers_finished=peers_finished,

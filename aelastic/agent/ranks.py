@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..rendezvous.api import RendezvousStateError
-from ..rendezvous.state import NodeDesc
+from ..core.errors import RendezvousStateError
+from ..core.state import NodeDesc
 from .api import Worker
 
 __all__ = ["AgentRecord", "assign_ranks", "record_key"]

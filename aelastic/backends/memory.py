@@ -1,92 +1,33 @@
 """In-memory backend: the embedded default, and the reference the other backends match.
 
 How it works: handlers in one process that name the same ``endpoint`` share one
-``_Hub``; each run id has a ``_Run`` holding the encoded state, its version and the
-key-value pairs. A lock makes it safe across threads and event loops. Waiters register
-a future with the loop they run on and a predicate; a change wakes the waiters whose
-predicate now holds (once: a woken waiter is dropped, it re-reads and waits anew), so
-N waiting nodes cost O(N) wake-ups per change at most, never a poll.
+:class:`~._engine.Engine`, which applies the pure state machine to each run under a lock
+(safe across threads and event loops) and wakes waiters on changes. Time is the handler's
+clock (a request carries it), so a test's manual clock drives timeouts and heartbeats.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-from ..rendezvous.api import RendezvousParameters
-from .base import NO_STATE, Token
+from ..core.params import RendezvousParameters
+from ..core.state import Reply, Request, Snapshot, Status
+from ..core.token import Token
+from ._engine import Engine, now_ms
 
-__all__ = ["MemoryBackend", "create_backend"]
+__all__ = ["MemoryBackend", "create_backend", "reset"]
 
-_epochs = itertools.count(1)
-
-
-@dataclass(eq=False)
-class _Waiter:
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[None]
-    ready: Callable[[], bool]
+_engines: dict[str, Engine] = {}
+_engines_lock = threading.Lock()
 
 
-@dataclass
-class _Run:
-    state: bytes | None = None
-    version: int = 0
-    epoch: int = field(default_factory=lambda: next(_epochs))
-    kv: dict[str, bytes] = field(default_factory=dict)
-    waiters: set[_Waiter] = field(default_factory=set)
-
-    @property
-    def token(self) -> Token:
-        return NO_STATE if self.state is None else f"{self.epoch}.{self.version}"
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-class _Hub:
-    """All runs of one endpoint in this process."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.runs: dict[str, _Run] = {}
-
-    def run(self, run_id: str) -> _Run:
-        run = self.runs.get(run_id)
-        if run is None:
-            run = self.runs[run_id] = _Run()
-        return run
-
-    def notify(self, run: _Run) -> None:
-        """Wake the waiters whose condition holds. Call with the lock held."""
-        woken = [w for w in run.waiters if w.ready()]
-        for waiter in woken:
-            run.waiters.discard(waiter)
-            waiter.loop.call_soon_threadsafe(_resolve, waiter.future)
-
-
-_hubs: dict[str, _Hub] = {}
-_hubs_lock = threading.Lock()
-
-
-def _hub(endpoint: str) -> _Hub:
-    with _hubs_lock:
-        hub = _hubs.get(endpoint)
-        if hub is None:
-            hub = _hubs[endpoint] = _Hub()
-        return hub
-
-
-def _add(current: bytes | None, amount: int, key: str) -> int:
-    try:
-        return (0 if current is None else int(current)) + amount
-    except ValueError:
-        raise ValueError(f"The value of key {key!r} is not an integer.") from None
+def _engine(endpoint: str) -> Engine:
+    with _engines_lock:
+        engine = _engines.get(endpoint)
+        if engine is None:
+            engine = _engines[endpoint] = Engine()
+        return engine
 
 
 class MemoryBackend:
@@ -101,10 +42,8 @@ class MemoryBackend:
 
     def __init__(self, run_id: str, endpoint: str = "") -> None:
         self._endpoint = endpoint
-        self._hub = _hub(endpoint)
+        self._engine = _engine(endpoint)
         self._run_id = run_id
-        with self._hub.lock:
-            self._run = self._hub.run(run_id)
 
     def __repr__(self) -> str:
         return f"MemoryBackend(run_id={self._run_id!r}, endpoint={self._endpoint!r})"
@@ -113,86 +52,40 @@ class MemoryBackend:
     def endpoint(self) -> str:
         return self._endpoint or "memory"
 
-    async def read(self) -> tuple[bytes | None, Token]:
-        with self._hub.lock:
-            return self._run.state, self._run.token
+    async def apply(self, request: Request, hold: float = 0.0) -> Reply:
+        now = request.now_ms if request.now_ms is not None else now_ms()
+        return self._engine.apply(self._run_id, request, now)
 
-    async def compare_and_set(self, state: bytes, token: Token) -> tuple[bool, bytes | None, Token]:
-        run = self._run
-        with self._hub.lock:
-            if run.token != token:
-                return False, run.state, run.token
-            run.state = state
-            run.version += 1
-            self._hub.notify(run)
-            return True, state, run.token
+    async def wait_for_change(self, token: Token, timeout: float | None) -> Status | None:
+        if not await self._engine.wait_status(self._run_id, token, timeout):
+            return None
+        return self._engine.status(self._run_id, now_ms())
 
-    async def wait_for_change(self, token: Token, timeout: float | None) -> None:
-        run = self._run
-        await self._wait(lambda: run.token != token, timeout)
+    async def snapshot(self) -> Snapshot | None:
+        return self._engine.snapshot(self._run_id, now_ms())
 
-    async def _wait(self, ready: Callable[[], bool], timeout: float | None) -> bool:
-        loop = asyncio.get_running_loop()
-        with self._hub.lock:
-            if ready():
-                return True
-            waiter = _Waiter(loop, loop.create_future(), ready)
-            self._run.waiters.add(waiter)
-        try:
-            done, _ = await asyncio.wait({waiter.future}, timeout=timeout)
-        finally:
-            with self._hub.lock:
-                self._run.waiters.discard(waiter)
-            waiter.future.cancel()
-        if done:
-            return True
-        with self._hub.lock:
-            return ready()
+    async def reset(self) -> bool:
+        return self._engine.delete(self._run_id)
 
     # -- key-value store ------------------------------------------------------------------
 
-    def _changed(self) -> None:
-        self._hub.notify(self._run)
-
     async def kv_set(self, key: str, value: bytes) -> None:
-        with self._hub.lock:
-            self._run.kv[key] = bytes(value)
-            self._changed()
+        self._engine.kv_set(self._run_id, key, value)
 
     async def kv_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        with self._hub.lock:
-            return [self._run.kv.get(k) for k in keys]
+        return self._engine.kv_get(self._run_id, keys)
 
     async def kv_add(self, key: str, amount: int) -> int:
-        with self._hub.lock:
-            value = _add(self._run.kv.get(key), amount, key)
-            self._run.kv[key] = str(value).encode()
-            self._changed()
-            return value
+        return self._engine.kv_add(self._run_id, key, amount)
 
     async def kv_compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
-        with self._hub.lock:
-            current = self._run.kv.get(key)
-            if current is None and expected is not None:
-                return expected
-            if current != expected:
-                assert current is not None
-                return current
-            self._run.kv[key] = bytes(desired)
-            self._changed()
-            return bytes(desired)
+        return self._engine.kv_compare_set(self._run_id, key, expected, desired)
 
     async def kv_delete(self, key: str) -> bool:
-        with self._hub.lock:
-            existed = self._run.kv.pop(key, None) is not None
-            if existed:
-                self._changed()
-            return existed
+        return self._engine.kv_delete(self._run_id, key)
 
     async def kv_wait(self, keys: Sequence[str], timeout: float) -> bool:
-        kv = self._run.kv
-        wanted = list(keys)
-        return await self._wait(lambda: all(k in kv for k in wanted), timeout)
+        return await self._engine.kv_wait(self._run_id, keys, timeout)
 
     async def aclose(self) -> None:
         """Nothing to release: the run's data stays for other handlers of this process."""
@@ -205,5 +98,5 @@ def create_backend(params: RendezvousParameters) -> MemoryBackend:
 
 def reset() -> None:
     """Forget every in-memory run of this process (tests use it between cases)."""
-    with _hubs_lock:
-        _hubs.clear()
+    with _engines_lock:
+        _engines.clear()

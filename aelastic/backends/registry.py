@@ -1,9 +1,17 @@
-"""Backends by name: built-ins imported lazily, third parties through entry points.
+"""Backends by name: one row per built-in backend, third parties through entry points.
 
-A backend factory takes :class:`~aelastic.RendezvousParameters` and returns a
-:class:`~aelastic.backends.base.RendezvousBackend`. Third-party packages register one
-under the entry-point group ``aelastic.backends``; ``register_backend`` does the same at
-run time. A built-in whose extra is not installed says which extra to install.
+How it works: :data:`BUILTINS` holds one :class:`BackendInfo` per built-in backend (its
+module, the extra that installs its dependencies, its endpoint form, whether nodes on
+several machines can share it, its name under torchrun, its own config keys). The command
+line, ``aelastic status``, the torchrun plugin, the benchmarks and the conformance suite
+read these rows instead of listing backend names again. A backend factory takes
+:class:`~aelastic.core.params.RendezvousParameters` and returns a
+:class:`~aelastic.core.protocol.RendezvousBackend`; modules are imported on first use, and
+a missing extra says what to install. Third-party packages register one under the entry
+point group ``aelastic.backends``; :func:`register_backend` does the same at run time.
+
+To add a built-in backend: a module (or folder) with ``create_backend(params)``, one row
+here, one entry point line in ``pyproject.toml``.
 """
 
 from __future__ import annotations
@@ -11,29 +19,127 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..rendezvous.api import RendezvousParameters
-from .base import RendezvousBackend
+from ..core.params import RendezvousParameters
+from ..core.protocol import RendezvousBackend
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
 
-__all__ = ["BackendFactory", "backend_names", "create_backend", "register_backend"]
+__all__ = [
+    "BUILTINS",
+    "SETTINGS_KEYS",
+    "BackendFactory",
+    "BackendInfo",
+    "backend_info",
+    "backend_names",
+    "create_backend",
+    "known_config_keys",
+    "register_backend",
+]
 
 BackendFactory = Callable[[RendezvousParameters], RendezvousBackend]
 
-#: name -> (module, attribute, extra that provides its dependencies)
-_BUILTINS: dict[str, tuple[str, str, str | None]] = {
-    "memory": ("aelastic.backends.memory", "create_backend", None),
-    "redis": ("aelastic.backends.redis", "create_backend", "redis"),
-    "http": ("aelastic.backends.http.client", "create_backend", "http"),
-}
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What the rest of aelastic knows about a built-in backend.
+
+    Attributes:
+        name: ``--rdzv-backend`` name.
+        module: Module with ``create_backend(params)``.
+        extra: The ``pip install 'aelastic[extra]'`` that brings its dependencies.
+        endpoint_form: How its ``--rdzv-endpoint`` is written.
+        multi_node: Whether nodes on several machines (processes) can share a run.
+        torchrun_alias: Its name under torch's own launcher (``torchrun.handlers``).
+        config_keys: Its own ``--rdzv-conf`` keys.
+    """
+
+    name: str
+    module: str
+    extra: str | None
+    endpoint_form: str
+    multi_node: bool
+    torchrun_alias: str
+    config_keys: tuple[str, ...] = ()
+
+
+#: ``--rdzv-conf`` keys every backend understands (the rendezvous settings).
+SETTINGS_KEYS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "read_timeout",
+    "is_host",
+    "share_connections",
+)
+
+BUILTINS: tuple[BackendInfo, ...] = (
+    BackendInfo(
+        "memory",
+        "aelastic.backends.memory",
+        None,
+        "any name (handlers of one process naming it share a run)",
+        multi_node=False,
+        torchrun_alias="aelastic-memory",
+    ),
+    BackendInfo(
+        "redis",
+        "aelastic.backends.redis",
+        "redis",
+        "redis://[user[:password]@]host[:port][/db], rediss://... or host[:port]",
+        multi_node=True,
+        torchrun_alias="aelastic-redis",
+        config_keys=(
+            "username",
+            "password",
+            "key_ttl",
+            "recheck_interval",
+            "max_connections",
+            "key_prefix",
+            "tls",
+            "ssl_ca_certs",
+            "ssl_certfile",
+            "ssl_keyfile",
+            "ssl_cert_reqs",
+        ),
+    ),
+    BackendInfo(
+        "http",
+        "aelastic.backends.http.client",
+        "http",
+        "host:port, http://host:port[/prefix] or https://...",
+        multi_node=True,
+        torchrun_alias="aelastic-http",
+        config_keys=("token",),
+    ),
+)
+
+_BY_NAME = {info.name: info for info in BUILTINS}
 
 ENTRY_POINT_GROUP = "aelastic.backends"
 
 _registry: dict[str, BackendFactory] = {}
 _lock = threading.Lock()
+
+
+def backend_info(name: str) -> BackendInfo | None:
+    """The row of built-in backend ``name`` (or of its torchrun alias), if there is one."""
+    info = _BY_NAME.get(name)
+    if info is None:
+        info = next((i for i in BUILTINS if i.torchrun_alias == name), None)
+    return info
+
+
+def known_config_keys(name: str) -> tuple[str, ...]:
+    """The ``--rdzv-conf`` keys backend ``name`` understands."""
+    info = backend_info(name)
+    return SETTINGS_KEYS + (info.config_keys if info is not None else ())
 
 
 def register_backend(name: str, factory: BackendFactory) -> None:
@@ -55,18 +161,17 @@ def register_backend(name: str, factory: BackendFactory) -> None:
 
 
 def _load_builtin(name: str) -> BackendFactory | None:
-    spec = _BUILTINS.get(name)
-    if spec is None:
+    info = _BY_NAME.get(name)
+    if info is None:
         return None
-    module_name, attr, extra = spec
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(info.module)
     except ImportError as exc:
-        hint = f" Install it with: pip install 'aelastic[{extra}]'" if extra else ""
+        hint = f" Install it with: pip install 'aelastic[{info.extra}]'" if info.extra else ""
         raise ImportError(
             f"The '{name}' rendezvous backend needs a package that is missing ({exc.name}).{hint}"
         ) from exc
-    factory: BackendFactory = getattr(module, attr)
+    factory: BackendFactory = module.create_backend
     return factory
 
 
@@ -78,8 +183,9 @@ def _entry_points() -> list[EntryPoint]:
 
 
 def _load_entry_point(name: str) -> BackendFactory | None:
+    builtin_modules = {info.module for info in BUILTINS}
     for ep in _entry_points():
-        if ep.name == name and ep.value.split(":")[0] not in {m for m, _, _ in _BUILTINS.values()}:
+        if ep.name == name and ep.value.split(":")[0] not in builtin_modules:
             factory: BackendFactory = ep.load()
             return factory
     return None
@@ -102,7 +208,7 @@ def _factory(name: str) -> BackendFactory:
 
 def backend_names() -> set[str]:
     """Names of the built-in, registered and entry-point backends."""
-    names = set(_BUILTINS) | set(_registry)
+    names = set(_BY_NAME) | set(_registry)
     names.update(ep.name for ep in _entry_points())
     return names
 

@@ -20,11 +20,11 @@ import time
 from collections.abc import Sequence
 
 from ..agent import ElasticAgent, WorkerSpec
-from ..rendezvous import create_handler
-from ..rendezvous.api import (
+from ..rendezvous import (
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousParameters,
+    create_handler,
 )
 from .console import Console
 from .options import LaunchConfig

@@ -25,18 +25,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from ..backends.registry import BUILTINS, backend_info
 from .devices import determine_local_world_size
 
 __all__ = ["BACKEND_ALIASES", "LaunchConfig", "UsageError", "build_parser", "config_from_args"]
 
-#: Names ``--rdzv-backend`` accepts -> aelastic backend.
+#: Names ``--rdzv-backend`` accepts for the built-ins (and their torchrun names) -> backend.
 BACKEND_ALIASES = {
-    "memory": "memory",
-    "redis": "redis",
-    "http": "http",
-    "aelastic-memory": "memory",
-    "aelastic-redis": "redis",
-    "aelastic-http": "http",
+    **{info.name: info.name for info in BUILTINS},
+    **{info.torchrun_alias: info.name for info in BUILTINS},
 }
 
 _TORCH_ONLY = {
@@ -343,15 +340,17 @@ def _backend(
             known = ", ".join(sorted(BACKEND_ALIASES))
             raise UsageError(f"--rdzv-backend {name!r} is unknown (known: {known})")
         backend = name
-    if backend in ("redis", "http") and not args.rdzv_endpoint:
-        raise UsageError(f"--rdzv-backend {name} needs --rdzv-endpoint")
-    if backend == "memory" and min_nodes > 1:
+    info = backend_info(backend)
+    if info is not None and info.multi_node and not args.rdzv_endpoint:
+        raise UsageError(f"--rdzv-backend {name} needs --rdzv-endpoint ({info.endpoint_form})")
+    single = info is not None and not info.multi_node
+    if single and min_nodes > 1:
         raise UsageError(
-            "the memory backend lives in this process: it cannot wait for other nodes "
+            f"the {backend} backend lives in this process: it cannot wait for other nodes "
             "(use --rdzv-backend redis or http)"
         )
-    if backend == "memory" and max_nodes > 1:
-        warnings.append("the memory backend only joins nodes of this one process")
+    if single and max_nodes > 1:
+        warnings.append(f"the {backend} backend only joins nodes of this one process")
     if args.node_rank != 0:
         warnings.append("--node-rank is only used by a static rendezvous; ignored")
     return backend, args.rdzv_endpoint, args.rdzv_id, False, warnings

@@ -15,11 +15,10 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from ..backends.http.wire import DEFAULT_PORT
 from .options import UsageError
 
 __all__ = ["build_parser", "main"]
-
-DEFAULT_PORT = 29400
 
 
 class _Parser(argparse.ArgumentParser):

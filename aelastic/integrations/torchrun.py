@@ -31,9 +31,10 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
+from .. import rendezvous as aapi
 from .. import sync
-from ..rendezvous import api as aapi
-from ..rendezvous.core import MembershipView
+from ..backends.registry import BUILTINS
+from ..core.view import MembershipView
 
 __all__ = [
     "BACKENDS",
@@ -43,8 +44,8 @@ __all__ = [
     "redis_handler",
 ]
 
-#: torchrun backend name -> aelastic backend name.
-BACKENDS = {"aelastic-memory": "memory", "aelastic-redis": "redis", "aelastic-http": "http"}
+#: torchrun backend name -> aelastic backend name (from the backend registry's rows).
+BACKENDS = {info.torchrun_alias: info.name for info in BUILTINS}
 
 #: Keys (in the round's store) where group rank 0 publishes the workers' TCPStore.
 _STORE_ADDR_KEY = "torchrun/tcp_store_addr"
@@ -224,14 +225,21 @@ def _classes() -> tuple[type[Any], type[Any]]:
                 self._handler.set_closed()
 
         def num_nodes_waiting(self) -> int:
-            with _torch_errors():
-                waiting = self._handler.num_nodes_waiting()
+            # torch's agent asks this every monitor interval. While the round's watch runs
+            # (it returns on any change of the group) nothing changed: answer without
+            # asking the backend.
             watch = self._watch
-            if waiting == 0 and watch is not None and watch.done() and not watch.cancelled():
+            if watch is not None and not watch.done():
+                return 0
+            if watch is not None and not watch.cancelled():
                 view = watch.exception() or watch.result()
-                if isinstance(view, MembershipView) and (view.lost or view.removed):
-                    return 1
-            return waiting
+                if isinstance(view, MembershipView):
+                    if view.lost or view.lost_count or view.removed:
+                        return max(view.waiting, 1)
+                    if view.waiting:
+                        return view.waiting
+            with _torch_errors():
+                return self._handler.num_nodes_waiting()
 
         def shutdown(self) -> bool:
             self._stop_watch()

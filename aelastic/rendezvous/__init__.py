@@ -1,34 +1,38 @@
 """Rendezvous: barrier, peer discovery, consistent ranks and a shared store for a run.
 
 ``create_handler(params)`` gives the async :class:`DynamicRendezvousHandler` over the
-backend that ``params.backend`` names. The logic lives in the pure :mod:`.core`; the
-handler only drives it over a backend.
+backend that ``params.backend`` names. The semantics live in the pure state machine
+(:mod:`aelastic.core.machine`); backends apply it, the handler only sends this node's
+requests and waits for round transitions.
 """
 
 from __future__ import annotations
 
 from ..backends.registry import create_backend
-from .api import (
+from ..core.clock import Clock, ManualClock
+from ..core.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
-    RendezvousInfo,
-    RendezvousParameters,
-    RendezvousSettings,
     RendezvousStateError,
-    RendezvousStoreInfo,
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
-from .clock import Clock, ManualClock
-from .core import MembershipView
-from .handler import DynamicRendezvousHandler, RendezvousEvent
-from .state import NodeDesc
+from ..core.params import (
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousSettings,
+    RendezvousStoreInfo,
+)
+from ..core.state import NodeDesc
+from ..core.view import MembershipView
+from .handler import DynamicRendezvousHandler, HandlerStats, RendezvousEvent
 
 __all__ = [
     "Clock",
     "DynamicRendezvousHandler",
+    "HandlerStats",
     "ManualClock",
     "MembershipView",
     "NodeDesc",

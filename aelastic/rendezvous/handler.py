@@ -1,11 +1,17 @@
-"""The async rendezvous handler: drives the pure core over a backend.
+"""The async rendezvous handler: sends this node's requests and waits for round transitions.
 
-How it works: every operation is the same loop. Read the state, ask ``core.step`` what to
-do, and either compare-and-set the state it returns (a lost race just means deciding again
-on what the backend answered), wait for the state to change (or for the core's own wake-up
-time), or finish. After a round completes, a heartbeat task keeps this node alive in the
-state, and :meth:`watch` lets the agent learn, without polling, that the group changed
-(a node waiting, a peer gone or dead, the run closed).
+How it works: the backend applies the state machine (``core.machine.step``) to the run's
+state atomically and answers each request with a constant-size reply. Joining is a loop:
+ask to join; the answer is *finished* (with this node's rank, the world size and where rank
+0's workers bootstrap), an error, or *wait*: then wait until the run's status changes (the
+backend wakes the waiter), the last call ends, or a heartbeat is due, and ask again. After a
+round completes, a heartbeat task sends this node's keep-alive once an interval; its answer
+also tells when the oldest heartbeat of the run expires, and the task asks the backend to
+prune a silent node at that moment. :meth:`watch` returns when the round's group changed (a
+node waiting, a member lost or finished, this node removed, the run closed), woken by the
+backend's notification, which only round transitions send.
+
+The handler reads time and sleeps only through its :class:`~aelastic.core.clock.Clock`.
 """
 
 from __future__ import annotations
@@ -15,38 +21,34 @@ import contextlib
 import itertools
 import logging
 import os
+import random
 import socket
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from ..backends.base import NO_STATE, RendezvousBackend, Token
-from ..store import Store
-from . import core
-from .api import (
+from ..core.clock import SYSTEM_CLOCK, Clock, SystemClock
+from ..core.errors import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
-    RendezvousInfo,
-    RendezvousSettings,
-    RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
-from .clock import SYSTEM_CLOCK, Clock
-from .core import MembershipView, Op, Outcome
-from .state import NodeDesc, RendezvousState, decode_state, encode_state
+from ..core.params import RendezvousInfo, RendezvousSettings, RendezvousStoreInfo
+from ..core.protocol import RendezvousBackend
+from ..core.state import NodeDesc, Op, Outcome, Reply, Request, Status, Transition
+from ..core.store import Store
+from ..core.view import MembershipView, view_of
 
-__all__ = ["DynamicRendezvousHandler", "RendezvousEvent"]
+__all__ = ["DynamicRendezvousHandler", "HandlerStats", "RendezvousEvent"]
 
 log = logging.getLogger("aelastic.rendezvous")
 
 _local_ids = itertools.count()
 
 #: Longest single wait for a change; a safety net, not a poll period.
-_MAX_WAIT = 30.0
-
-#: Writes one operation may make without waiting; more means the core does not settle.
-_MAX_WRITES = 16
+_MAX_WAIT = 300.0
+#: Asked again this long after the last call's end by the backend's clock (absorbs drift).
+_LATE = 0.002
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,21 @@ class RendezvousEvent:
     at: float
 
 
+@dataclass
+class HandlerStats:
+    """What this handler asked of its backend, and how often it was woken."""
+
+    requests: int = 0
+    wakeups: int = 0
+
+
+@dataclass(frozen=True)
+class _Round:
+    number: int
+    rank: int
+    world: int
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
@@ -72,10 +89,10 @@ class DynamicRendezvousHandler:
     """Async rendezvous with torch's ``DynamicRendezvousHandler`` semantics.
 
     Args:
-        backend: Where the shared state lives.
+        backend: Where the run's state lives.
         settings: Node bounds and timeouts.
         local_addr: This node's address (default: the FQDN).
-        clock: Source of time (tests inject a :class:`~aelastic.rendezvous.clock.ManualClock`).
+        clock: Source of time (tests inject a :class:`~aelastic.core.clock.ManualClock`).
         backend_name: Name reported by :meth:`get_backend` (default: the backend's).
     """
 
@@ -90,16 +107,20 @@ class DynamicRendezvousHandler:
     ) -> None:
         self._backend = backend
         self._settings = settings
+        self._rules = settings.rules
         self._clock = clock
         self._backend_name = backend_name or backend.name
         self._node = NodeDesc(local_addr or socket.getfqdn(), os.getpid(), next(_local_ids))
-        self._state: RendezvousState | None = None
-        self._token: Token = NO_STATE
-        self._round: int | None = None
-        self._members: frozenset[NodeDesc] = frozenset()
+        self._status: Status | None = None
+        self._round: _Round | None = None
+        self._joined = False
+        self._removed = False
+        self._news = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._listeners: list[asyncio.Queue[RendezvousEvent]] = []
-        self._closed = False
+        self._released = False
+        self._shut_down = False
+        self.stats = HandlerStats()
 
     def __repr__(self) -> str:
         return (
@@ -116,7 +137,7 @@ class DynamicRendezvousHandler:
 
     @property
     def node(self) -> NodeDesc:
-        """This node's identity in the shared state."""
+        """This node's identity in the run's state."""
         return self._node
 
     @property
@@ -142,92 +163,108 @@ class DynamicRendezvousHandler:
 
         Returns:
             The store of the round, this node's rank, the world size and where the
-            workers bootstrap (rank 0's address and a free port).
+            workers bootstrap (rank 0's address and a port free on its host).
 
         Raises:
             RendezvousClosedError: The rendezvous is closed.
             RendezvousTimeoutError: The round did not complete within ``join_timeout``.
             RendezvousGracefulExitError: The node was redundant when the run closed.
             RendezvousConnectionError: The backend could not be reached.
-            RendezvousStateError: The stored state is corrupt or foreign.
+            RendezvousStateError: The stored state is foreign, corrupt or of another version.
         """
+        if self._shut_down:
+            raise RendezvousClosedError(f"The rendezvous '{self.get_run_id()}' is closed.")
         await self._stop_heartbeats()
-        self._round = None
-        self._members = frozenset()
-        deadline = self._clock.monotonic() + self._settings.join_timeout
+        self._round, self._removed = None, False
         started = self._clock.monotonic()
         try:
-            await self._run(Op.LEAVE, deadline)
-            state = await self._run(Op.JOIN, deadline)
-            rank = state.participants[self._node]
-            world_size = len(state.participants)
-            store = Store(self._backend, prefix=f"r{state.round}/")
-            bootstrap = await self._bootstrap(rank, store)
+            if self._joined:
+                await self._request(Op.LEAVE)
+            self._joined = True
+            reply = await self._join(started + self._settings.join_timeout)
         except BaseException as exc:
             # Cancelled (or broken) half-way: leave what was joined. A rendezvous error
-            # already left the state as it should be (the core removed this node).
+            # already left the state as it should be (the machine removed this node).
             if not isinstance(exc, RendezvousError | ValueError):
                 await self._leave_quietly()
             raise
-        self._round = state.round
-        self._members = frozenset(state.participants)
+        status = reply.status
+        assert reply.rank is not None
+        self._round = _Round(status.round, reply.rank, status.world)
         self._start_heartbeats()
         log.info(
             "node %s joined round %d of '%s' as rank %d of %d in %.3f s",
             self._node,
-            state.round,
+            status.round,
             self._settings.run_id,
-            rank,
-            world_size,
+            reply.rank,
+            status.world,
             self._clock.monotonic() - started,
         )
-        return RendezvousInfo(store, rank, world_size, bootstrap)
+        bootstrap = RendezvousStoreInfo(
+            reply.master_addr or self._node.addr, reply.master_port or 0
+        )
+        store = Store(self._backend, prefix=f"r{status.round}/")
+        return RendezvousInfo(store, reply.rank, status.world, bootstrap)
 
     async def is_closed(self) -> bool:
         """Whether the rendezvous has been closed."""
-        state, _ = await self._read()
-        return state is not None and state.closed
+        if self._shut_down:
+            return True
+        return (await self._request(Op.STATUS)).status.closed
 
     async def set_closed(self) -> None:
         """Mark the rendezvous as closed: later joins fail with ``RendezvousClosedError``."""
-        await self._run(Op.CLOSE, self._clock.monotonic() + self._settings.close_timeout)
+        if not self._shut_down:
+            await self._request(Op.CLOSE)
 
     async def num_nodes_waiting(self) -> int:
         """Number of nodes waiting to join the next round (late arrivals)."""
-        state, _ = await self._read()
-        if state is None:
+        if self._shut_down:
             return 0
-        return len(core.prune(state, self._settings, self._clock.time()).wait_list)
+        return (await self._request(Op.STATUS)).status.waiting
 
     async def shutdown(self) -> bool:
         """Stop heartbeats, close the rendezvous for every node, release the backend.
 
+        Calling it again is harmless (``True``); afterwards the handler still answers:
+        closed, nobody waiting, and ``next_rendezvous`` raises ``RendezvousClosedError``.
+
         Returns:
-            ``True`` if the rendezvous was closed, ``False`` if closing failed.
+            ``True`` if the rendezvous is closed, ``False`` if closing failed.
         """
+        if self._shut_down:
+            return True
         await self._stop_heartbeats()
         try:
-            await self.set_closed()
-            return True
+            await self._request(Op.CLOSE)
         except RendezvousError as exc:
             log.warning("node %s could not close '%s': %s", self._node, self.get_run_id(), exc)
             return False
         finally:
             await self.aclose()
+        self._shut_down = True
+        return True
 
     # -- aelastic extensions --------------------------------------------------------------
 
-    async def leave(self) -> None:
-        """Stop heartbeats and leave the rendezvous without closing it for the others."""
+    async def leave(self, finished: bool = False) -> None:
+        """Stop heartbeats and leave the rendezvous without closing it for the others.
+
+        Args:
+            finished: This node's workers succeeded: the other members need not act on
+                its departure.
+        """
         await self._stop_heartbeats()
-        self._round = None
-        await self._run(Op.LEAVE, self._clock.monotonic() + self._settings.close_timeout)
+        self._round, self._joined = None, False
+        if not self._released:
+            await self._request(Op.LEAVE, finished=finished)
 
     async def aclose(self) -> None:
         """Stop heartbeats and release the backend (the shared state is left as it is)."""
         await self._stop_heartbeats()
-        if not self._closed:
-            self._closed = True
+        if not self._released:
+            self._released = True
             await self._backend.aclose()
 
     async def __aenter__(self) -> DynamicRendezvousHandler:
@@ -237,39 +274,57 @@ class DynamicRendezvousHandler:
         await self.aclose()
 
     async def watch(
-        self, min_interval: float = 0.05, since: MembershipView | None = None
+        self, min_interval: float = 0.0, since: MembershipView | None = None
     ) -> MembershipView:
         """Wait until the group of the last completed round changes.
 
         Returns when a node waits to join (``num_nodes_waiting() > 0``), a member of the
         round left or went silent for the heartbeat window, this node was removed, or the
-        run closed. Woken by the backend on every change; a change after a quiet spell is
-        read at once, and reads are at least ``min_interval`` seconds apart. Wakes by itself
-        when a member's heartbeat would expire.
+        run closed. Woken by the backend's notification of the change (heartbeats notify
+        nobody), or by this node's own heartbeat learning that it was removed.
 
         Args:
-            min_interval: Least time between two reads of the state.
+            min_interval: Least time between two wake-ups (debounce).
             since: A view returned before: return only when the group looks different
                 (lets a caller that chose to ignore a change wait for the next one).
 
         Raises:
             RendezvousError: No round has completed (call ``next_rendezvous`` first).
         """
-        if self._round is None:
+        round_ = self._round
+        if round_ is None:
             raise RendezvousError("watch() needs a completed round: call next_rendezvous()")
         while True:
-            read_at = self._clock.monotonic()
-            state, token = await self._read()
-            now = self._clock.time()
-            current = core.view(state, self._node, self._members, self._round, self._settings, now)
+            current = self._view(round_)
             if current.changed and current != since:
                 return current
-            expiry = core.member_expiry(state, self._members - current.lost, self._settings)
-            timeout = _MAX_WAIT if expiry is None else max(expiry - now, 0.0) + 0.01
-            await self._backend.wait_for_change(token, min(timeout, _MAX_WAIT))
-            delay = read_at + min_interval - self._clock.monotonic()
+            woke_at = self._clock.monotonic()
+            self._news.clear()
+            status = self._status
+            token = "" if status is None else status.token
+            news = asyncio.ensure_future(self._news.wait())
+            change = asyncio.ensure_future(self._backend.wait_for_change(token, _MAX_WAIT))
+            try:
+                await asyncio.wait({news, change}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (news, change):
+                    task.cancel()
+                await asyncio.gather(news, change, return_exceptions=True)
+            if change.done() and not change.cancelled():
+                error = change.exception()
+                if error is not None:
+                    raise error
+                status = change.result()
+                if status is not None:
+                    self._note(status)
+            self.stats.wakeups += 1
+            delay = woke_at + min_interval - self._clock.monotonic()
             if delay > 0:
-                await asyncio.sleep(delay)
+                await self._clock.sleep(delay)
+
+    def _view(self, round_: _Round) -> MembershipView:
+        assert self._status is not None
+        return view_of(self._status, self._node, round_.number, self._removed)
 
     @contextlib.asynccontextmanager
     async def events(self) -> AsyncIterator[asyncio.Queue[RendezvousEvent]]:
@@ -281,56 +336,88 @@ class DynamicRendezvousHandler:
         finally:
             self._listeners.remove(queue)
 
-    # -- the loop -------------------------------------------------------------------------
+    # -- requests -------------------------------------------------------------------------
 
-    async def _read(self) -> tuple[RendezvousState | None, Token]:
-        data, token = await self._backend.read()
-        self._remember(data, token)
-        return self._state, self._token
+    async def _request(
+        self,
+        op: Op,
+        *,
+        expired: bool = False,
+        finished: bool = False,
+        port: int = 0,
+        hold: float = 0.0,
+    ) -> Reply:
+        request = Request(
+            op,
+            self._node,
+            self._rules,
+            expired=expired,
+            finished=finished,
+            port=port,
+            now_ms=round(self._clock.time() * 1000),
+        )
+        reply = await self._backend.apply(request, hold)
+        self.stats.requests += 1
+        self._note(reply.status)
+        if reply.transition not in (Transition.NONE, Transition.KEEP_ALIVE):
+            self._emit(op, reply)
+        return reply
 
-    def _remember(self, data: bytes | None, token: Token) -> None:
-        if token != self._token or (data is None) != (self._state is None):
-            self._state = None if data is None else decode_state(data)
-            self._token = token
+    def _note(self, status: Status) -> None:
+        old = self._status
+        self._status = status
+        if old is None or old.signature() != status.signature():
+            self._news.set()
 
-    async def _run(self, op: Op, deadline: float) -> RendezvousState:
-        """Carry out ``op`` until it finishes; ``deadline`` is on the monotonic clock."""
-        state, token = await self._read()
-        writes = 0
+    async def _join(self, deadline: float) -> Reply:
+        """Ask to join until the round completes; ``deadline`` is on the monotonic clock."""
+        port = _free_port()
+        expired = False
+        interval = self._settings.keep_alive_interval
+        clock = self._clock
         while True:
-            now = self._clock.time()
-            wall_deadline = now + (deadline - self._clock.monotonic())
-            result = core.step(op, state, self._node, self._settings, now, wall_deadline)
-            outcome = result.outcome
-            if outcome is Outcome.WRITE:
-                assert result.state is not None
-                written, data, token = await self._backend.compare_and_set(
-                    encode_state(result.state), token
-                )
-                if written:
-                    writes += 1
-                    if writes > _MAX_WRITES:
-                        raise RendezvousError(
-                            f"{op.value} did not settle after {_MAX_WRITES} writes "
-                            "(a bug in aelastic's core)"
-                        )
-                    self._state, self._token = result.state, token
-                    self._emit(op, result)
-                    if result.restart_deadline:
-                        deadline = self._clock.monotonic() + self._settings.join_timeout
-                else:
-                    self._remember(data, token)
-                state, token = self._state, self._token
-            elif outcome is Outcome.WAIT:
-                writes = 0
-                wake = _MAX_WAIT if result.wake_at is None else result.wake_at - now
-                await self._backend.wait_for_change(token, min(max(wake, 0.0), _MAX_WAIT))
-                state, token = await self._read()
-            elif outcome is Outcome.FINISH:
-                assert state is not None or op is not Op.JOIN
-                return state if state is not None else RendezvousState()
-            else:
+            sent = clock.monotonic()
+            hold = max(min(interval, deadline - sent), 0.0)
+            reply = await self._request(Op.JOIN, expired=expired, port=port, hold=hold)
+            if reply.restart_deadline:
+                deadline = clock.monotonic() + self._settings.join_timeout
+            outcome = reply.outcome
+            if outcome is Outcome.FINISH:
+                return reply
+            if outcome is not Outcome.WAIT:
                 raise self._error(outcome)
+            # Ask again when the status changes, the last call ends, the join times out,
+            # or a heartbeat is due (asking is this node's keep-alive): whichever is first.
+            due = min(sent + interval, deadline)
+            if reply.wake_at_ms is not None:
+                until = (reply.wake_at_ms - reply.status.now_ms) / 1000 + _LATE
+                due = min(due, clock.monotonic() + until)
+            wake = due - clock.monotonic()
+            if wake > 0:
+                await self._wait_change(reply.status.token, wake)
+            expired = clock.monotonic() > deadline
+
+    async def _wait_change(self, token: str, timeout: float) -> None:
+        if isinstance(self._clock, SystemClock):
+            status = await self._backend.wait_for_change(token, timeout)
+        else:  # a test's clock: the timeout runs on it, the change on the backend
+            change = asyncio.ensure_future(self._backend.wait_for_change(token, None))
+            sleep = asyncio.ensure_future(self._clock.sleep(timeout))
+            try:
+                await asyncio.wait({change, sleep}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (change, sleep):
+                    task.cancel()
+                await asyncio.gather(change, sleep, return_exceptions=True)
+            status = None
+            if change.done() and not change.cancelled():
+                error = change.exception()
+                if error is not None:
+                    raise error
+                status = change.result()
+        if status is not None:
+            self.stats.wakeups += 1
+            self._note(status)
 
     def _error(self, outcome: Outcome) -> RendezvousError:
         run_id = self._settings.run_id
@@ -344,39 +431,25 @@ class DynamicRendezvousHandler:
             f"The rendezvous '{run_id}' did not complete on time for node {self._node}."
         )
 
-    def _emit(self, op: Op, result: core.Step) -> None:
-        if not self._listeners or result.transition is None or result.state is None:
+    def _emit(self, op: Op, reply: Reply) -> None:
+        if not self._listeners:
             return
         event = RendezvousEvent(
             self._settings.run_id,
             self._node,
             op.value,
-            result.transition.value,
-            result.state.round,
-            time.time(),
+            reply.transition.value,
+            reply.status.round,
+            self._clock.time(),
         )
         for queue in self._listeners:
             queue.put_nowait(event)
 
     async def _leave_quietly(self) -> None:
         """Leave what a cancelled or failed join joined; never raises, never hangs."""
-        deadline = self._clock.monotonic() + self._settings.close_timeout
+        timeout = self._settings.close_timeout
         with contextlib.suppress(Exception):
-            await asyncio.shield(
-                asyncio.wait_for(self._run(Op.LEAVE, deadline), self._settings.close_timeout)
-            )
-
-    async def _bootstrap(self, rank: int, store: Store) -> RendezvousStoreInfo:
-        key_addr = RendezvousStoreInfo.MASTER_ADDR_KEY
-        key_port = RendezvousStoreInfo.MASTER_PORT_KEY
-        if rank == 0:
-            info = RendezvousStoreInfo(self._node.addr, _free_port())
-            await asyncio.gather(
-                store.set(key_addr, info.master_addr), store.set(key_port, str(info.master_port))
-            )
-            return info
-        addr, port = await store.multi_get([key_addr, key_port], self._settings.join_timeout)
-        return RendezvousStoreInfo(addr.decode(), int(port))
+            await asyncio.shield(asyncio.wait_for(self._request(Op.LEAVE), timeout))
 
     # -- heartbeats -----------------------------------------------------------------------
 
@@ -395,17 +468,34 @@ class DynamicRendezvousHandler:
                 await task
 
     async def _heartbeats(self) -> None:
+        """Beat once an interval; prune a silent node the moment its window ends."""
         interval = self._settings.keep_alive_interval
+        window = self._settings.heartbeat_window
+        clock = self._clock
+        next_beat = clock.monotonic() + interval  # the join's answer was the last beat
+        check_at: float | None = None
         while True:
-            # Due one interval after this node's last recorded heartbeat (which may be
-            # older than the round: the round can complete just before a beat was due).
-            state = self._state
-            beat = None if state is None else state.last_heartbeats.get(self._node)
-            due = interval if beat is None else beat + interval - self._clock.time()
-            await asyncio.sleep(max(due, 0.0))
+            wake = next_beat if check_at is None else min(next_beat, check_at)
+            await clock.sleep(wake - clock.monotonic())
+            asked = clock.monotonic()
             try:
-                deadline = self._clock.monotonic() + self._settings.heartbeat_timeout
-                await self._run(Op.KEEP_ALIVE, deadline)
-            except RendezvousError as exc:
+                reply = await asyncio.wait_for(
+                    self._request(Op.KEEP_ALIVE), self._settings.heartbeat_timeout
+                )
+            except (RendezvousError, asyncio.TimeoutError) as exc:
                 log.warning("node %s failed to send a heartbeat: %s", self._node, exc)
-                await asyncio.sleep(interval)  # the state did not move: do not spin
+                next_beat, check_at = asked + min(interval, 1.0), None
+                continue
+            if not reply.known:  # pruned (silent too long) or removed: the round is lost
+                self._removed = True
+                self._news.set()
+                return
+            next_beat, check_at = asked + interval, None
+            oldest = reply.oldest_beat_ms
+            if oldest is not None:
+                # The oldest heartbeat's expiry, by the backend's clock, then a little
+                # spread so that many survivors do not all ask at once.
+                expires = asked + (oldest - reply.status.now_ms) / 1000 + window
+                expires += random.uniform(0.0, min(0.25, interval / 4))
+                if expires < next_beat:
+                    check_at = max(expires, asked)

@@ -1,11 +1,10 @@
 """What the HTTP rendezvous server and client say to each other: routes, limits, schemas.
 
-How it works: every request and response body is a JSON object; bytes (the opaque state,
-key-value values) travel base64-encoded. The server validates each body and query against
-the small schemas here (``parse_*``) and answers ``400`` with ``{"error": ...}`` when one
-does not fit, before touching any stored data. Tokens are ``"<epoch>.<version>"``: a random
-epoch chosen when a run's state is created, and a version counting its writes, so a token
-never repeats, even across a server restart that lost the state (no ABA).
+How it works: every request and response body is a JSON object; bytes (store values) travel
+base64-encoded; rendezvous requests, replies, statuses and snapshots have the JSON forms of
+:mod:`aelastic.core.wire`. The server validates each body and query against the small
+schemas here (``require_*``) and answers ``400`` with ``{"error": ...}`` when one does not
+fit, before touching any stored data. Version tokens are :mod:`aelastic.core.token`'s.
 """
 
 from __future__ import annotations
@@ -13,24 +12,24 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
+
+from ...core.token import is_valid
 
 __all__ = [
     "API_PREFIX",
+    "API_VERSION",
+    "DEFAULT_PORT",
     "MAX_BODY",
     "MAX_KEYS",
     "MAX_KEY_LENGTH",
     "MAX_RUN_ID_LENGTH",
     "MAX_WAIT",
     "TOKEN_ENV",
-    "ParsedToken",
     "SchemaError",
     "b64decode",
     "b64encode",
-    "parse_token",
     "require_bytes",
     "require_int",
     "require_key",
@@ -40,9 +39,10 @@ __all__ = [
     "require_run_id",
     "require_seconds",
     "require_token",
-    "token_is_older",
 ]
 
+#: The server's default port (torchrun's default rendezvous port).
+DEFAULT_PORT = 29400
 #: Every route lives under this prefix (the API version).
 API_PREFIX = "/v1"
 #: Environment variable holding the bearer token, on the server and on the client.
@@ -55,45 +55,14 @@ MAX_KEY_LENGTH = 1024
 MAX_KEYS = 4096
 #: Longest a single long-poll may be held by the server (seconds).
 MAX_WAIT = 300.0
-_MAX_TOKEN_LENGTH = 64
+_MAX_TOKEN_LENGTH = 96
 _MAX_AMOUNT = 2**63 - 1
-_TOKEN = re.compile(r"^([0-9a-f]{1,32})\.([0-9]{1,19})$")
+#: Version of the API (routes under ``/v1``; version 2 of the rendezvous state).
+API_VERSION = 2
 
 
 class SchemaError(ValueError):
     """A request or response does not fit the wire schema."""
-
-
-@dataclass(frozen=True)
-class ParsedToken:
-    """A state token split into its epoch and version."""
-
-    epoch: str
-    version: int
-
-
-def parse_token(token: str) -> ParsedToken | None:
-    """Split ``token``; ``None`` for the empty token or one of another shape."""
-    match = _TOKEN.match(token)
-    if match is None:
-        return None
-    return ParsedToken(match.group(1), int(match.group(2)))
-
-
-def token_is_older(token: str, than: str) -> bool:
-    """Whether ``token`` certainly names a state written before the one ``than`` names.
-
-    Only tokens of the same epoch are ordered; the empty token (no state) is older than
-    any token except when the state could have been lost since (a new epoch), which this
-    cannot tell, so it answers ``True`` and lets the server have the last word.
-    """
-    newer = parse_token(than)
-    if newer is None:
-        return False
-    if token == "":
-        return True
-    older = parse_token(token)
-    return older is not None and older.epoch == newer.epoch and older.version < newer.version
 
 
 def b64encode(data: bytes) -> str:
@@ -213,7 +182,7 @@ def require_token(value: Any, what: str = "'token'") -> str:
     """
     if not isinstance(value, str) or len(value) > _MAX_TOKEN_LENGTH:
         raise SchemaError(f"{what} must be a state token string")
-    if value and parse_token(value) is None:
+    if not is_valid(value):
         raise SchemaError(f"{what} is not a token this server issued")
     return value
 

@@ -7,22 +7,24 @@ bare ``host[:port]`` (default port 6379). Credentials may also come from the con
 
 * ``read_timeout`` (60): how long a call keeps retrying before ``RendezvousConnectionError``;
 * ``key_ttl`` (86400): the run's keys expire this long after their last write;
-* ``recheck_interval`` (5): safety-net re-read period while waiting (changes wake waiters
-  through pub/sub at once; this only bounds the delay if a notification were lost);
+* ``recheck_interval`` (5): re-check period of a store wait, and of a status wait while
+  pub/sub is down (changes wake waiters through pub/sub at once);
 * ``max_connections`` (16): command connections per endpoint and event loop;
+* ``share_connections`` (true): backends of one event loop share connections; false gives
+  each its own (what separate hosts have);
 * ``key_prefix`` ("aelastic"): namespace of the keys (``<prefix>:{<run id>}:...``);
 * ``tls``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``: TLS.
 
-See :mod:`._scripts` for the key layout, :mod:`._shared` for how handlers of one process
-share connections, :mod:`._watch` for notifications and local waiters, :mod:`._backend`
-for the operations. Needs a standalone Redis (or a primary); Redis Cluster and Sentinel
-discovery are not supported (the run's keys share one hash tag, so a cluster-aware proxy
-works).
+See :mod:`._scripts` for the key layout, :mod:`._lua` for the state machine's Lua port,
+:mod:`._client` for the shared connections and notifications, :mod:`._calls` for retries
+and errors, :mod:`._backend` for the operations. Needs a standalone Redis (or a primary);
+Redis Cluster and Sentinel discovery are not supported (the run's keys share one hash
+tag, so a cluster-aware proxy works).
 """
 
 from __future__ import annotations
 
-from ...rendezvous.api import RendezvousParameters
+from ...core.params import RendezvousParameters
 from ._backend import RedisBackend
 from ._endpoint import ENV_PASSWORD, ENV_USERNAME, RedisEndpoint, parse_endpoint
 from ._scripts import RunKeys
@@ -66,4 +68,5 @@ def create_backend(params: RendezvousParameters) -> RedisBackend:
         recheck_interval=recheck,
         max_connections=max_connections,
         key_prefix=str(params.get("key_prefix", "aelastic") or "aelastic"),
+        share_connections=bool(params.get_as_bool("share_connections", True)),
     )

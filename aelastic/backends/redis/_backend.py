@@ -1,85 +1,53 @@
-"""The Redis backend: one run's state cell and members' store on a Redis server.
+"""The Redis backend: one run's rendezvous state and members' store on a Redis server.
 
-How it works: every write is one Lua script (see :mod:`._scripts`) that checks what it
-finds, writes, refreshes the expiry and publishes the change, atomically. Reads of the
-state by many nodes of one process share one in-flight request; compare-and-set calls of
-one process take turns (:class:`._watch.Turn`), and one that carries a token older than
-an answer this process already has fails at once with that answer. Waiting registers with
-the process's pub/sub listener (:mod:`._shared`, :mod:`._watch`) and returns when a message says the
-token moved; the server is asked only when the process cannot tell (first wait after a
-subscription, a token of another epoch) and on the safety-net period ``recheck_interval``.
-
-Every server call is retried with backoff on connection trouble until ``read_timeout``
-runs out, then fails with ``RendezvousConnectionError`` naming the endpoint (never the
-password). A refused login fails at once. A value that aelastic did not write raises
-``RendezvousStateError`` and is left as it is.
+How it works: a request is one Lua script (:mod:`._lua`, the state machine's port) that
+applies it to the run's keys atomically, answers with a constant-size reply, and publishes
+the run's status when a round transition changed it. Waiting for a change uses the
+process's pub/sub listener (:mod:`._client`) through the run's
+:class:`~aelastic.backends._watch.RunWatch`: a waiter sleeps until a message says the
+status moved, and asks the server only when it cannot tell. The members' store is one
+string per key, written by scripts that refresh the expiry and publish the key's name. See
+:mod:`._calls` for connections, retries and errors.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
-from redis.exceptions import (
-    AuthenticationError,
-    BusyLoadingError,
-    NoPermissionError,
-    NoScriptError,
-    ReadOnlyError,
-    ResponseError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from ...rendezvous.api import RendezvousConnectionError, RendezvousStateError
-from ..base import NO_STATE, Token
+from ...core.errors import RendezvousConnectionError, RendezvousStateError
+from ...core.state import FORMAT_VERSION, Reply, Request, Snapshot, Status
+from ...core.token import Token, new_epoch
+from ...core.wire import WireError, reply_from_json, snapshot_from_json, status_from_json
 from . import _scripts as lua
+from ._calls import RedisCalls
 from ._endpoint import RedisEndpoint
-from ._shared import SharedClient, acquire_client, release_client
-from ._watch import Order, RunWatch, compare_tokens
 
 __all__ = ["RedisBackend"]
-
-T = TypeVar("T")
-
-_SHA = {src: sha for sha, src in lua.SCRIPTS.items()}
-_READ_ONLY = frozenset({lua.READ, lua.KV_GET})
-
-#: Errors after which a call is retried (the server may be back a moment later).
-_TRANSIENT = (
-    RedisConnectionError,
-    RedisTimeoutError,
-    BusyLoadingError,
-    ReadOnlyError,
-    TryAgainError,
-    asyncio.TimeoutError,
-    OSError,
-)
-
-#: Longest idle time of the pub/sub connection before the listener checks it with a PING.
-_HEALTH_INTERVAL = 5.0
 
 #: How long the result of a ``kv_add`` is kept so that a retried add does not count twice.
 _OP_TTL_MS = 10 * 60 * 1000
 
 
-class RedisBackend:
-    """State and store of one run on a Redis server.
+class RedisBackend(RedisCalls):
+    """Rendezvous state and store of one run on a Redis server.
 
-    Backends of one event loop and endpoint share connections, so creating one per node
-    is cheap. Use it from one event loop; :meth:`aclose` releases it.
+    Backends of one event loop and endpoint share connections (unless
+    ``share_connections`` is false), so creating one per node is cheap. Use it from one
+    event loop; :meth:`aclose` releases it.
 
     Args:
         run_id: The run whose state this backend holds.
         endpoint: Where Redis is, with credentials (see :func:`parse_endpoint`).
         read_timeout: Seconds a call keeps retrying before ``RendezvousConnectionError``.
         key_ttl: Seconds the run's keys live after their last write.
-        recheck_interval: Seconds between safety-net re-reads while waiting.
-        max_connections: Size of the command pool shared per endpoint and loop.
+        recheck_interval: Seconds between re-checks of a store wait (and of a status wait
+            while notifications are down).
+        max_connections: Size of the command pool of the shared client.
         key_prefix: Namespace of the keys.
+        share_connections: Share the loop's client with the other backends of the endpoint.
     """
 
     name = "redis"
@@ -94,6 +62,7 @@ class RedisBackend:
         recheck_interval: float = 5.0,
         max_connections: int = 16,
         key_prefix: str = "aelastic",
+        share_connections: bool = True,
     ) -> None:
         for what, value in (
             ("read_timeout", read_timeout),
@@ -108,253 +77,138 @@ class RedisBackend:
                 f"The Redis backend option 'key_prefix' ({key_prefix!r}) must be non-empty "
                 "and without braces (they delimit the run's hash tag)."
             )
-        self._run_id = run_id
-        self._endpoint = endpoint
-        self._keys = lua.RunKeys(key_prefix, run_id)
-        self._read_timeout = float(read_timeout)
+        super().__init__(
+            run_id,
+            endpoint,
+            lua.RunKeys(key_prefix, run_id),
+            read_timeout=read_timeout,
+            max_connections=max_connections,
+            share_connections=share_connections,
+        )
         self._ttl_ms = str(max(1, round(key_ttl * 1000)))
         self._recheck = float(recheck_interval)
-        self._max_connections = int(max_connections)
-        self._client: SharedClient | None = None
-        self._watch: RunWatch | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._bind_lock: asyncio.Lock | None = None
-        self._closed = False
 
     def __repr__(self) -> str:
         return f"RedisBackend(run_id={self._run_id!r}, endpoint={self.endpoint!r})"
-
-    @property
-    def endpoint(self) -> str:
-        """The endpoint as a URL without the password."""
-        return self._endpoint.display
 
     @property
     def keys(self) -> lua.RunKeys:
         """The names of this run's keys and channel in Redis."""
         return self._keys
 
-    # -- plumbing -------------------------------------------------------------------------
+    # -- the rendezvous -------------------------------------------------------------------
 
-    async def _bind(self) -> tuple[SharedClient, RunWatch]:
-        """The shared client and run watch of this backend (acquired on first use)."""
-        if self._closed:
-            raise RendezvousConnectionError(f"The Redis backend for {self.endpoint} is closed.")
-        loop = asyncio.get_running_loop()
-        if self._client is not None and self._watch is not None:
-            if loop is not self._loop:
-                raise RuntimeError("A RedisBackend is bound to the event loop it first ran on.")
-            return self._client, self._watch
-        if self._bind_lock is None:
-            self._bind_lock = asyncio.Lock()
-        async with self._bind_lock:
-            if self._client is None:
-                health = min(self._recheck, _HEALTH_INTERVAL)
-                client = acquire_client(self._endpoint, self._max_connections, health)
-                self._loop, self._client = loop, client
-                self._watch = await client.watch(self._keys.channel)
-        assert self._client is not None and self._watch is not None
-        return self._client, self._watch
-
-    async def _call(self, what: str, attempt: Callable[[float], Awaitable[T]]) -> T:
-        """Run ``attempt(timeout)`` with retries on transient failures, within ``read_timeout``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._read_timeout
-        delay = 0.05
-        while True:
-            try:
-                return await attempt(max(deadline - loop.time(), 0.001))
-            except AuthenticationError as exc:
-                raise RendezvousConnectionError(
-                    f"Authentication to Redis at {self.endpoint} failed ({what}): {exc} "
-                    "Check the username/password (config keys or AELASTIC_REDIS_* variables)."
-                ) from None
-            except NoPermissionError as exc:
-                raise RendezvousConnectionError(
-                    f"Redis at {self.endpoint} refused {what}: {exc}"
-                ) from None
-            except _TRANSIENT as exc:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise RendezvousConnectionError(
-                        f"Redis at {self.endpoint} could not be reached within "
-                        f"{self._read_timeout:g} s ({what}): {exc or type(exc).__name__}"
-                    ) from None
-            await asyncio.sleep(min(delay, remaining))
-            delay = min(delay * 2, 1.0)
-
-    async def _script(
-        self,
-        what: str,
-        src: str,
-        keys: Sequence[str],
-        args: Sequence[Any],
-        client: SharedClient | None = None,
-    ) -> Any:
-        shared = client or (await self._bind())[0]
-        command = ("EVALSHA", _SHA[src], len(keys), *keys, *args)
-        shareable = src in _READ_ONLY
-
-        async def run(timeout: float) -> Any:
-            try:
-                return await shared.command(*command, timeout=timeout, shareable=shareable)
-            except NoScriptError:  # a new or restarted server: load them all, then run
-                await asyncio.wait_for(shared.load_scripts(lua.SCRIPTS.values()), timeout)
-                return await shared.command(*command, timeout=timeout, shareable=shareable)
-
+    def _decode(self, raw: Any, what: str) -> dict[str, Any]:
         try:
-            return await self._call(what, run)
-        except ResponseError as exc:
-            if "WRONGTYPE" in str(exc):
-                raise RendezvousStateError(
-                    f"A key of run '{self._run_id}' at {self.endpoint} holds a value of the "
-                    f"wrong Redis type ({what}); it was left as it is."
-                ) from None
+            doc = json.loads(raw)
+        except (TypeError, ValueError):
             raise RendezvousConnectionError(
-                f"Redis at {self.endpoint} failed {what}: {exc}"
+                f"Redis at {self.endpoint} answered {what} with something that is not JSON."
             ) from None
-
-    def _check(self, reply: list[Any], key: str) -> list[Any]:
-        status = reply[0]
-        if status == lua.WRONG_TYPE:
-            kind = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
+        if not isinstance(doc, dict):
+            doc = {"error": "foreign"}
+        error = doc.get("error")
+        if error is None:
+            return doc
+        where = f"The rendezvous state of run '{self._run_id}' at {self.endpoint}"
+        if error == "version":
             raise RendezvousStateError(
-                f"The key '{key}' of run '{self._run_id}' at {self.endpoint} is a Redis "
-                f"{kind}, not a value aelastic wrote; it was left as it is."
+                f"{where} has format version {doc.get('version')!r}; this aelastic uses "
+                f"version {FORMAT_VERSION}. Nodes of both versions cannot share a run: use "
+                "one aelastic version for the job, or another run id. It was left as it is."
             )
-        if status == lua.BAD_SHAPE:
+        if error == "type":
             raise RendezvousStateError(
-                f"The rendezvous state '{key}' of run '{self._run_id}' at {self.endpoint} has "
-                "no valid epoch, version and data fields (foreign or corrupt); it was left "
-                "as it is."
+                f"{where}: the key '{doc.get('key')}' is a Redis {doc.get('kind')}, not what "
+                "aelastic writes; it was left as it is."
             )
-        return reply
+        raise RendezvousStateError(
+            f"{where} is foreign or corrupt (not written by aelastic); it was left as it is."
+        )
 
-    # -- the state cell -------------------------------------------------------------------
-
-    async def _read_now(
-        self, with_data: bool, client: SharedClient | None = None
-    ) -> tuple[bytes | None, Token]:
-        key = self._keys.state
-        flag = "1" if with_data else "0"
-        reply = self._check(await self._script("read", lua.READ, [key], [flag], client), key)
-        if reply[0] == 0:
-            return None, NO_STATE
-        return (reply[2] if with_data else None), reply[1].decode()
-
-    async def read(self) -> tuple[bytes | None, Token]:
-        """The stored state and its token (``(None, NO_STATE)`` when there is none).
+    async def apply(self, request: Request, hold: float = 0.0) -> Reply:
+        """Carry out ``request`` atomically (one script) and answer at once (no ``hold``).
 
         Raises:
             RendezvousConnectionError: Redis could not be reached within ``read_timeout``.
-            RendezvousStateError: The state key holds something aelastic did not write.
-        """
-        client, watch = await self._bind()
-        inflight = watch.inflight_read
-        if inflight is None or inflight[0] != watch.seq or inflight[1].done():
-            task = asyncio.get_running_loop().create_task(self._read_now(True, client))
-            task.add_done_callback(_retrieve)
-            inflight = watch.inflight_read = (watch.seq, task)
-        return await asyncio.shield(inflight[1])
-
-    async def compare_and_set(self, state: bytes, token: Token) -> tuple[bool, bytes | None, Token]:
-        """Store ``state`` if the stored token is ``token``.
-
-        Returns:
-            ``(written, current_state, current_token)``: on success the state just written
-            and its new token; otherwise what is stored now.
-
-        Raises:
-            RendezvousConnectionError: Redis could not be reached within ``read_timeout``.
-            RendezvousStateError: The state key holds something aelastic did not write.
+            RendezvousStateError: The run's keys hold something this aelastic did not write.
         """
         _, watch = await self._bind()
-        turn = watch.turn
-        await turn.acquire()
-        keep = False
+        rules = request.rules
+        args = [
+            request.op.value,
+            request.node.key,
+            rules.min_nodes,
+            rules.max_nodes,
+            rules.last_call_ms,
+            rules.window_ms,
+            "1" if request.expired else "0",
+            "1" if request.finished else "0",
+            request.port,
+            "",
+            new_epoch(),
+            self._ttl_ms,
+            self._keys.channel,
+        ]
+        raw = await self._script(request.op.value, lua.OP, self._keys.rendezvous, args)
         try:
-            cached = watch.cached
-            if cached is not None and compare_tokens(token, cached[1]) is Order.CHANGED:
-                keep = True
-                return False, cached[0], cached[1]
-            key = self._keys.state
-            args = [token, state, secrets.token_hex(8), self._ttl_ms, self._keys.channel]
-            reply = self._check(await self._script("compare-and-set", lua.CAS, [key], args), key)
-            watch.seq += 1
-            if reply[0] == 1:
-                new_token = reply[1].decode()
-                watch.cached = (state, new_token)
-                return True, state, new_token
-            current = (reply[2], reply[1].decode() or NO_STATE)
-            watch.cached = current
-            keep = True
-            return False, current[0], current[1]
-        finally:
-            if keep:
-                turn.keep()
-            else:
-                turn.release()
+            reply = reply_from_json(self._decode(raw, request.op.value))
+        except WireError as exc:
+            raise RendezvousStateError(f"Redis at {self.endpoint} answered {exc}") from None
+        watch.on_status(reply.status)
+        return reply
 
-    async def wait_for_change(self, token: Token, timeout: float | None) -> None:
-        """Return once the stored token differs from ``token``, or after ``timeout`` seconds.
+    async def _status_now(self) -> Status:
+        raw = await self._script("status", lua.STATUS, self._keys.rendezvous, [""])
+        doc = self._decode(raw, "status")
+        if doc.get("absent"):
+            return Status()
+        try:
+            return status_from_json(doc)
+        except WireError as exc:
+            raise RendezvousStateError(f"Redis at {self.endpoint} answered {exc}") from None
 
-        Woken by the change's pub/sub message; asks the server only when it cannot tell
-        and every ``recheck_interval`` seconds. May return early (callers re-read).
+    async def wait_for_change(self, token: Token, timeout: float | None) -> Status | None:
+        """The run's status once its token differs from ``token`` (``None`` on timeout).
+
+        Woken by the change's pub/sub message; asks the server only when it cannot tell.
 
         Raises:
             RendezvousConnectionError: Redis could not be reached within ``read_timeout``.
-            RendezvousStateError: The state key holds something aelastic did not write.
         """
-        client, watch = await self._bind()
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + max(timeout, 0.0)
-        ask_server = False
-        while True:
-            remaining = self._recheck if deadline is None else deadline - loop.time()
-            if remaining <= 0:
-                return
-            period = min(remaining, self._recheck)
-            if not watch.subscribed:  # connecting, or reconnecting after a loss
-                if await self._wait_unsubscribed(client, watch, token, period):
-                    return
-                continue
-            waiter = watch.waiter(token)
-            try:
-                order = compare_tokens(token, watch.latest)
-                if order is Order.CHANGED and not watch.holding:
-                    return
-                if order is Order.UNKNOWN or ask_server:
-                    _, current = await self._read_now(False)
-                    if current != token:
-                        return
-                if await watch.sleep(waiter, period):
-                    return
-                ask_server = True  # the safety net: nothing heard for a whole period
-            finally:
-                watch.discard(waiter)
+        _, watch = await self._bind()
+        return await watch.wait_status(token, timeout, self._status_now, self._recheck)
 
-    async def _wait_unsubscribed(
-        self, client: SharedClient, watch: RunWatch, token: Token, period: float
-    ) -> bool:
-        """Wait while notifications are off; whether the token is known to have moved.
-
-        Gives the listener a moment to subscribe (it wakes the waiter when it does, or when
-        it fails); if it cannot, asks the server, which fails within ``read_timeout`` when
-        Redis is unreachable, and otherwise waits for the listener up to ``period``.
-        """
-        waiter = watch.waiter(token)
+    async def snapshot(self) -> Snapshot | None:
+        """The run's whole membership, or ``None`` when it has no state."""
+        raw = await self._script("snapshot", lua.SNAPSHOT, self._keys.rendezvous, [""])
+        doc = self._decode(raw, "snapshot")
+        if doc.get("absent"):
+            return None
         try:
-            if not client.listener_failing:
-                await watch.sleep(waiter, period)
-            if watch.subscribed:
-                return False
-            _, current = await self._read_now(False)
-            if current != token:
-                return True
-            await watch.sleep(waiter, period)
-            return False
-        finally:
-            watch.discard(waiter)
+            return snapshot_from_json(doc)
+        except WireError as exc:
+            raise RendezvousStateError(f"Redis at {self.endpoint} answered {exc}") from None
+
+    async def reset(self) -> bool:
+        """Delete every key of the run (state, store, records); whether there were any."""
+        client, _ = await self._bind()
+        pattern = _glob_escape(self._keys.base) + ":*"
+        deleted = 0
+
+        async def scan(timeout: float) -> int:
+            count, cursor = 0, b"0"
+            while True:
+                cursor, found = await client.command(
+                    "SCAN", cursor, "MATCH", pattern, "COUNT", 1000, timeout=timeout
+                )
+                if found:
+                    count += await client.command("UNLINK", *found, timeout=timeout)
+                if cursor in (b"0", 0, "0"):
+                    return count
+
+        deleted = await self._call("reset", scan)
+        return deleted > 0
 
     # -- the members' key-value store -----------------------------------------------------
 
@@ -376,7 +230,8 @@ class RedisBackend:
         """Add ``amount`` to the integer at ``key`` (missing: 0) and return the new value.
 
         Raises:
-            ValueError: The stored value is not an integer.
+            ValueError: The stored value is not an integer, or the sum leaves the signed
+                64-bit range.
         """
         full, op = self._keys.kv(key), self._keys.op(secrets.token_hex(12))
         args = [
@@ -428,8 +283,6 @@ class RedisBackend:
         if not keys:
             return True
         client, watch = await self._bind()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(timeout, 0.0)
         full = [self._keys.kv(k) for k in keys]
         names = [k.encode() for k in keys]
 
@@ -437,38 +290,16 @@ class RedisBackend:
             found = await client.command("EXISTS", *full, timeout=timeout, shareable=True)
             return bool(found == len(full))
 
-        while True:
-            period = min(deadline - loop.time(), self._recheck)
-            if not watch.subscribed and not client.listener_failing and period > 0:
-                waiter = watch.waiter(keys=names)  # woken when the listener subscribes
-                try:
-                    await watch.sleep(waiter, period)
-                finally:
-                    watch.discard(waiter)
-            waiter = watch.waiter(keys=names)
-            try:
-                if await self._call("kv_wait", all_exist):
-                    return True
-                period = min(deadline - loop.time(), self._recheck)
-                if period <= 0:
-                    return False
-                await watch.sleep(waiter, period)
-            finally:
-                watch.discard(waiter)
+        async def check() -> bool:
+            return await self._call("kv_wait", all_exist)
+
+        return await watch.wait_keys(names, timeout, check, self._recheck)
 
     async def aclose(self) -> None:
         """Release this backend's share of the connections. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        client, watch, self._client, self._watch = self._client, self._watch, None, None
-        if client is None or watch is None:
-            return
-        await client.unwatch(watch)
-        await release_client(client)
+        if not self._closed:
+            await self._unbind()
 
 
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    """Mark a shared read's failure as seen (its callers may all have gone)."""
-    if not task.cancelled():
-        task.exception()
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -1,45 +1,48 @@
-"""The Redis layout of one run, and the Lua scripts that change it atomically.
+"""The Redis layout of one run, and the Lua scripts of the members' store.
 
 How it works: every key of a run starts with ``<prefix>:{<run id>}:`` (the braces are a
 Redis Cluster hash tag, so a run lives on one slot and multi-key scripts stay legal):
 
-* ``...:state``: a hash ``{epoch, version, data}``. The token of the stored state is
-  ``"<epoch>.<version>"``; the epoch is a random id chosen when the state is created, so
-  a state re-created after a restart or a flush never repeats an old token (no ABA).
-* ``...:kv:<key>``: one string per key of the members' store.
-* ``...:op:<id>``: the result of a ``kv_add``, kept a while so a retried add never counts twice.
-* ``...:changes``: the pub/sub channel; every write publishes ``s<token>`` (state) or
-  ``k<key>`` (store) from inside its script, so a waiter can never miss a change that
-  happened after it subscribed.
+* ``...:state``: the header hash (round, complete, closed, last-call deadline, counters,
+  ``epoch`` and ``version``: the status token is ``"<epoch>.<version>"``; the epoch is drawn
+  when the state is created, so a state made again never repeats an old token);
+* ``...:p`` participants (sorted set: join order, then rank), ``...:ports`` their bootstrap
+  ports, ``...:w`` wait list and ``...:r`` redundancy list (sets), ``...:b`` heartbeats
+  (sorted set by time): see :mod:`._lua` for the scripts that change them;
+* ``...:kv:<key>``: one string per key of the members' store;
+* ``...:op:<id>``: the result of a ``kv_add``, kept a while so a retried add never counts twice;
+* ``...:changes``: the pub/sub channel. A status change publishes ``s<status JSON>`` (round
+  transitions only, never heartbeats); a store write publishes ``k<key>``, from inside its
+  script, so a waiter never misses a change made after it subscribed.
 
 Every write (and every read of a store key) refreshes the expiry of what it touched
-(``key_ttl``), so finished runs vanish while a long round keeps its keys.
-The scripts check the type and shape of what they find and answer with a status instead
-of touching a value that aelastic did not write: ``-1`` (wrong Redis type), ``-2`` (a
-hash without a valid ``epoch``/``version``/``data``), ``-3`` (not an integer).
+(``key_ttl``), so finished runs vanish while a long round keeps its keys. The store scripts
+answer with a status instead of touching a value that aelastic did not write: ``-1``
+(wrong Redis type), ``-3`` (not an integer).
 """
 
 from __future__ import annotations
 
 import hashlib
 
+from ._lua import OP, SNAPSHOT, STATUS
+
 __all__ = [
-    "BAD_SHAPE",
-    "CAS",
     "KV_ADD",
     "KV_COMPARE_SET",
     "KV_DELETE",
     "KV_GET",
     "KV_SET",
     "NOT_INTEGER",
-    "READ",
+    "OP",
     "SCRIPTS",
+    "SNAPSHOT",
+    "STATUS",
     "WRONG_TYPE",
     "RunKeys",
 ]
 
 WRONG_TYPE = -1
-BAD_SHAPE = -2
 NOT_INTEGER = -3
 
 
@@ -52,7 +55,7 @@ class RunKeys:
 
     Attributes:
         base: The common prefix of the run's keys, hash tag included.
-        state: The hash holding the encoded state, its epoch and version.
+        state: The header hash of the rendezvous state.
         channel: The pub/sub channel every write of the run publishes to.
     """
 
@@ -63,6 +66,15 @@ class RunKeys:
         self.base = f"{prefix}:{{{tag}}}"
         self.state = f"{self.base}:state"
         self.channel = f"{self.base}:changes"
+        #: The keys of the rendezvous state, in the order the scripts of :mod:`._lua` take.
+        self.rendezvous = (
+            self.state,
+            f"{self.base}:p",
+            f"{self.base}:ports",
+            f"{self.base}:w",
+            f"{self.base}:r",
+            f"{self.base}:b",
+        )
 
     def __repr__(self) -> str:
         return f"RunKeys({self.base!r})"
@@ -76,22 +88,6 @@ class RunKeys:
         return f"{self.base}:op:{op_id}"
 
 
-# Reads the state hash at KEYS[1]: status (0 absent, 1 present, or an error status),
-# then data, epoch, version.
-_CURRENT = """
-local function current(key)
-  local kind = redis.call('TYPE', key)['ok']
-  if kind == 'none' then return 0 end
-  if kind ~= 'hash' then return -1, kind end
-  local f = redis.call('HMGET', key, 'epoch', 'version', 'data')
-  if not (f[1] and f[2] and f[3]) or not string.match(f[1], '^%w+$')
-      or not string.match(f[2], '^%d+$') then
-    return -2
-  end
-  return 1, f[3], f[1], tonumber(f[2])
-end
-"""
-
 _STRING_ONLY = """
 local function foreign(key)
   local kind = redis.call('TYPE', key)['ok']
@@ -99,43 +95,6 @@ local function foreign(key)
   return false
 end
 """
-
-#: KEYS: state. ARGV: with_data ('1' or '0'). -> {1, token, data?} | {0} | {status, detail}
-READ = (
-    _CURRENT
-    + """
-local status, data, epoch, version = current(KEYS[1])
-if status < 0 then return {status, data or false} end
-if status == 0 then return {0} end
-local token = epoch .. '.' .. string.format('%d', version)
-if ARGV[1] == '1' then return {1, token, data} end
-return {1, token}
-"""
-)
-
-#: KEYS: state. ARGV: token, data, new epoch, ttl ms, channel.
-#: -> {1, new token} | {0, current token, current data} | {status, detail}
-CAS = (
-    _CURRENT
-    + """
-local status, data, epoch, version = current(KEYS[1])
-if status < 0 then return {status, data or false} end
-local stored = ''
-if status == 1 then stored = epoch .. '.' .. string.format('%d', version) end
-if stored ~= ARGV[1] then return {0, stored, data or false} end
-if status == 0 then
-  epoch, version = ARGV[3], 1
-else
-  version = version + 1
-end
-redis.call('HSET', KEYS[1], 'epoch', epoch, 'version', string.format('%d', version),
-  'data', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-local token = epoch .. '.' .. string.format('%d', version)
-redis.call('PUBLISH', ARGV[5], 's' .. token)
-return {1, token}
-"""
-)
 
 #: KEYS: the keys. ARGV: ttl ms. -> their values (nil when missing); a foreign type raises
 #: WRONGTYPE. Reading a key refreshes its expiry: a long round keeps its store.
@@ -213,5 +172,5 @@ return {1, n}
 #: Every script, by its SHA1 (what EVALSHA names it by).
 SCRIPTS = {
     hashlib.sha1(src.encode()).hexdigest(): src
-    for src in (READ, CAS, KV_GET, KV_SET, KV_ADD, KV_COMPARE_SET, KV_DELETE)
+    for src in (OP, STATUS, SNAPSHOT, KV_GET, KV_SET, KV_ADD, KV_COMPARE_SET, KV_DELETE)
 }

@@ -1,61 +1,26 @@
-"""Public rendezvous types with torch's names and validation rules.
+"""Rendezvous parameters and results with torch's names and validation rules.
 
-These mirror ``torch.distributed.elastic.rendezvous.api``: the exception tree,
-``RendezvousParameters`` (same ``ValueError`` messages), ``RendezvousStoreInfo`` and
-``RendezvousInfo``. ``RendezvousSettings`` is the validated, typed form of the
-parameters that the pure core works with.
+These mirror ``torch.distributed.elastic.rendezvous.api``: ``RendezvousParameters`` (same
+``ValueError`` messages), ``RendezvousStoreInfo`` and ``RendezvousInfo``.
+``RendezvousSettings`` is the validated, typed form of the parameters; :class:`Rules` is the
+part of it that the pure state machine (:mod:`.machine`) decides with, in whole milliseconds.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 __all__ = [
-    "RendezvousClosedError",
-    "RendezvousConnectionError",
-    "RendezvousError",
-    "RendezvousGracefulExitError",
     "RendezvousInfo",
     "RendezvousParameters",
     "RendezvousSettings",
-    "RendezvousStateError",
     "RendezvousStoreInfo",
-    "RendezvousTimeoutError",
-    "StoreTimeoutError",
+    "Rules",
+    "parse_rendezvous_endpoint",
 ]
-
-
-class RendezvousError(Exception):
-    """Base type for rendezvous errors."""
-
-
-class RendezvousClosedError(RendezvousError):
-    """Raised when a rendezvous is closed."""
-
-
-class RendezvousTimeoutError(RendezvousError):
-    """Raised when a rendezvous did not complete on time."""
-
-
-class RendezvousConnectionError(RendezvousError):
-    """Raised when the connection to a rendezvous backend has failed."""
-
-
-class RendezvousStateError(RendezvousError):
-    """Raised when the state of a rendezvous is corrupt, foreign or of an unknown format."""
-
-
-class RendezvousGracefulExitError(RendezvousError):
-    """Raised when a node was not admitted to the rendezvous and exits gracefully.
-
-    Like torch's, this is a way to unwind the stack, not a failure.
-    """
-
-
-class StoreTimeoutError(RendezvousTimeoutError, TimeoutError):
-    """Raised when a key-value store wait (``get``, ``wait``) runs out of time."""
 
 
 _TRUE = ("1", "true", "t", "yes", "y")
@@ -232,6 +197,16 @@ class RendezvousSettings:
         """Seconds of silence after which a node is considered dead."""
         return self.keep_alive_interval * self.keep_alive_max_attempt
 
+    @property
+    def rules(self) -> Rules:
+        """What the state machine needs of these settings."""
+        return Rules(
+            self.min_nodes,
+            self.max_nodes,
+            _ms(self.last_call_timeout),
+            _ms(self.heartbeat_window),
+        )
+
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> RendezvousSettings:
         """Build settings from torch-style parameters.
@@ -260,6 +235,24 @@ class RendezvousSettings:
             read_timeout=read_timeout,
             **timeouts,
         )
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The settings the state machine decides with (times in whole milliseconds).
+
+    Every request carries them, so a backend that applies the machine server-side needs no
+    configuration of its own.
+    """
+
+    min_nodes: int
+    max_nodes: int
+    last_call_ms: int
+    window_ms: int
 
 
 @dataclass
@@ -321,3 +314,43 @@ class RendezvousInfo(Generic[StoreT]):
             f"RendezvousInfo(rank={self._rank}, world_size={self._world_size}, "
             f"bootstrap_store_info={self._bootstrap_store_info!r})"
         )
+
+
+_HOST = re.compile(r"^[\w.:-]+$")
+_PORT = re.compile(r"^[0-9]{1,5}$")
+
+
+def parse_rendezvous_endpoint(endpoint: str | None, default_port: int) -> tuple[str, int]:
+    """Host and port of a ``host[:port]`` endpoint (``[v6]:port`` for IPv6), as torch reads it.
+
+    An empty endpoint is ``localhost``; a missing port is ``default_port``.
+
+    Raises:
+        ValueError: The port is not a number below 65536, or the host is not a name, an
+            IPv4 or an IPv6 address (torch's messages).
+    """
+    text = (endpoint or "").strip()
+    if not text:
+        return "localhost", default_port
+    if text.startswith("[") and text.endswith("]"):
+        host, port_text = text, None
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            host, port_text = text, None
+    if len(host) > 1 and host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    port = default_port
+    if port_text is not None:
+        if not _PORT.match(port_text) or int(port_text) >= 1 << 16:
+            raise ValueError(
+                f"The port number of the rendezvous endpoint '{text}' must be an integer "
+                "between 0 and 65536."
+            )
+        port = int(port_text)
+    if not _HOST.match(host):
+        raise ValueError(
+            f"The hostname of the rendezvous endpoint '{text}' must be a dot-separated list of "
+            "labels, an IPv4 address, or an IPv6 address."
+        )
+    return host, port

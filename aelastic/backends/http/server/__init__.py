@@ -1,35 +1,32 @@
-"""The aelastic HTTP rendezvous server: runs' state cells and key-value stores over HTTP.
+"""The aelastic HTTP rendezvous server: runs' rendezvous state and stores over HTTP.
 
 How it works: an aiohttp application (:func:`create_app`, mountable inside another aiohttp
-application) keeps every run in memory, in its event loop, optionally persisted to a JSON
-file (a group commit: each answer waits until the snapshot holding its change is on disk).
-:func:`run_server` serves it until SIGINT/SIGTERM; ``python -m aelastic.backends.http.server``
-(and ``aelastic serve``) call it. It binds to loopback unless told otherwise.
+application) keeps every run in memory, in its event loop, and applies the rendezvous state
+machine to it (:mod:`aelastic.core.machine`), optionally keeping the runs in a journal
+(:mod:`._runs`). :func:`run_server` serves it until SIGINT/SIGTERM; ``aelastic serve`` calls
+it. It binds to loopback unless told otherwise. It has no TLS of its own: off a private
+network, put it behind a TLS-terminating proxy (the token travels in a header).
 
-HTTP API (version 1). Every body, request and answer, is a JSON object; bytes are base64
-text. ``{run}`` is the run id, URL-encoded (1..256 characters); keys have up to 1024
-characters (no NUL), and a request names 1..4096 of them. With a token configured
-(``token=`` or ``AELASTIC_HTTP_TOKEN``) every request needs ``Authorization: Bearer <token>``
-(compared in constant time), else ``401``. Mutating requests may carry an
-``Idempotency-Key`` header (up to 128 characters): a retry of a request already applied gets
-the first answer again.
+HTTP API (routes under ``/v1``; rendezvous state format 2). Every body is a JSON object;
+store values are base64 text; requests, replies, statuses and snapshots have the JSON forms
+of :mod:`aelastic.core.wire`. ``{run}`` is the run id, URL-encoded (1..256 characters); keys
+have up to 1024 characters, and a request names 1..4096 of them. With a token configured
+(``AELASTIC_HTTP_TOKEN``) every request needs ``Authorization: Bearer <token>`` (compared
+in constant time), else ``401``.
 
 ==========================================  =============================================
-``GET /v1/health``                          ``200 {"ok": true, "service": ..., "api": 1}``
-``GET /v1/runs/{run}/state``                ``200 {"state": b64 | null, "token": str}``
-``GET /v1/runs/{run}/state?token=T&wait=S`` long-poll: answers as soon as the token differs
-                                            from ``T``, or after ``S`` seconds (0..300),
-                                            with the same body as a plain read
-``PUT /v1/runs/{run}/state``                ``{"state": b64, "token": T}``: compare-and-set.
-                                            ``200 {"token": new}`` if the stored token was
-                                            ``T`` (``""``: no state yet), else
-                                            ``409 {"state": b64|null, "token": current,
-                                            "error": ...}``
+``GET /v1/health``                          ``200 {"ok": true, "service": ..., "api": 2}``
+``POST /v1/runs/{run}/rendezvous``          a request (join, leave, close, keep_alive,
+                                            status) -> ``200`` its reply
+``GET /v1/runs/{run}/status``               ``200`` the run's status
+``GET /v1/runs/{run}/status?token=T&wait=S`` long-poll: answers as soon as the status's token
+                                            differs from ``T``, or after ``S`` s (0..300)
+``GET /v1/runs/{run}``                      ``200`` the whole membership, ``404`` if none
 ``DELETE /v1/runs/{run}``                   forget the run: ``200 {"deleted": bool}``
 ``POST /v1/runs/{run}/kv/set``              ``{"key", "value": b64}`` -> ``200 {}``
 ``POST /v1/runs/{run}/kv/get``              ``{"keys": [..]}`` -> ``200 {"values": [b64|null]}``
 ``POST /v1/runs/{run}/kv/add``              ``{"key", "amount": int}`` -> ``200 {"value": int}``,
-                                            ``409`` if the stored value is not an integer
+                                            ``409`` if not an integer or past 64 bits
 ``POST /v1/runs/{run}/kv/compare_set``      ``{"key", "expected": b64|null, "desired": b64}``
                                             -> ``200 {"value": b64}`` (torch's semantics)
 ``POST /v1/runs/{run}/kv/delete``           ``{"key"}`` -> ``200 {"deleted": bool}``
@@ -37,40 +34,41 @@ the first answer again.
                                             once every key exists -> ``200 {"ready": bool}``
 ==========================================  =============================================
 
-Tokens are ``"<epoch>.<version>"``: the epoch is random, drawn when a run's state is created,
-so a token never comes back after the state was lost (restart without persistence, delete).
-Errors are ``{"error": "..."}`` with ``400`` (malformed JSON, a body or query that does not
-fit the schema, unknown fields), ``401``, ``404`` (no such route), ``405``, ``413`` (body over
-``max_body``, 4 MiB by default), ``503`` (shutting down, or the persistence file could not be
-written) or ``500``. A rejected request changes nothing. Long-polls answer ``503`` at once when
-the server shuts down, so clients retry against the restarted server. Runs nobody changed
-for ``run_ttl`` (24 h) and nobody waits on are forgotten.
+A node of the first state format asking at ``/v1/runs/{run}/state`` gets a state of format
+2 and fails with an error naming both versions. Errors are ``{"error": "..."}`` with ``400``
+(malformed JSON, a body or query that does not fit the schema, unknown fields), ``401``,
+``404``, ``405``, ``413`` (body over ``max_body``), ``503`` (shutting down, or the journal
+could not be written) or ``500``. A rejected request changes nothing. Long-polls answer
+``503`` at once when the server shuts down. Runs nobody changed for ``run_ttl`` (24 h) and
+nobody waits on are forgotten.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import ipaddress
 import logging
 import os
 import signal
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from aiohttp import web
 
+from ..wire import DEFAULT_PORT, MAX_BODY, TOKEN_ENV
 from ._app import DEFAULT_RUN_TTL, create_app, resolve_token
 from ._runs import PersistenceError
-from .wire import MAX_BODY, TOKEN_ENV
 
-__all__ = ["DEFAULT_PORT", "PersistenceError", "create_app", "main", "run_server", "serve"]
+__all__ = [
+    "DEFAULT_PORT",
+    "DEFAULT_RUN_TTL",
+    "PersistenceError",
+    "create_app",
+    "run_server",
+    "serve",
+]
 
 log = logging.getLogger("aelastic.backends.http.server")
-
-#: The default port (torchrun's default rendezvous port).
-DEFAULT_PORT = 29400
 
 
 def _url(host: str, port: int) -> str:
@@ -185,46 +183,3 @@ def run_server(
         )
 
     asyncio.run(main())
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m aelastic.backends.http.server [--host] [--port] [--persist]``.
-
-    The token is read from ``AELASTIC_HTTP_TOKEN`` (never from the command line).
-
-    Returns:
-        The exit status (0 after a clean stop, 1 if it cannot bind, 2 on a bad persist file).
-    """
-    parser = argparse.ArgumentParser(
-        prog="python -m aelastic.backends.http.server",
-        description="Serve aelastic rendezvous state over HTTP "
-        f"(bearer token from ${TOKEN_ENV} if set).",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: pick a free one)")
-    parser.add_argument("--persist", metavar="FILE", help="keep the runs in FILE across restarts")
-    parser.add_argument("--max-body", type=int, default=MAX_BODY, help="largest body (bytes)")
-    parser.add_argument(
-        "--run-ttl", type=float, default=DEFAULT_RUN_TTL, help="forget idle runs (s, 0: never)"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        run_server(
-            args.host,
-            args.port,
-            persist_path=args.persist,
-            max_body=args.max_body,
-            run_ttl=args.run_ttl,
-        )
-    except PersistenceError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as exc:
-        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

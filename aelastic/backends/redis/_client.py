@@ -1,14 +1,14 @@
-"""Connections shared by every Redis backend of one event loop and endpoint.
+"""The Redis client of one event loop and endpoint: commands, and notifications of runs.
 
-How it works: many handlers in one process (the benchmark runs hundreds as tasks of one
-loop) each create a backend, but the backends of one ``(event loop, endpoint)`` share a
-:class:`SharedClient`: a bounded pool for commands and one pub/sub connection. Commands
-issued in the same loop iteration go out as one pipeline (identical reads run once). The
-listener task subscribes to the channel of every run in use (a :class:`~._watch.RunWatch`
-each, reference counted) and turns each message into local wake-ups, so a change costs one
-message per process however many nodes wait. It pings the server when idle, reconnects
-with backoff, resubscribes, and wakes every waiter after a loss (a message may have been
-missed meanwhile: waiters re-read).
+How it works: the backends of one ``(event loop, endpoint)`` share a :class:`RedisClient`
+(see :mod:`aelastic.backends._shared`): a bounded pool for commands and one pub/sub
+connection. Commands issued in the same loop iteration go out as one pipeline (identical
+reads run once). The listener task subscribes to the channel of every run in use and feeds
+each run's :class:`~aelastic.backends._watch.RunWatch`: ``s<status JSON>`` messages become
+status news, ``k<key>`` messages wake the waiters of a store key. So a round transition costs
+one message per process however many nodes wait, and a heartbeat costs none. The listener
+pings the server when idle, reconnects with backoff, resubscribes, and tells every watch
+when notifications were lost (their waiters re-check with the server).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,10 +27,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
+from ...core.state import Status
+from ...core.wire import WireError, status_from_json
+from .._watch import RunWatch
 from ._endpoint import RedisEndpoint
-from ._watch import RunWatch
 
-__all__ = ["SharedClient", "acquire_client", "release_client"]
+__all__ = ["RedisClient"]
 
 log = logging.getLogger("aelastic.backends.redis")
 
@@ -38,7 +40,7 @@ log = logging.getLogger("aelastic.backends.redis")
 CONNECT_TIMEOUT = 10.0
 
 
-class SharedClient:
+class RedisClient:
     """Command pool and pub/sub listener of one endpoint on one event loop.
 
     Args:
@@ -49,14 +51,13 @@ class SharedClient:
 
     def __init__(self, endpoint: RedisEndpoint, max_connections: int, health_interval: float):
         self.endpoint = endpoint
-        self.refs = 0
         self._health_interval = health_interval
         self._connection_kwargs = _connection_kwargs(endpoint)
         self.pool = BlockingConnectionPool(
             max_connections=max_connections, timeout=None, **self._connection_kwargs
         )
         self.redis = Redis(connection_pool=self.pool)
-        self._watches: dict[bytes, RunWatch] = {}
+        self._watches: dict[bytes, tuple[RunWatch, int]] = {}
         self._listener: asyncio.Task[None] | None = None
         self._conn: Connection | None = None
         self._sent: set[bytes] = set()
@@ -166,10 +167,9 @@ class SharedClient:
     async def watch(self, channel: str) -> RunWatch:
         """The watch of ``channel``, subscribed (or being subscribed) by the listener."""
         key = channel.encode()
-        watch = self._watches.get(key)
-        if watch is None:
-            watch = self._watches[key] = RunWatch(key)
-        watch.refs += 1
+        entry = self._watches.get(key)
+        watch = RunWatch() if entry is None else entry[0]
+        self._watches[key] = (watch, 1 if entry is None else entry[1] + 1)
         if self._listener is None:
             self._listener = asyncio.get_running_loop().create_task(
                 self._listen(), name=f"aelastic-redis-listener-{self.endpoint.display}"
@@ -177,17 +177,18 @@ class SharedClient:
         await self._send("SUBSCRIBE", key)
         return watch
 
-    async def unwatch(self, watch: RunWatch) -> None:
-        """Drop one reference to ``watch``; unsubscribe when it was the last."""
-        watch.refs -= 1
-        if watch.refs > 0 or self._watches.get(watch.channel) is not watch:
+    async def unwatch(self, channel: str, watch: RunWatch) -> None:
+        """Drop one user of ``watch``; unsubscribe when it was the last."""
+        key = channel.encode()
+        entry = self._watches.get(key)
+        if entry is None or entry[0] is not watch:
             return
-        del self._watches[watch.channel]
+        if entry[1] > 1:
+            self._watches[key] = (watch, entry[1] - 1)
+            return
+        del self._watches[key]
         watch.on_lost()
-        task = watch.inflight_read
-        if task is not None and not task[1].done():
-            task[1].cancel()
-        await self._send("UNSUBSCRIBE", watch.channel)
+        await self._send("UNSUBSCRIBE", key)
 
     async def _send(self, command: str, channel: bytes) -> None:
         async with self._send_lock:
@@ -242,7 +243,7 @@ class SharedClient:
                 self._conn = None
                 self._sent = set()
                 self._unacked = {}
-                for watch in list(self._watches.values()):
+                for watch, _ in list(self._watches.values()):
                     watch.on_lost()
                 with contextlib.suppress(Exception):
                     await conn.disconnect(nowait=True)
@@ -277,17 +278,18 @@ class SharedClient:
                 self._unacked[channel] = left
                 return
             self._unacked.pop(channel, None)
-        watch = self._watches.get(channel)
-        if watch is None:
+        entry = self._watches.get(channel)
+        if entry is None:
             return
+        watch = entry[0]
         if kind == b"message" and len(response) == 3:
-            watch.on_message(response[2])
+            _deliver(watch, response[2])
         elif kind == b"subscribe":
-            watch.on_subscribed()
+            watch.on_live()
 
     async def aclose(self) -> None:
         """Stop the listener and close every connection."""
-        for watch in list(self._watches.values()):
+        for watch, _ in list(self._watches.values()):
             watch.on_lost()
         self._watches.clear()
         tasks = list(self._batches)
@@ -304,6 +306,20 @@ class SharedClient:
                 await task
         await self.redis.aclose()
         await self.pool.disconnect()
+
+
+def _deliver(watch: RunWatch, payload: bytes) -> None:
+    """One message of a run's channel: a status change, or a store key written."""
+    kind, body = payload[:1], payload[1:]
+    if kind == b"k":
+        watch.on_key(body)
+    elif kind == b"s":
+        try:
+            status: Status = status_from_json(json.loads(body))
+        except (ValueError, WireError):
+            log.warning("ignored a malformed notification on a run's channel")
+            return
+        watch.on_status(status)
 
 
 def _time_out(future: asyncio.Future[Any]) -> None:
@@ -351,33 +367,3 @@ def _connection_kwargs(endpoint: RedisEndpoint) -> dict[str, Any]:
             ssl_cert_reqs=endpoint.ssl_cert_reqs,
         )
     return kwargs
-
-
-_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, SharedClient]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def acquire_client(
-    endpoint: RedisEndpoint, max_connections: int, health_interval: float
-) -> SharedClient:
-    """The shared client of ``endpoint`` on the running loop (one more reference)."""
-    per_loop = _clients.setdefault(asyncio.get_running_loop(), {})
-    client = per_loop.get(endpoint.identity)
-    if client is None:
-        client = per_loop[endpoint.identity] = SharedClient(
-            endpoint, max_connections, health_interval
-        )
-    client.refs += 1
-    return client
-
-
-async def release_client(client: SharedClient) -> None:
-    """Drop one reference to ``client``; close it when it was the last."""
-    client.refs -= 1
-    if client.refs > 0:
-        return
-    per_loop = _clients.get(asyncio.get_running_loop(), {})
-    if per_loop.get(client.endpoint.identity) is client:
-        del per_loop[client.endpoint.identity]
-    await client.aclose()

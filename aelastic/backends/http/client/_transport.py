@@ -1,20 +1,19 @@
-"""The HTTP client's transport: one shared session per event loop and server, with retries.
+"""The HTTP client's transport: one session per event loop and server, with retries.
 
-How it works: every backend of one event loop that talks to the same server (base URL and
-token) shares a :class:`Connection`, counted by reference: one aiohttp ``ClientSession``
-whose connector keeps connections alive and sets no limit on their number (long-polls hold
-theirs). The last backend to close closes it. :meth:`Connection.call` sends one request and
-retries what may be transient (connection refused or reset, timeouts, 5xx answers) with a
-jittered exponential backoff, for as long as the server has failed for less than
-``read_timeout`` seconds; then it raises ``RendezvousConnectionError`` naming the server. A
-``401`` is never retried: it raises at once, saying the server refused the token.
+How it works: the backends of one event loop that talk to the same server (base URL and
+token) share a :class:`Connection` (see :mod:`aelastic.backends._shared`): one aiohttp
+``ClientSession`` whose connector keeps connections alive and sets no limit on their number
+(long-polls hold theirs), and the feeds of the runs in use. :meth:`Connection.call` sends one
+request and retries what may be transient (connection refused or reset, timeouts, 5xx
+answers) with a jittered exponential backoff, for as long as the server has failed for less
+than ``read_timeout`` seconds; then it raises ``RendezvousConnectionError`` naming the
+server. A ``401`` is never retried: it raises at once, saying the server refused the token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -22,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from yarl import URL
 
-from ...rendezvous.api import RendezvousConnectionError
-from .wire import TOKEN_ENV
+from ....core.errors import RendezvousConnectionError
+from ..wire import TOKEN_ENV
 
 if TYPE_CHECKING:
-    from ._channel import RunChannel
+    from ._feed import RunFeed
 
-__all__ = ["Connection", "acquire", "release"]
+__all__ = ["Connection"]
 
 _RETRY_STATUSES = frozenset({500, 502, 503, 504})
 _FIRST_BACKOFF = 0.05
@@ -47,12 +46,10 @@ class Connection:
     """
 
     def __init__(self, base: URL, token: str | None, endpoint: str) -> None:
-        self.key = _key(base, token)
         self.base = base
         self.endpoint = endpoint
-        self.refs = 0
         self.loop = asyncio.get_running_loop()
-        self.runs: dict[str, RunChannel] = {}  # run id -> channel (managed by the client)
+        self.feeds: dict[str, tuple[RunFeed, int]] = {}  # run id -> (feed, users)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
         self.session = aiohttp.ClientSession(connector=connector, headers=headers)
@@ -160,6 +157,14 @@ class Connection:
             )
         return doc
 
+    async def aclose(self) -> None:
+        """Stop the run feeds and close the session."""
+        feeds = [feed for feed, _ in self.feeds.values()]
+        self.feeds.clear()
+        for feed in feeds:
+            await feed.aclose()
+        await self.session.close()
+
     def protocol_error(self, what: str) -> RendezvousConnectionError:
         """The error for an answer that does not fit the API."""
         return RendezvousConnectionError(
@@ -182,33 +187,3 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return "the request timed out"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-_connections: dict[tuple[asyncio.AbstractEventLoop, str, str | None], Connection] = {}
-_lock = threading.Lock()
-
-
-def _key(base: URL, token: str | None) -> tuple[asyncio.AbstractEventLoop, str, str | None]:
-    return asyncio.get_running_loop(), str(base), token
-
-
-def acquire(base: URL, token: str | None, endpoint: str) -> Connection:
-    """The shared connection of the running loop to ``base`` (one more reference)."""
-    key = _key(base, token)
-    with _lock:
-        conn = _connections.get(key)
-        if conn is None or conn.session.closed:
-            conn = _connections[key] = Connection(base, token, endpoint)
-        conn.refs += 1
-        return conn
-
-
-async def release(conn: Connection) -> None:
-    """Drop one reference to ``conn``; the last one closes its session."""
-    with _lock:
-        conn.refs -= 1
-        last = conn.refs <= 0
-        if last and _connections.get(conn.key) is conn:
-            del _connections[conn.key]
-    if last:
-        await conn.session.close()

@@ -1,0 +1,259 @@
+"""Runs kept in this process: the memory backend's data and the HTTP server's.
+
+How it works: an :class:`Engine` holds runs by id; each has its rendezvous state (a
+:class:`~aelastic.core.state.RunState`, changed only by the pure machine's ``step``), its
+key-value pairs and its waiters. A lock makes every operation atomic across threads and
+event loops (the memory backend is shared by the loops of one process; the HTTP server has
+one loop and pays an uncontended lock). Waiters register a future with the loop they run
+on: status waiters are woken when the run's token changes (round transitions, never
+heartbeats), key waiters when a key is written. A woken waiter is dropped; it re-checks and
+waits anew. Nothing polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ..core.machine import snapshot_of, status_of, step
+from ..core.protocol import INT64_MAX, INT64_MIN
+from ..core.state import Reply, Request, RunState, Snapshot, Status, Transition
+from ..core.token import NO_STATE, new_epoch
+
+__all__ = ["Engine", "Run", "add_int64", "now_ms"]
+
+#: Changes not worth keeping across a server restart (a restart grants a fresh window).
+_QUIET = frozenset({Transition.NONE, Transition.KEEP_ALIVE})
+
+
+def now_ms() -> int:
+    """This machine's wall clock in whole milliseconds."""
+    return round(time.time() * 1000)
+
+
+def add_int64(current: bytes | None, amount: int, key: str) -> int:
+    """``current + amount`` as a store counter (signed 64-bit, as torch's stores).
+
+    Raises:
+        ValueError: ``current`` is not an integer, or the sum leaves the signed 64-bit range.
+    """
+    try:
+        value = 0 if current is None else int(current)
+    except ValueError:
+        raise ValueError(f"The value of key {key!r} is not an integer.") from None
+    total = value + amount
+    if not INT64_MIN <= value <= INT64_MAX or not INT64_MIN <= total <= INT64_MAX:
+        raise ValueError(f"Adding {amount} to key {key!r} overflows a signed 64-bit integer.")
+    return total
+
+
+@dataclass(eq=False)
+class _Waiter:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+    ready: Callable[[], bool]
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+@dataclass(eq=False)
+class Run:
+    """One run: rendezvous state, store, waiters."""
+
+    state: RunState | None = None
+    kv: dict[str, bytes] = field(default_factory=dict)
+    status_waiters: set[_Waiter] = field(default_factory=set)
+    key_waiters: set[_Waiter] = field(default_factory=set)
+    touched: float = field(default_factory=time.monotonic)
+
+    @property
+    def token(self) -> str:
+        state = self.state
+        return NO_STATE if state is None else f"{state.epoch}.{state.generation}"
+
+    @property
+    def idle(self) -> bool:
+        """Whether nobody waits on this run."""
+        return not self.status_waiters and not self.key_waiters
+
+    def empty(self) -> bool:
+        """Whether the run holds nothing."""
+        return self.state is None and not self.kv
+
+
+def _wake(waiters: set[_Waiter]) -> None:
+    woken = [w for w in waiters if w.ready()]
+    for waiter in woken:
+        waiters.discard(waiter)
+        waiter.loop.call_soon_threadsafe(_resolve, waiter.future)
+
+
+class Engine:
+    """Every run of one in-process backend (see the module docstring).
+
+    Args:
+        on_change: Called (under the lock) with a run id after its state or store changed
+            in a way worth keeping (the HTTP server persists then); heartbeats do not count.
+    """
+
+    def __init__(self, on_change: Callable[[str], None] | None = None) -> None:
+        self.lock = threading.Lock()
+        self.runs: dict[str, Run] = {}
+        self._on_change = on_change
+
+    def run(self, run_id: str) -> Run:
+        """The run ``run_id``, made empty if needed (call with the lock held)."""
+        run = self.runs.get(run_id)
+        if run is None:
+            run = self.runs[run_id] = Run()
+        return run
+
+    def _changed(self, run_id: str, run: Run) -> None:
+        run.touched = time.monotonic()
+        if self._on_change is not None:
+            self._on_change(run_id)
+
+    # -- rendezvous -----------------------------------------------------------------------
+
+    def apply(self, run_id: str, request: Request, now: int) -> Reply:
+        """Apply ``request`` to the run at time ``now`` (ms) and wake who it concerns."""
+        with self.lock:
+            run = self.run(run_id)
+            if run.state is None:
+                run.state = RunState(new_epoch())
+            before = run.state.generation
+            reply = step(run.state, request, now)
+            if run.state.generation != before:
+                _wake(run.status_waiters)
+            if reply.transition not in _QUIET:
+                self._changed(run_id, run)
+            return reply
+
+    def status(self, run_id: str, now: int) -> Status:
+        """The run's status (an empty one when it has no state)."""
+        with self.lock:
+            run = self.runs.get(run_id)
+            if run is None or run.state is None:
+                return Status(now_ms=now)
+            return status_of(run.state, now)
+
+    def snapshot(self, run_id: str, now: int) -> Snapshot | None:
+        """The run's whole membership, or ``None`` when it has no state."""
+        with self.lock:
+            run = self.runs.get(run_id)
+            if run is None or run.state is None:
+                return None
+            return snapshot_of(run.state, now)
+
+    async def wait_status(self, run_id: str, token: str, timeout: float | None) -> bool:
+        """Wait until the run's token differs from ``token``; whether it did."""
+        run = self.runs.get(run_id)
+        if run is None:
+            with self.lock:
+                run = self.run(run_id)
+        return await self._wait(run.status_waiters, lambda: run.token != token, timeout)
+
+    # -- store ----------------------------------------------------------------------------
+
+    def kv_set(self, run_id: str, key: str, value: bytes) -> None:
+        with self.lock:
+            run = self.run(run_id)
+            run.kv[key] = bytes(value)
+            self._kv_changed(run_id, run)
+
+    def kv_get(self, run_id: str, keys: Sequence[str]) -> list[bytes | None]:
+        with self.lock:
+            run = self.runs.get(run_id)
+            kv = {} if run is None else run.kv
+            return [kv.get(k) for k in keys]
+
+    def kv_add(self, run_id: str, key: str, amount: int) -> int:
+        with self.lock:
+            run = self.run(run_id)
+            value = add_int64(run.kv.get(key), amount, key)
+            run.kv[key] = str(value).encode()
+            self._kv_changed(run_id, run)
+            return value
+
+    def kv_compare_set(
+        self, run_id: str, key: str, expected: bytes | None, desired: bytes
+    ) -> bytes:
+        with self.lock:
+            run = self.run(run_id)
+            current = run.kv.get(key)
+            if current is None and expected is not None:
+                return expected
+            if current != expected:
+                assert current is not None
+                return current
+            run.kv[key] = bytes(desired)
+            self._kv_changed(run_id, run)
+            return bytes(desired)
+
+    def kv_delete(self, run_id: str, key: str) -> bool:
+        with self.lock:
+            run = self.runs.get(run_id)
+            if run is None or run.kv.pop(key, None) is None:
+                return False
+            self._kv_changed(run_id, run)
+            return True
+
+    async def kv_wait(self, run_id: str, keys: Iterable[str], timeout: float | None) -> bool:
+        wanted = list(keys)
+        with self.lock:
+            run = self.run(run_id)
+        kv = run.kv
+        return await self._wait(run.key_waiters, lambda: all(k in kv for k in wanted), timeout)
+
+    def _kv_changed(self, run_id: str, run: Run) -> None:
+        _wake(run.key_waiters)
+        self._changed(run_id, run)
+
+    # -- runs -----------------------------------------------------------------------------
+
+    def delete(self, run_id: str) -> bool:
+        """Forget ``run_id`` (state and store), waking its waiters; whether it held anything."""
+        with self.lock:
+            run = self.runs.pop(run_id, None)
+            if run is None:
+                return False
+            for waiters in (run.status_waiters, run.key_waiters):
+                for waiter in waiters:
+                    waiter.loop.call_soon_threadsafe(_resolve, waiter.future)
+                waiters.clear()
+            if self._on_change is not None:
+                self._on_change(run_id)
+            return not run.empty()
+
+    def wake_everyone(self) -> None:
+        """Wake every waiter of every run (a server shutting down)."""
+        with self.lock:
+            for run in self.runs.values():
+                for waiters in (run.status_waiters, run.key_waiters):
+                    for waiter in waiters:
+                        waiter.loop.call_soon_threadsafe(_resolve, waiter.future)
+                    waiters.clear()
+
+    async def _wait(
+        self, waiters: set[_Waiter], ready: Callable[[], bool], timeout: float | None
+    ) -> bool:
+        loop = asyncio.get_running_loop()
+        with self.lock:
+            if ready():
+                return True
+            waiter = _Waiter(loop, loop.create_future(), ready)
+            waiters.add(waiter)
+        try:
+            await asyncio.wait({waiter.future}, timeout=timeout)
+        finally:
+            with self.lock:
+                waiters.discard(waiter)
+            waiter.future.cancel()
+        with self.lock:
+            return ready()

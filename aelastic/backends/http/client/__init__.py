@@ -1,0 +1,364 @@
+"""The ``http`` rendezvous backend: a client of the aelastic HTTP rendezvous server.
+
+How it works: :class:`HttpBackend` implements the backend protocol over the server's API
+(see :mod:`aelastic.backends.http.server`): a rendezvous request is one ``POST`` the server
+applies atomically; waiting for a change uses the run's :class:`~._feed.RunFeed` (one
+long-poll while somebody waits, answered when a round transition moves the status's token,
+never on a heartbeat). On first use inside an event loop it takes the loop's connection to
+the server (one aiohttp session, shared through :mod:`aelastic.backends._shared`, or its own
+with ``share_connections=false``); :meth:`HttpBackend.aclose` gives it back. Failures that
+may be transient are retried with backoff for ``read_timeout`` seconds (config key, default
+60), then raise ``RendezvousConnectionError`` naming the server; a refused token (401)
+raises at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import quote
+
+from yarl import URL
+
+from ....core.errors import RendezvousConnectionError, RendezvousStateError
+from ....core.params import RendezvousParameters, parse_rendezvous_endpoint
+from ....core.state import FORMAT_VERSION, Reply, Request, Snapshot, Status
+from ....core.token import Token
+from ....core.wire import (
+    WireError,
+    reply_from_json,
+    request_to_json,
+    snapshot_from_json,
+    status_from_json,
+)
+from ... import _shared
+from ..._watch import RunWatch
+from ..wire import DEFAULT_PORT, TOKEN_ENV, SchemaError, b64decode, b64encode
+from ._feed import LONG_POLL, RunFeed
+from ._transport import Connection
+
+__all__ = ["DEFAULT_PORT", "HttpBackend", "create_backend", "parse_endpoint"]
+
+#: Seconds between a waiter's own checks while the long-poll is down.
+_RECHECK = 5.0
+
+_private = itertools.count()
+
+
+def parse_endpoint(endpoint: str) -> URL:
+    """The server's base URL from ``host[:port]``, ``http://host:port[/prefix]`` or ``https://...``.
+
+    Raises:
+        ValueError: The endpoint is empty, has another scheme, or no valid host or port
+            (a bare ``host:port`` is checked with torch's rules and messages).
+    """
+    text = endpoint.strip()
+    if not text:
+        raise ValueError("The http rendezvous backend needs an endpoint (host:port or a URL).")
+    if "://" not in text:
+        host, port = parse_rendezvous_endpoint(text, DEFAULT_PORT)
+        return URL.build(scheme="http", host=host, port=port, path="/")
+    try:
+        url = URL(text)
+        url_port = url.port
+    except ValueError as exc:
+        raise ValueError(f"The rendezvous endpoint '{endpoint}' is not valid: {exc}") from None
+    if url.scheme not in ("http", "https"):
+        raise ValueError(
+            f"The rendezvous endpoint '{endpoint}' must use http:// or https://, "
+            f"not {url.scheme}://."
+        )
+    if not url.host or url_port is None:
+        raise ValueError(f"The rendezvous endpoint '{endpoint}' names no host.")
+    if url.query_string or url.fragment:
+        raise ValueError(f"The rendezvous endpoint '{endpoint}' must not have a query.")
+    return url.with_user(None).with_path(url.path.rstrip("/") or "/", encoded=True)
+
+
+def _resolve_token(token: str | None) -> str | None:
+    value = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+    if value and value != value.strip():
+        raise ValueError(
+            f"The HTTP rendezvous token ({TOKEN_ENV} or the 'token' key) has leading or "
+            "trailing whitespace; remove it."
+        )
+    return value or None
+
+
+class HttpBackend:
+    """Rendezvous state and store of one run on an aelastic HTTP rendezvous server.
+
+    Args:
+        run_id: The run.
+        endpoint: ``host:port``, ``http://host:port[/prefix]`` or ``https://...``.
+        token: Bearer token (default: ``AELASTIC_HTTP_TOKEN`` from the environment).
+        read_timeout: Seconds the server may keep failing before a call raises.
+        share_connections: Share the loop's session with the other backends of the server.
+
+    Raises:
+        ValueError: The endpoint, the token or ``read_timeout`` is invalid.
+    """
+
+    name = "http"
+
+    def __init__(
+        self,
+        run_id: str,
+        endpoint: str,
+        *,
+        token: str | None = None,
+        read_timeout: float = 60.0,
+        share_connections: bool = True,
+    ) -> None:
+        if not read_timeout > 0:
+            raise ValueError(f"The read timeout ({read_timeout}) must be positive.")
+        self._base = parse_endpoint(endpoint)
+        self._endpoint = str(self._base).rstrip("/")
+        self._run_id = run_id
+        self._path = "/v1/runs/" + quote(run_id, safe="").replace(".", "%2E")
+        self._token = _resolve_token(token)
+        self._read_timeout = float(read_timeout)
+        key: Any = (str(self._base), self._token)
+        self._share_key = ("http", key if share_connections else (key, next(_private)))
+        self._conn: Connection | None = None
+        self._feed: RunFeed | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"HttpBackend(run_id={self._run_id!r}, endpoint={self._endpoint!r})"
+
+    @property
+    def endpoint(self) -> str:
+        """The server's URL (never with credentials)."""
+        return self._endpoint
+
+    @property
+    def read_timeout(self) -> float:
+        """Seconds the server may keep failing before a call raises."""
+        return self._read_timeout
+
+    def _open(self) -> tuple[Connection, RunFeed]:
+        conn, feed = self._conn, self._feed
+        if conn is not None and feed is not None:
+            if conn.loop is not asyncio.get_running_loop():
+                raise RuntimeError(f"{self!r} is used from another event loop than its first")
+            return conn, feed
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        base, token, endpoint = self._base, self._token, self._endpoint
+        conn = _shared.acquire(self._share_key, lambda: Connection(base, token, endpoint))
+        entry = conn.feeds.get(self._run_id)
+        feed = RunFeed(self._poll) if entry is None else entry[0]
+        conn.feeds[self._run_id] = (feed, 1 if entry is None else entry[1] + 1)
+        self._conn, self._feed = conn, feed
+        return conn, feed
+
+    async def _get(self, sub: str, query: dict[str, str] | None = None, hold: float = 0.0) -> Any:
+        conn, _ = self._open()
+        answer = await conn.call(
+            "GET", self._path + sub, self._read_timeout, query=query, hold=hold,
+            accept=frozenset({200, 404}),
+        )  # fmt: skip
+        assert answer is not None
+        return answer
+
+    def _fits(self, what: str, exc: WireError) -> RendezvousConnectionError:
+        return self._open()[0].protocol_error(f"{what} that does not fit the API ({exc})")
+
+    # -- the rendezvous -------------------------------------------------------------------
+
+    async def apply(self, request: Request, hold: float = 0.0) -> Reply:
+        """Carry out ``request`` on the server (one request, applied atomically).
+
+        With ``hold``, the server keeps a *wait* answer up to that long, until the status
+        changes, and applies the request again: a join is then one request per round.
+
+        Raises:
+            RendezvousConnectionError: The server refused the request or was unreachable.
+        """
+        conn, feed = self._open()
+        hold = min(max(hold, 0.0), LONG_POLL)
+        answer = await conn.call(
+            "POST", self._path + "/rendezvous", self._read_timeout,
+            body=request_to_json(request), accept=frozenset({200, 404, 405}),
+            query={"hold": f"{hold:.3f}"} if hold > 0 else None, hold=hold,
+        )  # fmt: skip
+        assert answer is not None
+        status, doc = answer
+        if status != 200:
+            raise RendezvousStateError(
+                f"The server at {self._endpoint} does not serve rendezvous state format "
+                f"{FORMAT_VERSION} (an older aelastic serve?): run the same aelastic version "
+                "on the server and the nodes."
+            )
+        try:
+            reply = reply_from_json(doc)
+        except WireError as exc:
+            raise self._fits("a reply", exc) from None
+        feed.watch.on_status(reply.status)
+        return reply
+
+    async def _poll(self, token: str, hold: float) -> Status:
+        query = {"token": token, "wait": f"{hold:g}"} if hold else None
+        _, doc = await self._get("/status", query, hold)
+        try:
+            return status_from_json(doc)
+        except WireError as exc:
+            raise self._fits("a status", exc) from None
+
+    async def _status_now(self) -> Status:
+        return await self._poll("", 0.0)
+
+    async def wait_for_change(self, token: Token, timeout: float | None) -> Status | None:
+        """The run's status once its token differs from ``token`` (``None`` on timeout).
+
+        Raises:
+            RendezvousConnectionError: The server was unreachable for ``read_timeout``.
+        """
+        _, feed = self._open()
+        watch: RunWatch = feed.watch
+        return await watch.wait_status(token, timeout, self._status_now, _RECHECK)
+
+    async def snapshot(self) -> Snapshot | None:
+        """The run's whole membership, or ``None`` when the server has no such run."""
+        status, doc = await self._get("")
+        if status == 404:
+            return None
+        try:
+            return snapshot_from_json(doc)
+        except WireError as exc:
+            raise self._fits("a snapshot", exc) from None
+
+    async def reset(self) -> bool:
+        """Delete the run's state and store on the server; whether there was anything."""
+        conn, _ = self._open()
+        answer = await conn.call("DELETE", self._path, self._read_timeout, idempotent=False)
+        assert answer is not None
+        return answer[1].get("deleted") is True
+
+    # -- key-value store ------------------------------------------------------------------
+
+    async def _kv(self, op: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        conn, _ = self._open()
+        answer = await conn.call(
+            "POST", f"{self._path}/kv/{op}", self._read_timeout, body=body,
+            accept=frozenset({200, 409}), idempotent=op in ("get", "wait"),
+        )  # fmt: skip
+        assert answer is not None
+        if answer[0] == 409 and op != "add":
+            raise conn.protocol_error(f"409 to kv/{op}")
+        return answer
+
+    def _value(self, value: Any) -> bytes:
+        if not isinstance(value, str):
+            raise self._open()[0].protocol_error("a value that is not base64 text")
+        try:
+            return b64decode(value, "value")
+        except SchemaError as exc:
+            raise self._open()[0].protocol_error(str(exc)) from None
+
+    async def kv_set(self, key: str, value: bytes) -> None:
+        """Set ``key`` to ``value``."""
+        await self._kv("set", {"key": key, "value": b64encode(bytes(value))})
+
+    async def kv_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values of ``keys`` in order, ``None`` for each missing key."""
+        wanted = list(keys)
+        if not wanted:
+            return []
+        _, doc = await self._kv("get", {"keys": wanted})
+        values = doc.get("values")
+        if not isinstance(values, list) or len(values) != len(wanted):
+            raise self._open()[0].protocol_error("a kv/get answer without one value per key")
+        return [None if v is None else self._value(v) for v in values]
+
+    async def kv_add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the integer at ``key`` (missing: 0); the new value.
+
+        Raises:
+            ValueError: The stored value is not an integer, or the sum leaves the signed
+                64-bit range.
+        """
+        status, doc = await self._kv("add", {"key": key, "amount": int(amount)})
+        if status == 409:
+            raise ValueError(
+                str(doc.get("error") or f"The value of key {key!r} is not an integer.")
+            )
+        value = doc.get("value")
+        if type(value) is not int:
+            raise self._open()[0].protocol_error("a kv/add answer without an integer")
+        return value
+
+    async def kv_compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (``None``: if missing)."""
+        body = {
+            "key": key,
+            "expected": None if expected is None else b64encode(bytes(expected)),
+            "desired": b64encode(bytes(desired)),
+        }
+        _, doc = await self._kv("compare_set", body)
+        return self._value(doc.get("value"))
+
+    async def kv_delete(self, key: str) -> bool:
+        """Delete ``key``; whether it existed."""
+        _, doc = await self._kv("delete", {"key": key})
+        return doc.get("deleted") is True
+
+    async def kv_wait(self, keys: Sequence[str], timeout: float) -> bool:
+        """Wait until every key in ``keys`` exists; ``False`` if ``timeout`` passed first."""
+        wanted = list(keys)
+        if not wanted:
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout, 0.0)
+        while True:
+            hold = min(max(deadline - loop.time(), 0.0), LONG_POLL)
+            conn, _ = self._open()
+            answer = await conn.call(
+                "POST", f"{self._path}/kv/wait", self._read_timeout,
+                body={"keys": wanted, "timeout": round(hold, 3)}, hold=hold,
+            )  # fmt: skip
+            assert answer is not None
+            if answer[1].get("ready") is True:
+                return True
+            if loop.time() >= deadline:
+                return False
+
+    async def aclose(self) -> None:
+        """Release this backend's share of the session and feed. Idempotent."""
+        self._closed = True
+        conn, feed, self._conn, self._feed = self._conn, self._feed, None, None
+        if conn is None or feed is None:
+            return
+        entry = conn.feeds.get(self._run_id)
+        if entry is not None and entry[0] is feed:
+            if entry[1] > 1:
+                conn.feeds[self._run_id] = (feed, entry[1] - 1)
+            else:
+                del conn.feeds[self._run_id]
+                await feed.aclose()
+        await _shared.release(self._share_key, conn)
+
+
+def create_backend(params: RendezvousParameters) -> HttpBackend:
+    """Create the HTTP backend for ``params.run_id`` at ``params.endpoint``.
+
+    Config keys: ``token`` (default: ``AELASTIC_HTTP_TOKEN``), ``read_timeout`` (seconds,
+    default 60), ``share_connections`` (default true).
+
+    Raises:
+        ValueError: The endpoint or a config value is invalid.
+    """
+    read_timeout = params.get_as_float("read_timeout", 60.0)
+    assert read_timeout is not None
+    token = params.get("token")
+    return HttpBackend(
+        params.run_id,
+        params.endpoint,
+        token=None if token is None else str(token),
+        read_timeout=read_timeout,
+        share_connections=bool(params.get_as_bool("share_connections", True)),
+    )

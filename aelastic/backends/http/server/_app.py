@@ -1,0 +1,165 @@
+"""The aiohttp application of the rendezvous server: middlewares, limits, lifetime.
+
+How it works: two middlewares wrap every route (:mod:`._routes`). The outer one turns every
+failure into a JSON ``{"error": ...}`` answer with the right status (a bug gives 500, never a
+dropped connection); the inner one checks the bearer token (constant-time compare). Store
+writes may carry an ``Idempotency-Key``: a retry of one that was applied gets the first
+answer again instead of applying twice (:class:`Replays`). A background task forgets runs
+idle for ``run_ttl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from ..wire import MAX_BODY, TOKEN_ENV, SchemaError
+from ._routes import REPLAYS, STORE, Replays, add_routes
+from ._runs import PersistenceError, RunStore
+
+__all__ = ["DEFAULT_RUN_TTL", "create_app", "resolve_token"]
+
+log = logging.getLogger("aelastic.backends.http.server")
+
+#: Runs nobody changed for this long (seconds) are forgotten.
+DEFAULT_RUN_TTL = 24 * 3600.0
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except SchemaError as exc:
+        return _error(400, str(exc))
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _error(413, f"the request body is too large ({exc.text})")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.reason)
+    except PersistenceError as exc:
+        return _error(503, str(exc))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("internal error answering %s %s", request.method, request.path)
+        return _error(500, "internal server error")
+
+
+def _auth_middleware(token: str) -> Any:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: _Handler) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, expected):
+            return web.json_response(
+                {"error": "unauthorized: a valid 'Authorization: Bearer <token>' is required"},
+                status=401,
+                headers={"WWW-Authenticate": 'Bearer realm="aelastic"'},
+            )
+        return await handler(request)
+
+    return auth
+
+
+def resolve_token(token: str | None) -> str | None:
+    """``token`` itself, or the ``AELASTIC_HTTP_TOKEN`` environment variable when ``None``.
+
+    An empty string means no authentication.
+
+    Raises:
+        ValueError: The token has leading or trailing whitespace (HTTP strips it from the
+            header, so it could never match).
+    """
+    if token is None:
+        token = os.environ.get(TOKEN_ENV) or None
+    if token and token != token.strip():
+        raise ValueError(
+            f"the token ({TOKEN_ENV} or --token) has leading or trailing whitespace; "
+            "remove it (HTTP headers cannot carry it, so no client could authenticate)"
+        )
+    return token or None
+
+
+def create_app(
+    *,
+    token: str | None = None,
+    persist_path: str | os.PathLike[str] | None = None,
+    max_body: int = MAX_BODY,
+    run_ttl: float = DEFAULT_RUN_TTL,
+) -> web.Application:
+    """Create the rendezvous server's aiohttp application (mountable with ``add_subapp``).
+
+    Args:
+        token: Bearer token every request must carry; ``None`` reads ``AELASTIC_HTTP_TOKEN``
+            from the environment, ``""`` disables authentication.
+        persist_path: JSON file keeping the runs across restarts (``None``: memory only).
+        max_body: Largest request body accepted, in bytes (larger: ``413``).
+        run_ttl: Seconds after which a run nobody changed or waits on is forgotten
+            (``0``: never).
+
+    Returns:
+        The application; its routes live under ``/v1``.
+
+    Raises:
+        PersistenceError: ``persist_path`` exists but is not a valid runs file.
+        ValueError: ``max_body`` or ``run_ttl`` is out of range.
+    """
+    if max_body < 1024:
+        raise ValueError(f"max_body ({max_body}) must be at least 1024 bytes")
+    if not run_ttl >= 0:
+        raise ValueError(f"run_ttl ({run_ttl}) must be a non-negative number of seconds")
+    secret = resolve_token(token)
+    middlewares: list[Any] = [_errors]
+    if secret is not None:
+        middlewares.append(_auth_middleware(secret))
+    app = web.Application(client_max_size=max_body, middlewares=middlewares)
+    store = RunStore(persist_path)
+    app[STORE] = store
+    app[REPLAYS] = Replays()
+    add_routes(app)
+
+    async def on_shutdown(app: web.Application) -> None:
+        store.close()
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        sweeper = asyncio.get_running_loop().create_task(_sweep(store, run_ttl))
+        yield
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        with contextlib.suppress(PersistenceError):
+            await store.durable()
+
+    app.on_shutdown.append(on_shutdown)
+    app.cleanup_ctx.append(lifetime)
+    return app
+
+
+def loop_time() -> float:
+    return time.monotonic()
+
+
+async def _sweep(store: RunStore, ttl: float) -> None:
+    if not ttl:
+        return
+    while True:
+        await asyncio.sleep(min(ttl / 4, 600.0))
+        if store.expire(ttl, loop_time()):
+            with contextlib.suppress(PersistenceError):
+                await store.durable()

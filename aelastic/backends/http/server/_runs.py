@@ -1,0 +1,305 @@
+"""The HTTP server's data: every run (an in-process engine), kept across restarts if asked.
+
+How it works: the runs live in an :class:`~aelastic.backends._engine.Engine` in the server's
+event loop; each request is applied at once, atomically. With persistence, the file is a
+journal: a header line, then one JSON line per run written whenever the run changed in a way
+worth keeping (joins, leaves, round transitions, store writes; never heartbeats), the last
+line of a run winning. Saving is a group commit: a change marks its run dirty; before the
+server answers a request it awaits :meth:`RunStore.durable`, which returns once every run
+dirty at the call is appended and fsynced (in a thread: the loop never blocks on the disk;
+only the dirty runs are serialized). The journal is rewritten compactly at start and when it
+grew past twice its live size (runs serialized in small batches between which the loop
+serves requests). A temporary file left by a crash during a rewrite is removed at start.
+Heartbeats are not saved: after a restart every listed node gets a fresh heartbeat window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ....core.state import NodeDesc, RunState
+from ....core.token import parse
+from ..._engine import Engine, now_ms
+from ..wire import SchemaError, b64decode, b64encode, require_run_id
+
+__all__ = ["PersistenceError", "RunStore"]
+
+log = logging.getLogger("aelastic.backends.http.server")
+
+_FILE_FORMAT = "aelastic.http.runs"
+_FILE_VERSION = 2
+#: Runs serialized between two yields to the event loop while rewriting the journal.
+_BATCH = 200
+#: The journal is rewritten once it is this much larger than its live content.
+_GROWTH = 2.0
+_MIN_REWRITE = 1 << 20
+
+
+class PersistenceError(RuntimeError):
+    """The persistence file cannot be read (corrupt, foreign) or written."""
+
+
+def _state_doc(state: RunState) -> dict[str, Any]:
+    return {
+        "epoch": state.epoch,
+        "generation": state.generation,
+        "round": state.round,
+        "complete": state.complete,
+        "closed": state.closed,
+        "deadline": state.deadline_ms,
+        "seq": state.seq,
+        "world": state.world,
+        "lost": state.lost,
+        "finished": state.finished,
+        "lost_sample": list(state.lost_sample),
+        "master": None if state.master is None else list(state.master),
+        "participants": [[n.key, v] for n, v in state.participants.items()],
+        "ports": [[n.key, p] for n, p in state.ports.items()],
+        "wait_list": [n.key for n in state.wait_list],
+        "redundancy_list": [n.key for n in state.redundancy_list],
+    }
+
+
+def _int(value: Any, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise SchemaError(f"{what} must be a non-negative integer")
+    return value
+
+
+def _node(value: Any) -> NodeDesc:
+    if not isinstance(value, str):
+        raise SchemaError("a node must be a string")
+    try:
+        return NodeDesc.from_key(value)
+    except ValueError as exc:
+        raise SchemaError(str(exc)) from None
+
+
+def _state_from(doc: Any, beat: int) -> RunState:
+    if not isinstance(doc, dict):
+        raise SchemaError("a state must be an object")
+    epoch, generation = doc.get("epoch"), doc.get("generation")
+    if not isinstance(epoch, str) or parse(f"{epoch}.{_int(generation, 'generation')}") is None:
+        raise SchemaError("a state has an invalid epoch or generation")
+    deadline, master = doc.get("deadline"), doc.get("master")
+    state = RunState(
+        epoch,
+        generation=_int(generation, "generation"),
+        round=_int(doc.get("round"), "round"),
+        complete=doc.get("complete") is True,
+        closed=doc.get("closed") is True,
+        deadline_ms=None if deadline is None else _int(deadline, "deadline"),
+        seq=_int(doc.get("seq"), "seq"),
+        world=_int(doc.get("world"), "world"),
+        lost=_int(doc.get("lost"), "lost"),
+        finished=_int(doc.get("finished"), "finished"),
+        lost_sample=[_node(k).key for k in doc.get("lost_sample") or []],
+        master=None if master is None else (str(master[0]), _int(master[1], "master port")),
+        participants={_node(k): _int(v, "rank") for k, v in doc.get("participants") or []},
+        ports={_node(k): _int(v, "port") for k, v in doc.get("ports") or []},
+        wait_list={_node(k) for k in doc.get("wait_list") or []},
+        redundancy_list={_node(k) for k in doc.get("redundancy_list") or []},
+    )
+    for node in (*state.participants, *state.wait_list, *state.redundancy_list):
+        state.beats[node] = beat  # a fresh window after a restart
+    return state
+
+
+class RunStore:
+    """All runs of one server, and their journal.
+
+    Args:
+        persist_path: Journal keeping the runs across restarts (``None``: memory only). Its
+            directory must exist.
+
+    Raises:
+        PersistenceError: ``persist_path`` is not a valid journal, or its directory is
+            missing or not writable.
+    """
+
+    def __init__(self, persist_path: str | os.PathLike[str] | None = None) -> None:
+        self._dirty: set[str] = set()
+        self.engine = Engine(on_change=self._mark)
+        self.closing = False
+        self._path = None if persist_path is None else Path(persist_path)
+        self._lock: asyncio.Lock | None = None
+        self._written = 0  # bytes in the journal
+        self._live = 0  # bytes of its last rewrite
+        if self._path is not None:
+            self._open(self._path)
+
+    # -- loading --------------------------------------------------------------------------
+
+    def _open(self, path: Path) -> None:
+        parent = path.parent if str(path.parent) else Path(".")
+        if not parent.is_dir():
+            raise PersistenceError(f"the directory of {path} does not exist: create it first")
+        if not os.access(parent, os.W_OK):
+            raise PersistenceError(f"the directory of {path} is not writable")
+        for stale in parent.glob(f".{path.name}.*.tmp"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+                log.warning("removed %s, left by a rewrite that did not finish", stale)
+        if path.exists():
+            try:
+                self._load(path.read_bytes())
+            except (OSError, ValueError, RecursionError, IndexError, TypeError) as exc:
+                raise PersistenceError(
+                    f"The persistence file {path} cannot be loaded ({exc}). It was left as it "
+                    "is: fix it, move it away, or start the server with another --persist file."
+                ) from None
+            log.info("loaded %d run(s) from %s", len(self.engine.runs), path)
+        lines = [self._header()] + [self._line(r) for r in self.engine.runs]
+        _rewrite(path, lines)
+        self._written = self._live = sum(len(line) for line in lines)
+
+    def _load(self, data: bytes) -> None:
+        lines = data.splitlines()
+        head = json.loads(lines[0]) if lines else None
+        if not isinstance(head, dict) or head.get("format") != _FILE_FORMAT:
+            raise SchemaError("it is not an aelastic HTTP rendezvous journal")
+        if head.get("version") != _FILE_VERSION:
+            raise SchemaError(
+                f"it has version {head.get('version')!r}; this aelastic reads {_FILE_VERSION}"
+            )
+        beat = now_ms()
+        for number, line in enumerate(lines[1:], start=2):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if number == len(lines):  # a last line cut short by a crash: never acked
+                    log.warning("ignored the incomplete last line of the journal")
+                    break
+                raise
+            self._apply_record(record, beat)
+
+    def _apply_record(self, record: Any, beat: int) -> None:
+        if not isinstance(record, dict):
+            raise SchemaError("a journal line must be an object")
+        run_id = require_run_id(record.get("run"))
+        if record.get("deleted") is True:
+            self.engine.runs.pop(run_id, None)
+            return
+        run = self.engine.run(run_id)
+        state, kv = record.get("state"), record.get("kv")
+        run.state = None if state is None else _state_from(state, beat)
+        if not isinstance(kv, dict) or not all(isinstance(v, str) for v in kv.values()):
+            raise SchemaError(f"the keys of run {run_id!r} must map to base64 text")
+        run.kv = {k: b64decode(v, f"key {k!r} of run {run_id!r}") for k, v in kv.items()}
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def _mark(self, run_id: str) -> None:
+        self._dirty.add(run_id)
+
+    def _header(self) -> bytes:
+        return json.dumps({"format": _FILE_FORMAT, "version": _FILE_VERSION}).encode() + b"\n"
+
+    def _line(self, run_id: str) -> bytes:
+        run = self.engine.runs.get(run_id)
+        if run is None or run.empty():
+            doc: dict[str, Any] = {"run": run_id, "deleted": True}
+        else:
+            doc = {
+                "run": run_id,
+                "state": None if run.state is None else _state_doc(run.state),
+                "kv": {k: b64encode(v) for k, v in run.kv.items()},
+            }
+        return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+
+    async def durable(self) -> None:
+        """Return once every change made so far is on disk (at once without a journal).
+
+        Raises:
+            PersistenceError: The journal could not be written.
+        """
+        if self._path is None:
+            return
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        if not self._dirty and not self._lock.locked():
+            return
+        async with self._lock:  # after a commit under way, which may hold our change
+            if not self._dirty:
+                return
+            batch, self._dirty = self._dirty, set()
+            lines = [self._line(run_id) for run_id in batch]
+            try:
+                await asyncio.to_thread(_append, self._path, lines)
+            except OSError as exc:
+                self._dirty |= batch
+                log.error("could not persist the rendezvous runs to %s: %s", self._path, exc)
+                raise PersistenceError(
+                    f"could not persist the runs to {self._path}: {exc}"
+                ) from exc
+            self._written += sum(len(line) for line in lines)
+            if self._written > max(_MIN_REWRITE, _GROWTH * self._live):
+                await self._compact()
+
+    async def _compact(self) -> None:
+        assert self._path is not None
+        lines = [self._header()]
+        run_ids = list(self.engine.runs)
+        for start in range(0, len(run_ids), _BATCH):
+            lines.extend(self._line(r) for r in run_ids[start : start + _BATCH] if r)
+            await asyncio.sleep(0)  # let the loop serve requests between batches
+        lines.extend(self._line(r) for r in self._dirty)  # changed meanwhile: newest last
+        self._dirty.clear()
+        try:
+            await asyncio.to_thread(_rewrite, self._path, lines)
+        except OSError as exc:
+            log.error("could not rewrite %s: %s", self._path, exc)
+            return  # the journal as it was stays valid; try again after the next commit
+        self._written = self._live = sum(len(line) for line in lines)
+
+    # -- runs -----------------------------------------------------------------------------
+
+    def delete(self, run_id: str) -> bool:
+        """Forget ``run_id`` (state and keys); whether it held anything."""
+        return self.engine.delete(run_id)
+
+    def expire(self, ttl: float, now: float) -> int:
+        """Forget runs unchanged for ``ttl`` s (monotonic ``now``) that nobody waits on."""
+        old = [r for r, run in self.engine.runs.items() if run.touched < now - ttl and run.idle]
+        for run_id in old:
+            self.engine.delete(run_id)
+        return len(old)
+
+    def close(self) -> None:
+        """Wake every waiter: the server is shutting down."""
+        self.closing = True
+        self.engine.wake_everyone()
+
+
+def _append(path: Path, lines: Iterable[bytes]) -> None:
+    with open(path, "ab") as f:
+        f.write(b"".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rewrite(path: Path, lines: Iterable[bytes]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(b"".join(lines))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(path.parent if str(path.parent) else ".", os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

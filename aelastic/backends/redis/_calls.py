@@ -1,0 +1,193 @@
+"""How a Redis backend talks to the server: the shared client, retries, scripts, errors.
+
+How it works: on first use a backend takes the event loop's :class:`~._client.RedisClient`
+for its endpoint (or a private one with ``share_connections=false``) and the watch of its
+run's channel. Every call is retried with backoff on connection trouble until
+``read_timeout`` runs out, then fails with ``RendezvousConnectionError`` naming the
+endpoint (never the password). A refused login or a server that does not speak Redis fails
+at once. Scripts run by their SHA; a server that lost them (restarted) gets them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    InvalidResponse,
+    NoPermissionError,
+    NoScriptError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ...core.errors import RendezvousConnectionError, RendezvousStateError
+from .. import _shared
+from .._watch import RunWatch
+from . import _scripts as lua
+from ._client import RedisClient
+from ._endpoint import RedisEndpoint
+
+__all__ = ["RedisCalls"]
+
+T = TypeVar("T")
+
+_SHA = {src: sha for sha, src in lua.SCRIPTS.items()}
+_READ_ONLY = frozenset({lua.KV_GET})
+
+#: Errors after which a call is retried (the server may be back a moment later).
+_TRANSIENT = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    BusyLoadingError,
+    ReadOnlyError,
+    TryAgainError,
+    asyncio.TimeoutError,
+    OSError,
+)
+
+#: Longest idle time of the pub/sub connection before the listener checks it with a PING.
+HEALTH_INTERVAL = 30.0
+
+_private = itertools.count()
+
+
+class RedisCalls:
+    """The plumbing of :class:`~._backend.RedisBackend` (see the module docstring)."""
+
+    def __init__(
+        self,
+        run_id: str,
+        endpoint: RedisEndpoint,
+        keys: lua.RunKeys,
+        *,
+        read_timeout: float,
+        max_connections: int,
+        share_connections: bool,
+    ) -> None:
+        self._run_id = run_id
+        self._endpoint = endpoint
+        self._keys = keys
+        self._read_timeout = float(read_timeout)
+        self._max_connections = int(max_connections)
+        key: Any = endpoint.identity
+        self._share_key = ("redis", key if share_connections else (key, next(_private)))
+        self._client: RedisClient | None = None
+        self._watch: RunWatch | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._bind_lock: asyncio.Lock | None = None
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint as a URL without the password."""
+        return self._endpoint.display
+
+    async def _bind(self) -> tuple[RedisClient, RunWatch]:
+        """The client and run watch of this backend (acquired on first use)."""
+        if self._closed:
+            raise RendezvousConnectionError(f"The Redis backend for {self.endpoint} is closed.")
+        loop = asyncio.get_running_loop()
+        if self._client is not None and self._watch is not None:
+            if loop is not self._loop:
+                raise RuntimeError("A RedisBackend is bound to the event loop it first ran on.")
+            return self._client, self._watch
+        if self._bind_lock is None:
+            self._bind_lock = asyncio.Lock()
+        async with self._bind_lock:
+            if self._client is None:
+                endpoint, size = self._endpoint, self._max_connections
+                client = _shared.acquire(
+                    self._share_key, lambda: RedisClient(endpoint, size, HEALTH_INTERVAL)
+                )
+                self._loop, self._client = loop, client
+                self._watch = await client.watch(self._keys.channel)
+        assert self._client is not None and self._watch is not None
+        return self._client, self._watch
+
+    async def _unbind(self) -> None:
+        self._closed = True
+        client, watch, self._client, self._watch = self._client, self._watch, None, None
+        if client is None or watch is None:
+            return
+        await client.unwatch(self._keys.channel, watch)
+        await _shared.release(self._share_key, client)
+
+    async def _call(self, what: str, attempt: Callable[[float], Awaitable[T]]) -> T:
+        """Run ``attempt(timeout)`` with retries on transient failures, within ``read_timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._read_timeout
+        delay = 0.05
+        while True:
+            try:
+                return await attempt(max(deadline - loop.time(), 0.001))
+            except AuthenticationError as exc:
+                raise RendezvousConnectionError(
+                    f"Authentication to Redis at {self.endpoint} failed ({what}): {exc} "
+                    "Check the username/password (config keys or AELASTIC_REDIS_* variables)."
+                ) from None
+            except NoPermissionError as exc:
+                raise RendezvousConnectionError(
+                    f"Redis at {self.endpoint} refused {what}: {exc}"
+                ) from None
+            except InvalidResponse:
+                raise RendezvousConnectionError(
+                    f"The server at {self.endpoint} does not answer as Redis does ({what}): "
+                    "is it a Redis server?"
+                ) from None
+            except _TRANSIENT as exc:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise RendezvousConnectionError(
+                        f"Redis at {self.endpoint} could not be reached within "
+                        f"{self._read_timeout:g} s ({what}): {exc or type(exc).__name__}"
+                    ) from None
+            await asyncio.sleep(min(delay, remaining))
+            delay = min(delay * 2, 1.0)
+
+    async def _script(
+        self,
+        what: str,
+        src: str,
+        keys: Sequence[str],
+        args: Sequence[Any],
+        client: RedisClient | None = None,
+    ) -> Any:
+        shared = client or (await self._bind())[0]
+        command = ("EVALSHA", _SHA[src], len(keys), *keys, *args)
+        shareable = src in _READ_ONLY
+
+        async def run(timeout: float) -> Any:
+            try:
+                return await shared.command(*command, timeout=timeout, shareable=shareable)
+            except NoScriptError:  # a new or restarted server: load them all, then run
+                await asyncio.wait_for(shared.load_scripts(lua.SCRIPTS.values()), timeout)
+                return await shared.command(*command, timeout=timeout, shareable=shareable)
+
+        try:
+            return await self._call(what, run)
+        except ResponseError as exc:
+            if "WRONGTYPE" in str(exc):
+                raise RendezvousStateError(
+                    f"A key of run '{self._run_id}' at {self.endpoint} holds a value of the "
+                    f"wrong Redis type ({what}); it was left as it is."
+                ) from None
+            raise RendezvousConnectionError(
+                f"Redis at {self.endpoint} failed {what}: {exc}"
+            ) from None
+
+    def _check(self, reply: list[Any], key: str) -> list[Any]:
+        if reply[0] == lua.WRONG_TYPE:
+            kind = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
+            raise RendezvousStateError(
+                f"The key '{key}' of run '{self._run_id}' at {self.endpoint} is a Redis "
+                f"{kind}, not a value aelastic wrote; it was left as it is."
+            )
+        return reply

@@ -1,0 +1,54 @@
+"""The ground floor: parameters, errors, time, the state and its pure machine, the backend
+protocol and the members' store. Nothing here imports from above (backends, the handler,
+the agent, the command line) or does I/O of its own.
+"""
+
+from .clock import SYSTEM_CLOCK, Clock, ManualClock, SystemClock
+from .errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+    StoreTimeoutError,
+)
+from .params import (
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousSettings,
+    RendezvousStoreInfo,
+    Rules,
+)
+from .protocol import KeyValueBackend, RendezvousBackend
+from .state import NodeDesc, Op, Outcome, Reply, Request, Snapshot, Status
+from .store import Store
+
+__all__ = [
+    "SYSTEM_CLOCK",
+    "Clock",
+    "KeyValueBackend",
+    "ManualClock",
+    "NodeDesc",
+    "Op",
+    "Outcome",
+    "RendezvousBackend",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousGracefulExitError",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousSettings",
+    "RendezvousStateError",
+    "RendezvousStoreInfo",
+    "RendezvousTimeoutError",
+    "Reply",
+    "Request",
+    "Rules",
+    "Snapshot",
+    "Status",
+    "Store",
+    "StoreTimeoutError",
+    "SystemClock",
+]

@@ -1,0 +1,108 @@
+"""The backend protocol: where a run's rendezvous state and the members' store live.
+
+A backend serves one run (one ``run_id``) at one endpoint. It has two small surfaces:
+
+* the **rendezvous**: ``apply`` carries out one node's :class:`~.state.Request` atomically
+  with the state machine's semantics (:func:`.machine.step`; in-process backends call it,
+  Redis runs its Lua port) and answers with a constant-size :class:`~.state.Reply`;
+  ``wait_for_change`` returns the run's :class:`~.state.Status` as soon as its token differs
+  from the one given (round transitions only, never heartbeats), without a fixed poll;
+  ``snapshot`` reads the whole membership (for operators); ``reset`` deletes the run;
+* the **key-value store** the members share: ``kv_set``, ``kv_get`` (never blocks; ``None``
+  for a missing key), ``kv_add``, ``kv_compare_set``, ``kv_delete``, ``kv_wait`` (until all
+  keys exist). Keys are already scoped by the caller (see :class:`.store.Store`); the
+  backend only namespaces them per run.
+
+Errors: a backend that cannot be reached raises ``RendezvousConnectionError`` naming the
+endpoint (never a credential); a stored value that is not what this version of aelastic
+wrote raises ``RendezvousStateError`` and is left as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from .state import Reply, Request, Snapshot, Status
+from .token import NO_STATE, Token
+
+__all__ = ["INT64_MAX", "INT64_MIN", "NO_STATE", "KeyValueBackend", "RendezvousBackend", "Token"]
+
+#: Bounds of a store counter (torch's ``Store.add`` works on signed 64-bit integers).
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+
+
+@runtime_checkable
+class KeyValueBackend(Protocol):
+    """Primitive key-value operations of a backend (non-blocking except ``kv_wait``)."""
+
+    async def kv_set(self, key: str, value: bytes) -> None:
+        """Set ``key`` to ``value``."""
+
+    async def kv_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values of ``keys`` in order, ``None`` for each missing key."""
+
+    async def kv_add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the integer at ``key`` (missing: 0) and return the new value.
+
+        Raises:
+            ValueError: The stored value is not an integer, or the sum leaves the signed
+                64-bit range (the value is then unchanged).
+        """
+
+    async def kv_compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (``None``: if it is missing).
+
+        Returns:
+            The value stored afterwards (``desired`` on success, the current value otherwise;
+            ``expected`` when the key is missing and was not set, as torch's).
+        """
+
+    async def kv_delete(self, key: str) -> bool:
+        """Delete ``key``; whether it existed."""
+
+    async def kv_wait(self, keys: Sequence[str], timeout: float) -> bool:
+        """Wait until every key in ``keys`` exists; ``False`` if ``timeout`` passed first."""
+
+
+@runtime_checkable
+class RendezvousBackend(KeyValueBackend, Protocol):
+    """The rendezvous state and key-value store of one run on one backend."""
+
+    @property
+    def name(self) -> str:
+        """The backend's name (``memory``, ``redis``, ``http``)."""
+
+    @property
+    def endpoint(self) -> str:
+        """Where the backend is, for messages (never with credentials)."""
+
+    async def apply(self, request: Request, hold: float = 0.0) -> Reply:
+        """Carry out ``request`` atomically and answer.
+
+        A backend whose server can wait (HTTP) may, when the outcome is *wait*, hold the
+        answer up to ``hold`` seconds until the status changes (or the reply's ``wake_at``)
+        and carry out the request again before answering; others answer at once.
+
+        Raises:
+            RendezvousConnectionError: The backend could not be reached.
+            RendezvousStateError: The stored state is foreign, corrupt or of another version.
+        """
+
+    async def wait_for_change(self, token: Token, timeout: float | None) -> Status | None:
+        """The run's status once its token differs from ``token``.
+
+        Returns:
+            The new status (it may be returned spuriously with the same token: callers
+            compare), or ``None`` when ``timeout`` seconds passed first.
+        """
+
+    async def snapshot(self) -> Snapshot | None:
+        """The whole membership, or ``None`` when the run has no state."""
+
+    async def reset(self) -> bool:
+        """Delete the run's state and store; whether there was anything."""
+
+    async def aclose(self) -> None:
+        """Release connections and background tasks. Idempotent."""

@@ -1,0 +1,278 @@
+"""The rendezvous state of one run, and the values that travel between nodes and backends.
+
+How it works: a run's state is a small header (round, complete, closed, last-call deadline,
+counters) plus one entry per node: the participants (join order, then rank), the wait and
+redundancy lists, and a heartbeat time per node. A node never handles the whole state: it
+sends a :class:`Request` (join, leave, close, keep-alive, status) and the backend applies the
+state machine (:mod:`.machine`) to its copy, answering with a :class:`Reply` of constant size
+(outcome, this node's rank, and the :class:`Status` header). Watchers are sent a
+:class:`Status` when the round's status changes, never on a heartbeat. A :class:`Snapshot` is
+the full membership, for ``aelastic status`` and tests.
+
+All times in the state are the backend's own clock in whole milliseconds, so clocks of
+different machines are never compared.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .params import Rules
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MAX_LOST_SAMPLE",
+    "MemberEntry",
+    "NodeDesc",
+    "Op",
+    "Outcome",
+    "Reply",
+    "Request",
+    "RunState",
+    "Snapshot",
+    "Status",
+    "Transition",
+]
+
+#: Format tag of the rendezvous state.
+FORMAT = "aelastic.rendezvous.state"
+#: Version of the state's layout and wire format. Version 1 was one JSON blob per run.
+FORMAT_VERSION = 2
+#: How many lost members a status names (the counts are exact).
+MAX_LOST_SAMPLE = 4
+
+
+class NodeDesc(NamedTuple):
+    """A node of the rendezvous: its address, its process id and a process-wide counter.
+
+    A tuple, so hashing and ordering run at C speed. Its :attr:`key` (``addr_pid_id``) is
+    how backends name it.
+    """
+
+    addr: str
+    pid: int
+    local_id: int
+
+    def __str__(self) -> str:
+        return f"{self.addr}_{self.pid}_{self.local_id}"
+
+    @property
+    def key(self) -> str:
+        """The node's name in a backend (``addr_pid_localid``)."""
+        return f"{self.addr}_{self.pid}_{self.local_id}"
+
+    @classmethod
+    def from_key(cls, key: str) -> NodeDesc:
+        """The node named ``key``.
+
+        Raises:
+            ValueError: ``key`` is not ``addr_pid_localid`` with a non-empty address.
+        """
+        addr, _, rest = key.rpartition("_")
+        addr, _, pid = addr.rpartition("_")
+        if not addr or not pid.isdigit() or not rest.isdigit() or not key.isprintable():
+            raise ValueError(f"{key!r} is not a node name (addr_pid_localid)")
+        return cls(addr, int(pid), int(rest))
+
+
+class Op(enum.Enum):
+    """What a node asks of the rendezvous."""
+
+    JOIN = "join"
+    LEAVE = "leave"
+    CLOSE = "close"
+    KEEP_ALIVE = "keep_alive"
+    STATUS = "status"
+
+
+class Outcome(enum.Enum):
+    """What the node does after a request."""
+
+    FINISH = "finish"  #: done (a join: the round is complete and the reply has the rank)
+    WAIT = "wait"  #: wait for a status change or until ``wake_at``, then ask again
+    ERROR_CLOSED = "error_closed"
+    ERROR_TIMEOUT = "error_timeout"
+    GRACEFUL_EXIT = "graceful_exit"
+
+
+class Transition(enum.Enum):
+    """The main change a request made (for logs, events and tests)."""
+
+    NONE = "none"
+    PRUNE = "prune"
+    KEEP_ALIVE = "keep_alive"
+    ADD_TO_PARTICIPANTS = "add_to_participants"
+    ADD_TO_WAIT_LIST = "add_to_wait_list"
+    ADD_TO_REDUNDANCY_LIST = "add_to_redundancy_list"
+    REMOVE_FROM_REDUNDANCY_LIST = "remove_from_redundancy_list"
+    REMOVE = "remove"
+    MARK_COMPLETE = "mark_complete"
+    MARK_CLOSED = "mark_closed"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One node's request.
+
+    Attributes:
+        op: What it asks.
+        node: Who asks.
+        rules: Node bounds, last call and heartbeat window.
+        expired: The node's join timeout has passed (a join then gives up).
+        finished: A leave after this node's workers succeeded (the others need not act).
+        port: A free port on the node, for the workers' bootstrap if it becomes rank 0.
+        now_ms: The time to decide at; only an in-process backend takes it (from the
+            handler's clock); servers use their own.
+    """
+
+    op: Op
+    node: NodeDesc
+    rules: Rules
+    expired: bool = False
+    finished: bool = False
+    port: int = 0
+    now_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class Status:
+    """The header of a run's state: what a watcher needs, in constant size.
+
+    Attributes:
+        token: Version of the status; it changes exactly when a notifying field changes
+            (round, complete, closed, deadline, or whether nodes are waiting, members lost,
+            members finished), never on a join to an open round or a heartbeat.
+        now_ms: The backend's time when the status was made (``deadline_ms`` and heartbeat
+            times are on the same clock).
+        participants: Current participants (of the complete round: those still there).
+        world: Size of the round at completion (0 while it forms).
+        lost: Members of the complete round that left or died before finishing.
+        finished: Members of the complete round that left after their workers succeeded.
+        lost_sample: Names of the first lost members (at most :data:`MAX_LOST_SAMPLE`).
+    """
+
+    token: str = ""
+    round: int = 0
+    complete: bool = False
+    closed: bool = False
+    deadline_ms: int | None = None
+    now_ms: int = 0
+    participants: int = 0
+    world: int = 0
+    waiting: int = 0
+    redundant: int = 0
+    lost: int = 0
+    finished: int = 0
+    lost_sample: tuple[str, ...] = ()
+
+    def signature(self) -> tuple[object, ...]:
+        """The fields whose change notifies watchers."""
+        return (
+            self.round,
+            self.complete,
+            self.closed,
+            self.deadline_ms,
+            self.waiting > 0,
+            self.lost > 0,
+            self.finished > 0,
+        )
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to a :class:`Request`.
+
+    Attributes:
+        outcome: What the node does next.
+        status: The run's status after the request.
+        transition: The main change the request made.
+        rank: This node's rank (a join that finished).
+        master_addr, master_port: Where rank 0's workers bootstrap (a join that finished).
+        wake_at_ms: When the node must ask again by itself (the last call's end), if ever.
+        restart_deadline: The node left the redundancy list: its join timeout starts anew.
+        known: Whether the node is in the state (after the request).
+        oldest_beat_ms: The oldest heartbeat of any node (a keep-alive's answer), so the
+            caller can check when it expires.
+        pruned: How many silent nodes this request removed.
+    """
+
+    outcome: Outcome
+    status: Status
+    transition: Transition = Transition.NONE
+    rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    wake_at_ms: int | None = None
+    restart_deadline: bool = False
+    known: bool = False
+    oldest_beat_ms: int | None = None
+    pruned: int = 0
+
+
+@dataclass(frozen=True)
+class MemberEntry:
+    """One node in a :class:`Snapshot`: where it is, its rank, its last heartbeat."""
+
+    node: NodeDesc
+    beat_ms: int
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The whole membership of a run (``aelastic status``, dashboards, tests)."""
+
+    status: Status
+    participants: tuple[MemberEntry, ...] = ()
+    wait_list: tuple[MemberEntry, ...] = ()
+    redundancy_list: tuple[MemberEntry, ...] = ()
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    def knows(self, node: NodeDesc) -> bool:
+        """Whether ``node`` is anywhere in the state."""
+        return any(e.node == node for e in self.members())
+
+    def members(self) -> tuple[MemberEntry, ...]:
+        """Every node of the state."""
+        return self.participants + self.wait_list + self.redundancy_list
+
+    def ranks(self) -> dict[NodeDesc, int | None]:
+        """Participants and their ranks (``None`` while the round forms)."""
+        return {e.node: e.rank for e in self.participants}
+
+
+@dataclass(eq=False)
+class RunState:
+    """A run's state as an in-process backend keeps it (the Redis layout mirrors it).
+
+    ``participants`` maps a node to its join sequence number while the round forms, to its
+    rank once it is complete (dicts keep insertion order, which is join order).
+    ``beats`` is ordered by heartbeat: a beat moves its node to the end, so the oldest is
+    first and finding the silent nodes costs nothing while nobody is silent.
+    """
+
+    epoch: str
+    generation: int = 0
+    round: int = 0
+    complete: bool = False
+    closed: bool = False
+    deadline_ms: int | None = None
+    seq: int = 0
+    world: int = 0
+    lost: int = 0
+    finished: int = 0
+    lost_sample: list[str] = field(default_factory=list)
+    master: tuple[str, int] | None = None
+    participants: dict[NodeDesc, int] = field(default_factory=dict)
+    ports: dict[NodeDesc, int] = field(default_factory=dict)
+    wait_list: set[NodeDesc] = field(default_factory=set)
+    redundancy_list: set[NodeDesc] = field(default_factory=set)
+    beats: dict[NodeDesc, int] = field(default_factory=dict)
+
+    def knows(self, node: NodeDesc) -> bool:
+        """Whether ``node`` is anywhere in the state (every listed node has a heartbeat)."""
+        return node in self.beats

@@ -1,0 +1,286 @@
+"""JSON forms of requests, replies, statuses and snapshots (the HTTP API and Redis replies).
+
+How it works: each value has one JSON object form; ``*_to_json`` builds it, ``*_from_json``
+validates every field of a parsed document and raises :class:`WireError` (a ``ValueError``)
+on anything else. Times are whole milliseconds of the backend's clock. A missing optional
+field reads as ``null`` (Redis' Lua JSON encoder drops nil fields and writes an empty list as
+``{}``; both are accepted).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .params import Rules
+from .state import (
+    MAX_LOST_SAMPLE,
+    MemberEntry,
+    NodeDesc,
+    Op,
+    Outcome,
+    Reply,
+    Request,
+    Snapshot,
+    Status,
+    Transition,
+)
+from .token import is_valid
+
+__all__ = [
+    "WireError",
+    "reply_from_json",
+    "reply_to_json",
+    "request_from_json",
+    "request_to_json",
+    "snapshot_from_json",
+    "snapshot_to_json",
+    "status_from_json",
+    "status_to_json",
+]
+
+_MAX_INT = (1 << 63) - 1
+
+
+class WireError(ValueError):
+    """A document that is not the value it should be."""
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise WireError(what)
+
+
+def _obj(doc: Any, what: str) -> dict[str, Any]:
+    _require(type(doc) is dict, f"{what} must be a JSON object")
+    return doc  # type: ignore[no-any-return]
+
+
+def _int(doc: dict[str, Any], key: str, *, optional: bool = False, low: int = 0) -> Any:
+    value = doc.get(key)
+    if value is None and optional:
+        return None
+    if type(value) is float and value.is_integer():  # Lua's JSON may write 3.0
+        value = int(value)
+    _require(type(value) is int and low <= value <= _MAX_INT, f"'{key}' must be an integer")
+    return value
+
+
+def _bool(doc: dict[str, Any], key: str, default: bool | None = None) -> bool:
+    value = doc.get(key, default)
+    _require(type(value) is bool, f"'{key}' must be a boolean")
+    return bool(value)
+
+
+def _str(doc: dict[str, Any], key: str, *, optional: bool = False) -> Any:
+    value = doc.get(key)
+    if value is None and optional:
+        return None
+    _require(type(value) is str, f"'{key}' must be a string")
+    return value
+
+
+def _node(value: Any) -> NodeDesc:
+    _require(type(value) is str and len(value) <= 1024, "a node must be a string")
+    try:
+        return NodeDesc.from_key(value)
+    except ValueError as exc:
+        raise WireError(str(exc)) from None
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if value is None or value == {}:
+        return []
+    _require(type(value) is list, f"'{what}' must be a list")
+    return value  # type: ignore[no-any-return]
+
+
+# -- status ---------------------------------------------------------------------------------
+
+
+def status_to_json(status: Status) -> dict[str, Any]:
+    """The JSON form of ``status``."""
+    return {
+        "token": status.token,
+        "round": status.round,
+        "complete": status.complete,
+        "closed": status.closed,
+        "deadline": status.deadline_ms,
+        "now": status.now_ms,
+        "participants": status.participants,
+        "world": status.world,
+        "waiting": status.waiting,
+        "redundant": status.redundant,
+        "lost": status.lost,
+        "finished": status.finished,
+        "lost_sample": list(status.lost_sample),
+    }
+
+
+def status_from_json(doc: Any) -> Status:
+    """The status that ``doc`` describes.
+
+    Raises:
+        WireError: ``doc`` is not a status.
+    """
+    d = _obj(doc, "a status")
+    token = _str(d, "token")
+    _require(is_valid(token), "'token' is not a version token")
+    sample = _list(d.get("lost_sample"), "lost_sample")
+    _require(len(sample) <= MAX_LOST_SAMPLE, "'lost_sample' is too long")
+    return Status(
+        token=token,
+        round=_int(d, "round"),
+        complete=_bool(d, "complete"),
+        closed=_bool(d, "closed"),
+        deadline_ms=_int(d, "deadline", optional=True),
+        now_ms=_int(d, "now"),
+        participants=_int(d, "participants"),
+        world=_int(d, "world"),
+        waiting=_int(d, "waiting"),
+        redundant=_int(d, "redundant"),
+        lost=_int(d, "lost"),
+        finished=_int(d, "finished"),
+        lost_sample=tuple(_node(k).key for k in sample),
+    )
+
+
+# -- requests and replies -------------------------------------------------------------------
+
+
+def request_to_json(request: Request) -> dict[str, Any]:
+    """The JSON form of ``request`` (``now_ms`` is never sent: servers use their clock)."""
+    rules = request.rules
+    return {
+        "op": request.op.value,
+        "node": request.node.key,
+        "min": rules.min_nodes,
+        "max": rules.max_nodes,
+        "last_call": rules.last_call_ms,
+        "window": rules.window_ms,
+        "expired": request.expired,
+        "finished": request.finished,
+        "port": request.port,
+    }
+
+
+def request_from_json(doc: Any) -> Request:
+    """The request that ``doc`` describes.
+
+    Raises:
+        WireError: ``doc`` is not a valid request.
+    """
+    d = _obj(doc, "a request")
+    unknown = (
+        set(d)
+        - {"op", "node", "min", "max", "last_call", "window"}
+        - {
+            "expired",
+            "finished",
+            "port",
+        }
+    )
+    _require(not unknown, f"unknown field(s): {', '.join(sorted(map(repr, unknown)))}")
+    try:
+        op = Op(d.get("op"))
+    except ValueError:
+        raise WireError(f"'op' must be one of {', '.join(o.value for o in Op)}") from None
+    min_nodes, max_nodes = _int(d, "min", low=1), _int(d, "max", low=1)
+    _require(min_nodes <= max_nodes, "'min' must not exceed 'max'")
+    port = _int(d, "port")
+    _require(port <= 65535, "'port' must be a port number")
+    return Request(
+        op=op,
+        node=_node(d.get("node")),
+        rules=Rules(min_nodes, max_nodes, _int(d, "last_call", low=1), _int(d, "window", low=1)),
+        expired=_bool(d, "expired", False),
+        finished=_bool(d, "finished", False),
+        port=port,
+    )
+
+
+def reply_to_json(reply: Reply) -> dict[str, Any]:
+    """The JSON form of ``reply``."""
+    return {
+        "outcome": reply.outcome.value,
+        "status": status_to_json(reply.status),
+        "transition": reply.transition.value,
+        "rank": reply.rank,
+        "master_addr": reply.master_addr,
+        "master_port": reply.master_port,
+        "wake_at": reply.wake_at_ms,
+        "restart": reply.restart_deadline,
+        "known": reply.known,
+        "oldest": reply.oldest_beat_ms,
+        "pruned": reply.pruned,
+    }
+
+
+def reply_from_json(doc: Any) -> Reply:
+    """The reply that ``doc`` describes.
+
+    Raises:
+        WireError: ``doc`` is not a valid reply.
+    """
+    d = _obj(doc, "a reply")
+    try:
+        outcome = Outcome(d.get("outcome"))
+        transition = Transition(d.get("transition", "none"))
+    except ValueError as exc:
+        raise WireError(str(exc)) from None
+    return Reply(
+        outcome=outcome,
+        status=status_from_json(d.get("status")),
+        transition=transition,
+        rank=_int(d, "rank", optional=True),
+        master_addr=_str(d, "master_addr", optional=True),
+        master_port=_int(d, "master_port", optional=True),
+        wake_at_ms=_int(d, "wake_at", optional=True),
+        restart_deadline=_bool(d, "restart", False),
+        known=_bool(d, "known", False),
+        oldest_beat_ms=_int(d, "oldest", optional=True),
+        pruned=_int(d, "pruned"),
+    )
+
+
+# -- snapshots ------------------------------------------------------------------------------
+
+
+def snapshot_to_json(snapshot: Snapshot) -> dict[str, Any]:
+    """The JSON form of ``snapshot``."""
+    return {
+        "status": status_to_json(snapshot.status),
+        "participants": [[e.node.key, e.beat_ms, e.rank] for e in snapshot.participants],
+        "wait_list": [[e.node.key, e.beat_ms] for e in snapshot.wait_list],
+        "redundancy_list": [[e.node.key, e.beat_ms] for e in snapshot.redundancy_list],
+        "master_addr": snapshot.master_addr,
+        "master_port": snapshot.master_port,
+    }
+
+
+def _entries(value: Any, what: str, ranked: bool) -> tuple[MemberEntry, ...]:
+    entries = []
+    for item in _list(value, what):
+        _require(type(item) is list and len(item) in (2, 3), f"'{what}' entries are lists")
+        rank = item[2] if ranked and len(item) == 3 else None
+        row = {"beat": item[1], "rank": rank}
+        entries.append(
+            MemberEntry(_node(item[0]), _int(row, "beat"), _int(row, "rank", optional=True))
+        )
+    return tuple(entries)
+
+
+def snapshot_from_json(doc: Any) -> Snapshot:
+    """The snapshot that ``doc`` describes.
+
+    Raises:
+        WireError: ``doc`` is not a valid snapshot.
+    """
+    d = _obj(doc, "a snapshot")
+    return Snapshot(
+        status=status_from_json(d.get("status")),
+        participants=_entries(d.get("participants"), "participants", True),
+        wait_list=_entries(d.get("wait_list"), "wait_list", False),
+        redundancy_list=_entries(d.get("redundancy_list"), "redundancy_list", False),
+        master_addr=_str(d, "master_addr", optional=True),
+        master_port=_int(d, "master_port", optional=True),
+    )
