@@ -1,6 +1,6 @@
 """Real aelastic HTTP rendezvous servers for tests: in a subprocess, or in the test's loop.
 
-``HttpServer`` runs ``python -m aelastic.backends.http.server`` on a free loopback port::
+``HttpServer`` runs ``python -m aelastic serve`` on a free loopback port::
 
     with HttpServer(token="s3cret", persist="/tmp/runs.json") as server:
         params = RendezvousParameters("http", server.endpoint, run_id, 1, 1, token="s3cret")
@@ -103,7 +103,7 @@ class HttpServer:
         if self.token is not None:
             env["AELASTIC_HTTP_TOKEN"] = self.token
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "aelastic.backends.http.server", "--host", "127.0.0.1"]
+        cmd = [sys.executable, "-m", "aelastic", "serve", "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), *self.extra_args]
         if self.persist is not None:
             cmd += ["--persist", self.persist]

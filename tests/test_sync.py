@@ -17,7 +17,6 @@ from aelastic import (
     StoreTimeoutError,
 )
 from aelastic import sync as aelastic_sync
-from aelastic.rendezvous.state import decode_state
 from aelastic.sync import SyncRendezvousHandler, SyncStore
 
 
@@ -101,8 +100,8 @@ def test_timeout_and_interrupt_leave_the_state_clean(run_id: str) -> None:
     lonely = aelastic_sync.create_handler(params(run_id, 2, 2, join_timeout=0.3))
     with pytest.raises(RendezvousTimeoutError):
         lonely.next_rendezvous()
-    data, _ = aelastic_sync.run(lonely.async_handler.backend.read())
-    assert data is not None and not decode_state(data).knows(lonely.async_handler.node)
+    state = aelastic_sync.run(lonely.async_handler.backend.snapshot())
+    assert state is not None and not state.knows(lonely.async_handler.node)
     lonely.close()
 
 
@@ -124,10 +123,10 @@ def test_interrupting_a_blocked_call_cancels_it(run_id: str) -> None:
 
     async def gone() -> bool:
         for _ in range(100):
-            data, token = await backend.read()
-            if data is None or not decode_state(data).knows(handler.async_handler.node):
+            state = await backend.snapshot()
+            if state is None or not state.knows(handler.async_handler.node):
                 return True
-            await backend.wait_for_change(token, 0.1)
+            await asyncio.sleep(0.1)
         return False
 
     assert aelastic_sync.run(gone())

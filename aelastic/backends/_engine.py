@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..core.machine import snapshot_of, status_of, step
 from ..core.protocol import INT64_MAX, INT64_MIN
-from ..core.state import Reply, Request, RunState, Snapshot, Status, Transition
+from ..core.state import NodeDesc, Reply, Request, RunState, Snapshot, Status, Transition
 from ..core.token import NO_STATE, new_epoch
 
 __all__ = ["Engine", "Run", "add_int64", "now_ms"]
@@ -134,6 +134,12 @@ class Engine:
             if reply.transition not in _QUIET:
                 self._changed(run_id, run)
             return reply
+
+    def knows(self, run_id: str, node: NodeDesc) -> bool:
+        """Whether ``node`` is in the run's state."""
+        with self.lock:
+            run = self.runs.get(run_id)
+            return run is not None and run.state is not None and run.state.knows(node)
 
     def status(self, run_id: str, now: int) -> Status:
         """The run's status (an empty one when it has no state)."""

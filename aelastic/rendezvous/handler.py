@@ -26,6 +26,8 @@ import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import anyio
+
 from ..core.clock import SYSTEM_CLOCK, Clock, SystemClock
 from ..core.errors import (
     RendezvousClosedError,
@@ -397,12 +399,12 @@ class DynamicRendezvousHandler:
                 await self._wait_change(reply.status.token, wake)
             expired = clock.monotonic() > deadline
 
-    async def _wait_change(self, token: str, timeout: float) -> None:
+    async def _wait_change(self, token: str, within: float) -> None:
         if isinstance(self._clock, SystemClock):
-            status = await self._backend.wait_for_change(token, timeout)
+            status = await self._backend.wait_for_change(token, within)
         else:  # a test's clock: the timeout runs on it, the change on the backend
             change = asyncio.ensure_future(self._backend.wait_for_change(token, None))
-            sleep = asyncio.ensure_future(self._clock.sleep(timeout))
+            sleep = asyncio.ensure_future(self._clock.sleep(within))
             try:
                 await asyncio.wait({change, sleep}, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -448,8 +450,8 @@ class DynamicRendezvousHandler:
     async def _leave_quietly(self) -> None:
         """Leave what a cancelled or failed join joined; never raises, never hangs."""
         timeout = self._settings.close_timeout
-        with contextlib.suppress(Exception):
-            await asyncio.shield(asyncio.wait_for(self._request(Op.LEAVE), timeout))
+        with contextlib.suppress(Exception), anyio.move_on_after(timeout, shield=True):
+            await self._request(Op.LEAVE)
 
     # -- heartbeats -----------------------------------------------------------------------
 
@@ -479,10 +481,11 @@ class DynamicRendezvousHandler:
             await clock.sleep(wake - clock.monotonic())
             asked = clock.monotonic()
             try:
-                reply = await asyncio.wait_for(
-                    self._request(Op.KEEP_ALIVE), self._settings.heartbeat_timeout
-                )
-            except (RendezvousError, asyncio.TimeoutError) as exc:
+                # anyio's deadline, not asyncio.wait_for: on Python 3.11 that can swallow
+                # a cancellation arriving as the beat completes, and the loop never ends.
+                with anyio.fail_after(self._settings.heartbeat_timeout):
+                    reply = await self._request(Op.KEEP_ALIVE)
+            except (RendezvousError, TimeoutError) as exc:
                 log.warning("node %s failed to send a heartbeat: %s", self._node, exc)
                 next_beat, check_at = asked + min(interval, 1.0), None
                 continue

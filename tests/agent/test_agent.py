@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from aelastic.agent import ElasticAgent, EventKind, WorkerState
-from aelastic.rendezvous.state import decode_state
 
 from .helpers import WorkerHub, make_handler, not_running, reaped, running, worker_spec
 
@@ -213,11 +212,10 @@ async def test_cancelling_run_leaves_nothing_running(run_id: str) -> None:
         assert not_running(hello["grandchild"]), hello
     standbys = next(e for e in events if e.kind is EventKind.STANDBYS_READY).data["pids"]
     assert len(standbys) == 2 and all(reaped(pid) for pid in standbys.values())
-    data, _ = await handler.backend.read()
-    assert data is not None
-    state = decode_state(data)
-    assert handler.node not in state.participants
-    assert not state.closed  # leaving is not closing
+    state = await handler.backend.snapshot()
+    assert state is not None
+    assert handler.node not in state.ranks()
+    assert not state.status.closed  # leaving is not closing
     assert events[-1].kind is EventKind.FINISHED
     await handler.aclose()
 
@@ -231,8 +229,8 @@ async def test_cancel_during_rendezvous(run_id: str) -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-    data, _ = await handler.backend.read()
-    assert data is not None and handler.node not in decode_state(data).participants
+    state = await handler.backend.snapshot()
+    assert state is not None and not state.knows(handler.node)
     await handler.aclose()
 
 
@@ -282,8 +280,8 @@ async def test_missing_command_raises_and_leaves(run_id: str) -> None:
     spec.entrypoint = "/nonexistent/aelastic-worker"
     with pytest.raises(FileNotFoundError):
         await ElasticAgent(spec).run()
-    data, _ = await handler.backend.read()
-    assert data is not None and handler.node not in decode_state(data).participants
+    state = await handler.backend.snapshot()
+    assert state is not None and not state.knows(handler.node)
     await handler.aclose()
 
 

@@ -17,7 +17,6 @@ import pytest
 
 from aelastic.agent import ElasticAgent, EventKind, WorkerState
 from aelastic.rendezvous import RendezvousClosedError
-from aelastic.rendezvous.state import decode_state
 
 from .._http_server import HttpServer
 from .helpers import WorkerHub, make_handler, not_running, reaped, running, worker_spec
@@ -116,8 +115,8 @@ async def test_a_finished_node_does_not_restart_the_others(run_id: str) -> None:
     barrier = next(e for e in events if e.kind is EventKind.EXIT_BARRIER)
     assert barrier.data["complete"] is True
     handler = slow.spec.rdzv_handler
-    data, _ = await handler.backend.read()
-    assert data is not None and decode_state(data).closed  # the job is done: closed
+    state = await handler.backend.snapshot()
+    assert state is not None and state.status.closed  # the job is done: closed
 
 
 async def _next_event(agent: ElasticAgent) -> None:

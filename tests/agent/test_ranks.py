@@ -6,7 +6,7 @@ import pytest
 
 from aelastic.agent.ranks import AgentRecord, assign_ranks
 from aelastic.rendezvous import RendezvousStateError
-from aelastic.rendezvous.state import NodeDesc
+from aelastic.core.state import NodeDesc
 
 
 def record(role: str, size: int, n: int = 0) -> AgentRecord:

@@ -15,9 +15,9 @@ from aelastic import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from aelastic.backends.base import NO_STATE
+from aelastic.core.token import NO_STATE
 from aelastic.rendezvous import DynamicRendezvousHandler
-from aelastic.rendezvous.state import RendezvousState, decode_state
+from aelastic.core.state import Snapshot
 from aelastic.store import Store
 from tests._rendezvous_helpers import PROMPT, assert_one_group, handler_group, join_all
 
@@ -37,10 +37,10 @@ async def handlers(
         yield made
 
 
-async def stored(handler: DynamicRendezvousHandler) -> RendezvousState:
-    data, _ = await handler.backend.read()
-    assert data is not None
-    return decode_state(data)
+async def stored(handler: DynamicRendezvousHandler) -> Snapshot:
+    snapshot = await handler.backend.snapshot()
+    assert snapshot is not None
+    return snapshot
 
 
 async def test_nodes_form_one_group_with_agreed_ranks(make_params: MakeParams) -> None:
@@ -48,10 +48,8 @@ async def test_nodes_form_one_group_with_agreed_ranks(make_params: MakeParams) -
         infos = await join_all(group)
         assert_one_group(infos, 4)
         state = await stored(group[0])
-        assert state.complete
-        assert {h.node: i.rank for h, i in zip(group, infos, strict=True)} == dict(
-            state.participants
-        )
+        assert state.status.complete
+        assert {h.node: i.rank for h, i in zip(group, infos, strict=True)} == state.ranks()
 
 
 async def test_last_call_completes_with_min_nodes(make_params: MakeParams) -> None:
@@ -66,7 +64,7 @@ async def test_latecomer_waits_and_joins_the_next_round(make_params: MakeParams)
     async with handlers(make_params, 3, 2, 3) as group:
         first, second, late = group
         infos = await join_all([first, second])
-        round0 = (await stored(first)).round
+        round0 = (await stored(first)).status.round
         late_join = asyncio.ensure_future(late.next_rendezvous())
         with anyio.fail_after(PROMPT):
             seen = await first.watch()
@@ -76,7 +74,7 @@ async def test_latecomer_waits_and_joins_the_next_round(make_params: MakeParams)
         with anyio.fail_after(PROMPT):
             infos.append(await late_join)
         assert_one_group(infos, 3)
-        assert (await stored(first)).round == round0 + 1
+        assert (await stored(first)).status.round == round0 + 1
 
 
 async def test_redundant_node_waits_silently_and_exits_gracefully(make_params: MakeParams) -> None:
@@ -105,7 +103,7 @@ async def test_closed_rendezvous_stays_closed(make_params: MakeParams) -> None:
         with pytest.raises(RendezvousClosedError):
             await first.next_rendezvous()
         await other.set_closed()  # idempotent
-        assert (await stored(first)).closed
+        assert (await stored(first)).status.closed
 
 
 async def test_shutdown_closes_for_every_node(make_params: MakeParams) -> None:
@@ -120,7 +118,7 @@ async def test_join_timeout_raises_and_leaves_the_state_clean(make_params: MakeP
         with anyio.fail_after(PROMPT), pytest.raises(RendezvousTimeoutError):
             await alone.next_rendezvous()
         state = await stored(alone)
-        assert not state.knows(alone.node) and alone.node not in state.last_heartbeats
+        assert not state.knows(alone.node)
 
 
 async def test_cancelled_join_leaves_the_state_clean(make_params: MakeParams) -> None:
@@ -136,7 +134,7 @@ async def test_cancelled_join_leaves_the_state_clean(make_params: MakeParams) ->
             await join
         with anyio.fail_after(PROMPT):
             while (await stored(node)).knows(node.node):
-                await node.backend.wait_for_change((await node.backend.read())[1], 1.0)
+                await asyncio.sleep(0.05)
 
 
 async def test_member_that_leaves_is_seen_by_the_others(make_params: MakeParams) -> None:
@@ -161,7 +159,7 @@ async def test_dead_member_is_pruned_and_survivor_reforms(make_params: MakeParam
         assert anyio.current_time() - start >= 0.3  # not before the heartbeat window
         (info,) = await join_all([survivor])
         assert info.world_size == 1 and info.rank == 0
-        assert victim.node not in (await stored(survivor)).last_heartbeats
+        assert not (await stored(survivor)).knows(victim.node)
 
 
 @pytest.mark.parametrize(
@@ -183,19 +181,7 @@ async def test_heartbeats_keep_live_members_in_the_group(
             await group[0].watch()
         assert scope.cancelled_caught, "a live member was reported lost"
         state = await stored(group[0])
-        assert set(state.participants) == {h.node for h in group}
-
-
-async def test_foreign_state_is_reported_and_left_untouched(make_params: MakeParams) -> None:
-    async with handlers(make_params, 1, 1, 1) as (node,):
-        written, _, _ = await node.backend.compare_and_set(b'{"not": "ours"}', NO_STATE)
-        assert written
-        with pytest.raises(RendezvousStateError):
-            await node.next_rendezvous()
-        with pytest.raises(RendezvousStateError):
-            await node.set_closed()
-        data, _ = await node.backend.read()
-        assert data == b'{"not": "ours"}'
+        assert set(state.ranks()) == {h.node for h in group}
 
 
 async def test_rounds_get_separate_stores(make_params: MakeParams) -> None:
@@ -207,26 +193,34 @@ async def test_rounds_get_separate_stores(make_params: MakeParams) -> None:
         assert await first.store.get("key") == b"round-0"
 
 
-async def test_cancelled_after_the_round_completed_leaves_too(make_params: MakeParams) -> None:
-    """Cancelled while waiting for rank 0's bootstrap keys: the node still leaves."""
+async def test_a_member_needs_nothing_of_rank_0_once_the_round_is_complete(
+    make_params: MakeParams,
+) -> None:
+    """Rank 0 going silent right after completion never holds up the others: each member
+    learns its rank and the bootstrap address from its own join's answer."""
     async with handlers(make_params, 2, 2, 2) as (first, second):
-        stuck = asyncio.Event()
-
-        async def never_publish(rank: int, store: Store) -> None:
-            await stuck.wait()
-
-        rank0, other = sorted([first, second], key=lambda h: h.node)
-        rank0._bootstrap = never_publish  # type: ignore[method-assign,assignment]
-        joins = [asyncio.ensure_future(h.next_rendezvous()) for h in (rank0, other)]
+        joins = [asyncio.ensure_future(h.next_rendezvous()) for h in (first, second)]
         with anyio.fail_after(PROMPT):
-            while True:
-                data, token = await other.backend.read()
-                if data is not None and decode_state(data).complete:
-                    break
-                await other.backend.wait_for_change(token, 1.0)
-        assert other.node in (await stored(other)).participants
-        for join in joins:
-            join.cancel()
-        await asyncio.gather(*joins, return_exceptions=True)
-        state = await stored(other)
-        assert not state.knows(other.node) and not state.knows(rank0.node)
+            infos = await asyncio.gather(*joins)
+        rank0 = first if infos[0].rank == 0 else second
+        other_info = infos[1] if rank0 is first else infos[0]
+        await rank0._stop_heartbeats()  # silent from now on
+        boot = other_info.bootstrap_store_info
+        assert boot is not None and boot.master_addr == "127.0.0.1" and boot.master_port > 0
+        assert {i.bootstrap_store_info.master_port for i in infos if i.bootstrap_store_info} == {
+            boot.master_port
+        }
+
+
+async def test_cancelled_join_of_a_complete_round_leaves(make_params: MakeParams) -> None:
+    """Cancelled after the round completed (before the caller saw it): the node leaves."""
+    async with handlers(make_params, 2, 2, 2) as (first, second):
+        joins = [asyncio.ensure_future(h.next_rendezvous()) for h in (first, second)]
+        await asyncio.gather(*joins)
+        third_join = asyncio.ensure_future(first.next_rendezvous())  # leaves, joins anew
+        await asyncio.sleep(0.05)
+        third_join.cancel()
+        await asyncio.gather(third_join, return_exceptions=True)
+        with anyio.fail_after(PROMPT):
+            while (await stored(second)).knows(first.node):
+                await asyncio.sleep(0.05)

@@ -17,7 +17,7 @@ from aelastic import (
 from aelastic.backends import backend_names, create_backend, register_backend
 from aelastic.backends.memory import MemoryBackend
 from aelastic.rendezvous import create_handler
-from aelastic.rendezvous.api import RendezvousSettings
+from aelastic.core.params import RendezvousSettings
 
 BAD_PARAMS = [
     ("", "ep", "run", 1, 1),

@@ -196,14 +196,14 @@ class RedisBackend(RedisCalls):
         pattern = _glob_escape(self._keys.base) + ":*"
         deleted = 0
 
-        async def scan(timeout: float) -> int:
+        async def scan(within: float) -> int:
             count, cursor = 0, b"0"
             while True:
                 cursor, found = await client.command(
-                    "SCAN", cursor, "MATCH", pattern, "COUNT", 1000, timeout=timeout
+                    "SCAN", cursor, "MATCH", pattern, "COUNT", 1000, within=within
                 )
                 if found:
-                    count += await client.command("UNLINK", *found, timeout=timeout)
+                    count += await client.command("UNLINK", *found, within=within)
                 if cursor in (b"0", 0, "0"):
                     return count
 
@@ -286,8 +286,8 @@ class RedisBackend(RedisCalls):
         full = [self._keys.kv(k) for k in keys]
         names = [k.encode() for k in keys]
 
-        async def all_exist(timeout: float) -> bool:
-            found = await client.command("EXISTS", *full, timeout=timeout, shareable=True)
+        async def all_exist(within: float) -> bool:
+            found = await client.command("EXISTS", *full, within=within, shareable=True)
             return bool(found == len(full))
 
         async def check() -> bool:

@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import anyio
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
@@ -164,12 +165,13 @@ class RedisCalls:
         command = ("EVALSHA", _SHA[src], len(keys), *keys, *args)
         shareable = src in _READ_ONLY
 
-        async def run(timeout: float) -> Any:
+        async def run(within: float) -> Any:
             try:
-                return await shared.command(*command, timeout=timeout, shareable=shareable)
+                return await shared.command(*command, within=within, shareable=shareable)
             except NoScriptError:  # a new or restarted server: load them all, then run
-                await asyncio.wait_for(shared.load_scripts(lua.SCRIPTS.values()), timeout)
-                return await shared.command(*command, timeout=timeout, shareable=shareable)
+                with anyio.fail_after(within):
+                    await shared.load_scripts(lua.SCRIPTS.values())
+                return await shared.command(*command, within=within, shareable=shareable)
 
         try:
             return await self._call(what, run)

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+import anyio
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
@@ -70,12 +71,12 @@ class RedisClient:
 
     # -- commands -------------------------------------------------------------------------
 
-    async def command(self, *args: Any, timeout: float, shareable: bool = False) -> Any:
+    async def command(self, *args: Any, within: float, shareable: bool = False) -> Any:
         """Run one command, pipelined with the others issued in the same loop iteration.
 
         Args:
             *args: The command and its arguments.
-            timeout: Seconds to wait for the reply (``asyncio.TimeoutError`` after).
+            within: Seconds to wait for the reply (``asyncio.TimeoutError`` after).
             shareable: The command only reads: identical ones of one batch run once.
 
         Returns:
@@ -86,7 +87,7 @@ class RedisClient:
         self._pending.append((args, shareable, future))
         if len(self._pending) == 1:
             loop.call_soon(self._flush)
-        timer = loop.call_later(timeout, _time_out, future)
+        timer = loop.call_later(within, _time_out, future)
         try:
             return await future
         finally:
@@ -216,7 +217,8 @@ class RedisClient:
         while True:
             conn = self._new_connection()
             try:
-                await asyncio.wait_for(conn.connect(), CONNECT_TIMEOUT)  # type: ignore[no-untyped-call]
+                with anyio.fail_after(CONNECT_TIMEOUT):  # never swallows a cancellation
+                    await conn.connect()  # type: ignore[no-untyped-call]
                 async with self._send_lock:
                     self._sent = set(self._watches)
                     self._unacked = dict.fromkeys(self._sent, 1)

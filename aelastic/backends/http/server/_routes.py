@@ -179,6 +179,9 @@ async def _rendezvous(request: web.Request) -> web.Response:
         changed = await engine.wait_status(run_id, reply.status.token, remaining)
         if not changed and (reply.wake_at_ms is None or loop.time() >= deadline):
             break
+        gone = request.transport is None or request.transport.is_closing()
+        if gone or not engine.knows(run_id, rdzv_request.node):
+            break  # the node went away (a cancelled join that left): never join it again
         reply = engine.apply(run_id, rdzv_request, now_ms())
     await store.durable()
     return web.json_response(reply_to_json(reply))

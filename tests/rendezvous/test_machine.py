@@ -1,0 +1,202 @@
+"""The rendezvous state machine, one transition at a time (pure: no backend, no clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from aelastic.core.machine import beat_due_ms, expiry_ms, snapshot_of, status_of, step
+from aelastic.core.params import Rules
+from aelastic.core.state import NodeDesc, Op, Outcome, Reply, Request, RunState, Transition
+from aelastic.core.view import view_of
+
+A, B, C, D = (NodeDesc("10.0.0.1", 100 + i, 0) for i in range(4))
+T0 = 1_000_000
+
+
+def rules(min_nodes: int = 2, max_nodes: int = 3, last_call: int = 1_000) -> Rules:
+    return Rules(min_nodes, max_nodes, last_call_ms=last_call, window_ms=3_000)
+
+
+def ask(
+    state: RunState,
+    node: NodeDesc,
+    op: Op = Op.JOIN,
+    now: int = T0,
+    r: Rules | None = None,
+    **flags: bool,
+) -> Reply:
+    return step(state, Request(op, node, r or rules(), port=1000 + node.pid, **flags), now)
+
+
+def test_first_join_opens_the_round_and_waits_without_a_deadline() -> None:
+    s = RunState("e")
+    reply = ask(s, A)
+    assert reply.outcome is Outcome.WAIT and reply.wake_at_ms is None
+    assert reply.transition is Transition.ADD_TO_PARTICIPANTS
+    assert reply.status.participants == 1 and reply.status.token == "e.0"
+    assert reply.known
+
+
+def test_min_nodes_starts_the_last_call_and_its_end_completes_the_round() -> None:
+    s = RunState("e")
+    ask(s, A)
+    reply = ask(s, B, now=T0 + 10)
+    assert reply.outcome is Outcome.WAIT and reply.wake_at_ms == T0 + 10 + 1_000
+    assert reply.status.deadline_ms == T0 + 1_010 and reply.status.token == "e.1"
+    assert ask(s, A, now=T0 + 500).outcome is Outcome.WAIT  # not yet
+    done = ask(s, A, now=T0 + 1_010)
+    assert done.outcome is Outcome.FINISH and done.transition is Transition.MARK_COMPLETE
+    assert done.rank == 0 and done.status.world == 2 and done.status.complete
+    assert (done.master_addr, done.master_port) == (A.addr, 1000 + A.pid)
+    other = ask(s, B, now=T0 + 1_020)
+    assert other.outcome is Outcome.FINISH and other.rank == 1
+    assert (other.master_addr, other.master_port) == (A.addr, 1000 + A.pid)
+
+
+def test_max_nodes_completes_at_once_with_ranks_in_join_order() -> None:
+    s = RunState("e")
+    for node in (C, A):
+        ask(s, node, r=rules(3, 3))
+    last = ask(s, B, r=rules(3, 3))
+    assert last.outcome is Outcome.FINISH and last.rank == 2
+    assert {n: e.rank for n, e in ((e.node, e) for e in snapshot_of(s, T0).participants)} == {
+        C: 0,
+        A: 1,
+        B: 2,
+    }
+
+
+def test_only_watched_fields_move_the_token() -> None:
+    s = RunState("e")
+    r = rules(3, 4)
+    ask(s, A, r=r)
+    ask(s, B, r=r)
+    assert s.generation == 0  # joins to a forming round notify nobody
+    ask(s, A, Op.KEEP_ALIVE, now=T0 + 100, r=r)
+    assert s.generation == 0  # nor does a heartbeat
+    ask(s, C, r=r)
+    assert s.generation == 1  # the last call started
+
+
+def test_latecomer_waits_for_the_next_round_then_joins_it() -> None:
+    s = RunState("e")
+    r = rules(2, 3, last_call=1)
+    ask(s, A, r=r)
+    ask(s, B, r=r)
+    ask(s, A, now=T0 + 5, r=r)
+    late = ask(s, C, now=T0 + 10, r=r)
+    assert late.outcome is Outcome.WAIT and late.transition is Transition.ADD_TO_WAIT_LIST
+    assert late.status.waiting == 1
+    for node in (A, B):
+        ask(s, node, Op.LEAVE, now=T0 + 20, r=r)
+    assert s.round == 1 and not s.complete
+    joined = ask(s, C, now=T0 + 30, r=r)
+    assert joined.transition is Transition.ADD_TO_PARTICIPANTS and joined.status.waiting == 0
+
+
+def test_beyond_max_nodes_is_redundant_and_exits_gracefully_on_close() -> None:
+    s = RunState("e")
+    r = rules(1, 2)
+    ask(s, A, r=r)
+    ask(s, B, r=r)
+    extra = ask(s, C, r=r)
+    assert extra.transition is Transition.ADD_TO_REDUNDANCY_LIST and extra.status.redundant == 1
+    assert ask(s, C, now=T0 + 100, r=r).outcome is Outcome.WAIT  # waits, no deadline
+    ask(s, A, Op.CLOSE, r=r)
+    assert ask(s, C, r=r).outcome is Outcome.GRACEFUL_EXIT
+    assert ask(s, D, r=r).outcome is Outcome.ERROR_CLOSED
+
+
+def test_redundant_node_is_released_with_a_fresh_deadline_when_a_slot_opens() -> None:
+    s = RunState("e")
+    r = rules(1, 2)
+    ask(s, A, r=r)
+    ask(s, B, r=r)
+    ask(s, C, r=r)
+    ask(s, B, Op.LEAVE, r=r)
+    released = ask(s, C, r=r, expired=True)
+    assert released.restart_deadline and released.outcome is Outcome.WAIT
+    assert released.transition is Transition.ADD_TO_WAIT_LIST
+
+
+def test_join_timeout_removes_the_node_unless_its_round_completed() -> None:
+    s = RunState("e")
+    ask(s, A)
+    timed_out = ask(s, A, expired=True)
+    assert timed_out.outcome is Outcome.ERROR_TIMEOUT and not timed_out.known
+    assert ask(s, B, expired=True).outcome is Outcome.ERROR_TIMEOUT
+    s2 = RunState("e")
+    ask(s2, A, r=rules(2, 2))
+    ask(s2, B, r=rules(2, 2))
+    assert ask(s2, A, r=rules(2, 2), expired=True).outcome is Outcome.FINISH
+
+
+def test_silent_nodes_are_pruned_after_the_window_and_counted_lost() -> None:
+    s = RunState("e")
+    r = rules(2, 2)
+    ask(s, A, r=r)
+    ask(s, B, r=r)
+    beat = ask(s, A, Op.KEEP_ALIVE, now=T0 + 2_000, r=r)
+    assert beat.oldest_beat_ms == T0  # B's
+    reply = ask(s, A, Op.KEEP_ALIVE, now=T0 + 3_001, r=r)
+    assert reply.pruned == 1 and reply.transition is Transition.KEEP_ALIVE
+    assert reply.status.lost == 1 and reply.status.lost_sample == (B.key,)
+    view = view_of(reply.status, A, 0)
+    assert view.changed and view.lost == {B} and view.lost_count == 1 and not view.removed
+
+
+def test_pruning_the_last_participant_opens_the_next_round() -> None:
+    s = RunState("e")
+    r = rules(1, 1)
+    ask(s, A, r=r)
+    reply = ask(s, B, Op.STATUS, now=T0 + 5_000, r=r)
+    assert reply.transition is Transition.PRUNE and s.round == 1 and not s.complete
+
+
+def test_pruning_below_min_nodes_clears_the_last_call() -> None:
+    s = RunState("e")
+    ask(s, A)
+    ask(s, B, now=T0 + 2_500)
+    assert s.deadline_ms is not None
+    ask(s, B, Op.KEEP_ALIVE, now=T0 + 3_001)  # A is silent past the window
+    assert s.deadline_ms is None and not s.complete
+
+
+def test_a_finished_member_leaving_is_not_a_loss() -> None:
+    s = RunState("e")
+    r = rules(2, 2)
+    ask(s, A, r=r)
+    ask(s, B, r=r)
+    reply = ask(s, B, Op.LEAVE, r=r, finished=True)
+    assert reply.status.finished == 1 and reply.status.lost == 0
+    assert view_of(reply.status, A, 0).changed
+
+
+def test_leave_is_idempotent_and_a_removed_node_sees_itself_removed() -> None:
+    s = RunState("e")
+    r = rules(1, 2)
+    ask(s, A, r=r)
+    ask(s, A, Op.LEAVE, r=r)
+    again = ask(s, A, Op.LEAVE, r=r)
+    assert again.outcome is Outcome.FINISH and again.transition is Transition.NONE
+    assert not ask(s, A, Op.KEEP_ALIVE, r=r).known
+    assert view_of(again.status, A, 0, removed=True).removed
+
+
+def test_a_later_round_means_removed() -> None:
+    s = RunState("e")
+    r = rules(1, 1)
+    ask(s, A, r=r)
+    ask(s, A, Op.LEAVE, r=r)
+    assert view_of(status_of(s, T0), A, 0).removed
+
+
+@pytest.mark.parametrize("op", list(Op))
+def test_an_empty_state_answers_every_request(op: Op) -> None:
+    reply = ask(RunState("e"), A, op)
+    assert reply.outcome in (Outcome.FINISH, Outcome.WAIT)
+
+
+def test_the_heartbeat_rule() -> None:
+    assert beat_due_ms(T0, 5_000) == T0 + 5_000
+    assert expiry_ms(T0, 15_000) == T0 + 15_000

@@ -1,0 +1,111 @@
+"""Properties of the state machine under random interleavings of many nodes (hypothesis).
+
+Nodes join, leave, close, beat and go silent in any order while the clock jumps; after every
+request the state must keep the rendezvous invariants, and the reply must agree with it.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aelastic.core.machine import step
+from aelastic.core.params import Rules
+from aelastic.core.state import Op, Outcome, Request, RunState
+from aelastic.core.token import parse
+from tests._machine_steps import NODES, Step, scenarios
+
+T0 = 1_000_000
+
+
+class Checker:
+    """The invariants, checked after each step against what came before."""
+
+    def __init__(self, rules: Rules) -> None:
+        self.rules = rules
+        self.groups: dict[int, dict[object, int]] = {}
+        self.round = 0
+        self.closed = False
+        self.generation = 0
+        self.signature: tuple[object, ...] | None = None
+
+    def check(self, s: RunState, now: int, step_: Step, outcome: Outcome, rank: int | None) -> None:
+        r = self.rules
+        assert s.round >= self.round, "rounds never go back"
+        assert s.closed or not self.closed, "a closed rendezvous stays closed"
+        self.round, self.closed = s.round, s.closed
+        parts, waiting, redundant = set(s.participants), s.wait_list, s.redundancy_list
+        assert not (parts & waiting) and not (parts & redundant) and not (waiting & redundant)
+        assert set(s.beats) == parts | waiting | redundant, "exactly the listed nodes beat"
+        assert all(b >= now - r.window_ms for b in s.beats.values()), "a dead node stayed"
+        assert list(s.beats.values()) == sorted(s.beats.values()), "beats in time order"
+        signature = (
+            s.round, s.complete, s.closed, s.deadline_ms, bool(waiting), s.lost > 0, s.finished > 0
+        )  # fmt: skip
+        assert s.generation >= self.generation
+        if self.signature is not None:
+            moved = s.generation != self.generation
+            assert moved == (signature != self.signature), "the token moves iff watched fields do"
+        self.signature, self.generation = signature, s.generation
+        if s.complete:
+            ranks = dict(s.participants)
+            assert len(set(ranks.values())) == len(ranks), "duplicate ranks"
+            group = self.groups.get(s.round)
+            if group is None:
+                assert sorted(ranks.values()) == list(range(len(ranks)))
+                assert r.min_nodes <= len(ranks) <= r.max_nodes, "world size out of bounds"
+                assert s.world == len(ranks)
+                self.groups[s.round] = ranks
+            else:
+                assert ranks.items() <= group.items(), "a second group formed in one round"
+            assert s.lost + s.finished + len(ranks) == s.world
+        else:
+            assert len(parts) <= r.max_nodes
+            assert (s.deadline_ms is not None) == (len(parts) >= r.min_nodes)
+        if step_.op is Op.JOIN and outcome is Outcome.FINISH:
+            node = NODES[step_.node]
+            assert s.complete and rank == s.participants[node]
+
+
+def run(rules: Rules, steps: list[Step]) -> None:
+    s = RunState("feed")
+    checker = Checker(rules)
+    now = T0
+    for item in steps:
+        now += item.advance_ms
+        reply = step(s, item.request(rules), now)
+        assert parse(reply.status.token) == ("feed", s.generation)
+        checker.check(s, now, item, reply.outcome, reply.rank)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios)
+def test_invariants_hold_under_any_interleaving(scenario: tuple[Rules, list[Step]]) -> None:
+    run(*scenario)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 4).flatmap(lambda lo: st.tuples(st.just(lo), st.integers(lo, 6))),
+    st.integers(0, 2),
+)
+def test_live_nodes_that_keep_asking_form_one_group_and_agree(
+    bounds: tuple[int, int], extra: int
+) -> None:
+    min_nodes, max_nodes = bounds
+    rules = Rules(min_nodes, max_nodes, last_call_ms=500, window_ms=5_000)
+    count = min(max_nodes + extra, len(NODES))
+    s = RunState("e")
+    now = T0
+    ranks: dict[int, int] = {}
+    for _ in range(20):
+        for i in range(count):
+            reply = step(s, Request(Op.JOIN, NODES[i], rules), now)
+            if reply.outcome is Outcome.FINISH:
+                assert reply.rank is not None
+                ranks[i] = reply.rank
+        now += 100
+    assert s.complete
+    group = min(count, max_nodes)
+    assert sorted(ranks.values()) == list(range(group))
+    assert len(s.wait_list) + len(s.redundancy_list) == count - group
