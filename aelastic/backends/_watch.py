@@ -49,6 +49,8 @@ class RunWatch:
         self.latest: Status | None = None
         #: Notifications arrive (subscribed / long-polling); otherwise waiters ask.
         self.live = False
+        #: Set while notifications flow (tests and status tools wait on it).
+        self.ready = asyncio.Event()
         self._status_waiters: set[_Waiter] = set()
         self._key_waiters: set[_Waiter] = set()
         self._on_first_waiter = on_first_waiter
@@ -89,12 +91,14 @@ class RunWatch:
         """Notifications flow (again): waiters re-check once, then sleep."""
         self.live = True
         self.latest = None
+        self.ready.set()
         self._wake_all()
 
     def on_lost(self) -> None:
         """Notifications stopped: some may have been missed, every waiter re-checks."""
         self.live = False
         self.latest = None
+        self.ready.clear()
         self._wake_all()
 
     def _wake_all(self) -> None:

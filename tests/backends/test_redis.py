@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -11,19 +12,25 @@ from typing import Any
 import anyio
 import pytest
 
-from aelastic import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
-from aelastic.backends.base import RendezvousBackend
+from aelastic import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from aelastic.backends import RendezvousBackend, _shared
 from aelastic.backends.redis import (
     ENV_PASSWORD,
     ENV_USERNAME,
     RedisBackend,
+    _lua,
     _scripts,
-    _shared,
     create_backend,
     parse_endpoint,
 )
+from aelastic.core.params import Rules
+from aelastic.core.state import NodeDesc, Op, Outcome, Request
 from aelastic.rendezvous import DynamicRendezvousHandler, RendezvousInfo
-from aelastic.rendezvous.state import decode_state
 from aelastic.store import Store
 from tests._redis_server import RedisServer, free_port, redis_server_fixture
 from tests._rendezvous_helpers import PROMPT, assert_one_group, handler_group
@@ -32,6 +39,7 @@ from tests._rendezvous_helpers import join_all as join_all_within
 pytestmark = pytest.mark.anyio
 
 PASSWORD = "s3cret-pa55"
+RULES = Rules(2, 3, last_call_ms=60_000, window_ms=60_000)
 
 server = redis_server_fixture()
 auth_server = redis_server_fixture(password=PASSWORD)
@@ -63,13 +71,6 @@ def group(
 
 async def join_all(handlers: list[DynamicRendezvousHandler]) -> list[RendezvousInfo[Store]]:
     return await join_all_within(handlers, 3 * PROMPT)
-
-
-def foreign_cas(srv: RedisServer, keys: _scripts.RunKeys, data: bytes, token: str) -> Any:
-    """Run the compare-and-set script from another client (another process, in effect)."""
-    with srv.client() as client:
-        cas = client.register_script(_scripts.CAS)
-        return cas(keys=[keys.state], args=[token, data, "feed", 60_000, keys.channel])
 
 
 # -- endpoints and credentials --------------------------------------------------------------
@@ -158,13 +159,13 @@ async def test_password_from_config_url_or_environment_is_accepted(
     auth_server: RedisServer, run_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with backend(auth_server.url, run_id, password=PASSWORD) as b:
-        assert await b.compare_and_set(b"x", "") == (True, b"x", (await b.read())[1])
+        await b.kv_set("x", b"x")
     url_with_password = f"redis://:{PASSWORD}@127.0.0.1:{auth_server.port}/0"
     async with backend(url_with_password, run_id) as b:
-        assert (await b.read())[0] == b"x"
+        assert await b.kv_get(["x"]) == [b"x"]
     monkeypatch.setenv(ENV_PASSWORD, PASSWORD)
     async with backend(auth_server.url, run_id) as b:
-        assert (await b.read())[0] == b"x"
+        assert await b.kv_get(["x"]) == [b"x"]
 
 
 @pytest.mark.parametrize("password", [None, "wrong-password"])
@@ -176,7 +177,7 @@ async def test_wrong_or_missing_password_fails_at_once_saying_auth_failed(
     async with backend(auth_server.url, run_id, read_timeout=30, **conf) as b:
         start = time.monotonic()
         with pytest.raises(RendezvousConnectionError, match="Authentication") as info:
-            await b.read()
+            await b.snapshot()
         assert time.monotonic() - start < PROMPT  # not retried until read_timeout
     assert f"127.0.0.1:{auth_server.port}" in str(info.value)
     assert "wrong-password" not in str(info.value)
@@ -210,16 +211,17 @@ async def test_acl_user_from_config_with_password_from_environment(
     monkeypatch.setenv(ENV_PASSWORD, "bob-pw")  # bob may not touch the run's keys
     async with backend(auth_server.url, run_id, username="bob") as b:
         with pytest.raises(RendezvousConnectionError, match="refused") as info:
-            await b.compare_and_set(b"x", "")
+            await b.apply(request(b, Op.JOIN, 0))
     assert f"bob@127.0.0.1:{auth_server.port}" in str(info.value)
-    # carol may not subscribe: no notifications, so waits fall back to the safety net
+    # carol may not subscribe: no notifications, so waits fall back to asking themselves
     monkeypatch.setenv(ENV_PASSWORD, "carol-pw")
     async with backend(auth_server.url, run_id, username="carol", recheck_interval=0.2) as b:
-        _, _, token = await b.compare_and_set(b"mine", "")
+        await b.reset()
+        token = (await b.apply(request(b, Op.JOIN, 0))).status.token
         waiting = asyncio.ensure_future(b.wait_for_change(token, 60))
         await asyncio.sleep(0.1)
         assert not waiting.done()
-        foreign_cas(auth_server, b.keys, b"theirs", token)
+        foreign_op(auth_server, b.keys, Op.JOIN, 1)
         with anyio.fail_after(PROMPT):
             await waiting
 
@@ -228,119 +230,179 @@ async def test_tls_with_the_servers_certificate(run_id: str) -> None:
     with RedisServer(tls=True) as srv:
         assert srv.url.startswith("rediss://")
         async with backend(srv.url, run_id, ssl_ca_certs=str(srv.ca_file)) as b:
-            assert (await b.compare_and_set(b"x", ""))[0] is True
+            await b.kv_set("x", b"x")
             async with group(srv.url, run_id + "-g", 2, 2, 2, ssl_ca_certs=str(srv.ca_file)) as g:
                 assert_one_group(await join_all(g), 2)
         async with backend(srv.url, run_id, ssl_cert_reqs="none") as b:  # not verified
-            assert (await b.read())[0] == b"x"
+            assert await b.kv_get(["x"]) == [b"x"]
         async with backend(srv.url, run_id, read_timeout=0.5) as b:  # an unknown certificate
             with anyio.fail_after(PROMPT), pytest.raises(RendezvousConnectionError, match="rediss"):
-                await b.read()
+                await b.snapshot()
 
 
-# -- the state cell -------------------------------------------------------------------------
+# -- the rendezvous state ------------------------------------------------------------------
 
 
-async def test_state_cell_compare_and_set(server: RedisServer, run_id: str) -> None:
+def request(b: RedisBackend, op: Op, index: int = 0, **flags: Any) -> Request:
+    return Request(op, NodeDesc("10.9.8.7", 4000 + index, 0), RULES, **flags)
+
+
+def foreign_op(srv: RedisServer, keys: _scripts.RunKeys, op: Op, index: int) -> Any:
+    """One request from another client (another process, in effect)."""
+    args = [
+        op.value, f"10.9.8.7_{4000 + index}_0", RULES.min_nodes, RULES.max_nodes,
+        RULES.last_call_ms, RULES.window_ms, "0", "0", 1, "", "feed", 60_000, keys.channel,
+    ]  # fmt: skip
+    with srv.client() as client:
+        return json.loads(client.eval(_lua.OP, 6, *keys.rendezvous, *args))
+
+
+async def test_requests_and_tokens(server: RedisServer, run_id: str) -> None:
     async with backend(server.url, run_id) as b:
-        assert await b.read() == (None, "")
-        written, state, token = await b.compare_and_set(b"one", "")
-        assert (written, state) == (True, b"one")
-        epoch, _, version = token.partition(".")
-        assert epoch and version == "1"
-        assert await b.read() == (b"one", token)
-        assert await b.compare_and_set(b"two", "") == (False, b"one", token)
-        assert await b.compare_and_set(b"two", "bogus") == (False, b"one", token)
-        written, state, token2 = await b.compare_and_set(b"two", token)
-        assert (written, state, token2) == (True, b"two", f"{epoch}.2")
-        assert await b.compare_and_set(b"three", token) == (False, b"two", token2)
-        binary = bytes(range(256)) * 10
-        assert (await b.compare_and_set(binary, token2))[:2] == (True, binary)
+        assert await b.snapshot() is None
+        first = await b.apply(request(b, Op.JOIN, 0))
+        assert first.outcome is Outcome.WAIT and first.status.participants == 1
+        epoch, generation = first.status.token.split(".")
+        assert epoch and generation == "0"
+        second = await b.apply(request(b, Op.JOIN, 1))
+        assert second.status.token == f"{epoch}.1"  # the last call started
+        snapshot = await b.snapshot()
+        assert snapshot is not None and len(snapshot.participants) == 2
+        assert all(e.rank is None for e in snapshot.participants)
 
 
-async def test_stale_token_fails_against_a_write_from_another_process(
+async def test_heartbeats_wake_nobody_and_transitions_wake_every_waiter(
     server: RedisServer, run_id: str
 ) -> None:
-    async with backend(server.url, run_id) as b:
-        _, _, token = await b.compare_and_set(b"mine", "")
-        new_token = foreign_cas(server, b.keys, b"theirs", token)[1].decode()
-        assert await b.compare_and_set(b"again", token) == (False, b"theirs", new_token)
+    async with backend(server.url, run_id, recheck_interval=60) as b:
+        token = (await b.apply(request(b, Op.JOIN, 0))).status.token
+        start = time.monotonic()
+        assert await b.wait_for_change(token, 0.3) is None  # nothing changes: it times out
+        assert 0.25 <= time.monotonic() - start < PROMPT
+        waiters = [asyncio.ensure_future(b.wait_for_change(token, 60)) for _ in range(20)]
+        await asyncio.sleep(0.2)
+        for _ in range(5):  # heartbeats from another process: nobody wakes
+            assert foreign_op(server, b.keys, Op.KEEP_ALIVE, 0)["known"] is True
+        await asyncio.sleep(0.2)
+        assert not any(w.done() for w in waiters)
+        start = time.monotonic()
+        foreign_op(server, b.keys, Op.JOIN, 1)  # another process starts the last call
+        with anyio.fail_after(PROMPT):
+            statuses = await asyncio.gather(*waiters)
+        assert time.monotonic() - start < 2.0  # woken by the change, not the 60 s re-check
+        assert all(s is not None and s.deadline_ms is not None for s in statuses)
+
+
+async def test_wait_returns_at_once_for_a_stale_token(server: RedisServer, run_id: str) -> None:
+    async with backend(server.url, run_id, recheck_interval=60) as b:
+        t0 = (await b.apply(request(b, Op.JOIN, 0))).status.token
+        await b.apply(request(b, Op.JOIN, 1))
+        with anyio.fail_after(PROMPT):
+            assert await b.wait_for_change(t0, 60) is not None
+            assert await b.wait_for_change("", 60) is not None
+            assert await b.wait_for_change("other0epoch.1", 60) is not None
 
 
 async def test_token_is_new_after_flushall_no_aba(server: RedisServer, run_id: str) -> None:
     async with backend(server.url, run_id) as b:
-        _, _, old = await b.compare_and_set(b"x", "")
-        _, _, old = await b.compare_and_set(b"y", old)
+        old = (await b.apply(request(b, Op.JOIN, 0))).status.token
         with server.client() as client:
             client.flushall()
-        assert await b.read() == (None, "")
-        assert await b.compare_and_set(b"z", old) == (False, None, "")
-        _, _, new = await b.compare_and_set(b"x", "")
-        _, _, new = await b.compare_and_set(b"y", new)
-        assert new != old and new.endswith(".2")
-        assert (await b.compare_and_set(b"stale", old))[0] is False
+        assert await b.snapshot() is None
+        new = (await b.apply(request(b, Op.JOIN, 0))).status.token
+        assert new.split(".")[0] != old.split(".")[0]
 
 
 async def test_keys_are_namespaced_and_expire(server: RedisServer, run_id: str) -> None:
     async with backend(server.url, run_id, key_ttl=100) as b:
-        await b.compare_and_set(b"x", "")
+        await b.apply(request(b, Op.JOIN, 0))
         await b.kv_set("k", b"v")
         await b.kv_add("n", 1)
         with server.client() as client:
             keys = {k.decode() for k in client.keys(f"aelastic:{{{run_id}}}:*")}
-            assert {f"aelastic:{{{run_id}}}:state", f"aelastic:{{{run_id}}}:kv:k"} <= keys
+            base = f"aelastic:{{{run_id}}}"
+            assert {f"{base}:state", f"{base}:p", f"{base}:b", f"{base}:kv:k"} <= keys
             assert all(0 < client.ttl(k) <= 100 for k in keys)  # op records included
             client.expire(b.keys.state, 5)
-        await b.compare_and_set(b"y", (await b.read())[1])  # a write refreshes the expiry
+        await b.apply(request(b, Op.KEEP_ALIVE, 0))  # a request refreshes the expiry
         with server.client() as client:
             assert client.ttl(b.keys.state) > 50
     assert _scripts.RunKeys("p", "a{b}c").base.startswith("p:{sha1-")
 
 
 @pytest.mark.parametrize(
-    ("kind", "value", "shape"),
+    ("key", "kind", "value"),
     [
-        ("string", b"not a hash", "type"),
-        ("list", [b"a", b"b"], "type"),
-        ("hash", {"something": "else"}, "fields"),
-        ("hash", {"epoch": "e", "version": "x", "data": "d"}, "fields"),
-        ("hash", {"epoch": "e", "version": "1"}, "fields"),
+        ("state", "string", b"not a hash"),
+        ("state", "list", [b"a", b"b"]),
+        ("state", "hash", {"something": "else"}),
+        ("state", "hash", {"epoch": "e", "version": "1", "data": "not json"}),
+        ("p", "string", b"participants are a sorted set"),
+        ("b", "hash", {"beats": "are a sorted set"}),
     ],
 )
 async def test_foreign_state_is_reported_and_left_untouched(
-    server: RedisServer, run_id: str, kind: str, value: Any, shape: str
+    server: RedisServer, run_id: str, key: str, kind: str, value: Any
 ) -> None:
     async with backend(server.url, run_id) as b:
+        name = f"{b.keys.base}:{key}"
         with server.client() as client:
             if kind == "string":
-                client.set(b.keys.state, value)
+                client.set(name, value)
             elif kind == "list":
-                client.rpush(b.keys.state, *value)
+                client.rpush(name, *value)
             else:
-                client.hset(b.keys.state, mapping=value)
+                client.hset(name, mapping=value)
+            before = client.dump(name)
+        for call in (
+            lambda: b.apply(request(b, Op.JOIN, 0)),
+            b.snapshot,
+            lambda: b.wait_for_change("", 1),
+        ):
+            with pytest.raises(RendezvousStateError, match="left as it is"):
+                await call()
+        with server.client() as client:
+            assert client.dump(name) == before
+
+
+async def test_a_state_of_the_first_format_is_refused_naming_both_versions(
+    server: RedisServer, run_id: str
+) -> None:
+    """A run created by an aelastic of state format 1 (one JSON blob) is never overwritten."""
+    async with backend(server.url, run_id) as b:
+        v1 = {"format": "aelastic.rendezvous.state", "version": 1, "round": 0}
+        with server.client() as client:
+            client.hset(
+                b.keys.state,
+                mapping={"epoch": "abc", "version": "3", "data": json.dumps(v1)},
+            )
             before = client.dump(b.keys.state)
-        with pytest.raises(RendezvousStateError, match="left as it is"):
-            await b.read()
-        with pytest.raises(RendezvousStateError, match="left as it is"):
-            await b.compare_and_set(b"mine", "")
-        with pytest.raises(RendezvousStateError):
-            await b.wait_for_change("", 1)
+        with pytest.raises(RendezvousStateError, match="version 1.*version 2"):
+            await b.apply(request(b, Op.JOIN, 0))
         with server.client() as client:
             assert client.dump(b.keys.state) == before
 
 
-async def test_garbage_state_bytes_fail_in_the_codec_and_stay(
+async def test_a_node_of_the_first_format_reads_a_state_naming_both_versions(
     server: RedisServer, run_id: str
 ) -> None:
+    """What a format-1 node finds where it looks (hash fields epoch, version, data): a
+    state document of format version 2, which its decoder refuses naming the version."""
+    async with backend(server.url, run_id) as b:
+        await b.apply(request(b, Op.JOIN, 0))
+        with server.client() as client:
+            epoch, version, data = client.hmget(b.keys.state, "epoch", "version", "data")
+        assert epoch and version is not None and version.isdigit()
+        assert json.loads(data) == {"format": "aelastic.rendezvous.state", "version": 2}
+
+
+async def test_garbage_reply_of_a_script_is_a_clear_error(server: RedisServer, run_id: str) -> None:
     async with group(server.url, run_id, 1, 1, 1) as (handler,):
         keys = _scripts.RunKeys("aelastic", run_id)
-        foreign_cas(server, keys, b"\x00garbage{", "")
         with server.client() as client:
-            before = client.dump(keys.state)
-        with anyio.fail_after(PROMPT), pytest.raises(RendezvousStateError):
+            client.hset(keys.state, mapping={"format": "2", "epoch": "e", "version": "x"})
+        with anyio.fail_after(PROMPT), pytest.raises(RendezvousError):
             await handler.next_rendezvous()
-        with server.client() as client:
-            assert client.dump(keys.state) == before
 
 
 async def test_foreign_store_value_is_reported_and_left_untouched(
@@ -363,51 +425,23 @@ async def test_foreign_store_value_is_reported_and_left_untouched(
             assert client.lrange(key, 0, -1) == [b"x"]
 
 
-# -- waiting --------------------------------------------------------------------------------
-
-
-async def test_waiter_wakes_on_a_change_without_polling(server: RedisServer, run_id: str) -> None:
-    async with backend(server.url, run_id, recheck_interval=60) as b:
-        _, _, token = await b.compare_and_set(b"v1", "")
-        start = time.monotonic()
-        await b.wait_for_change(token, 0.3)  # nothing changes: it times out
-        assert 0.25 <= time.monotonic() - start < PROMPT
-        waiters = [asyncio.ensure_future(b.wait_for_change(token, 60)) for _ in range(20)]
-        await asyncio.sleep(0.2)
-        assert not any(w.done() for w in waiters)
-        start = time.monotonic()
-        foreign_cas(server, b.keys, b"v2", token)  # another process writes
-        with anyio.fail_after(PROMPT):
-            await asyncio.gather(*waiters)
-        assert time.monotonic() - start < 2.0  # woken by the change, not the 60 s re-read
-
-
-async def test_wait_returns_at_once_for_a_stale_token(server: RedisServer, run_id: str) -> None:
-    async with backend(server.url, run_id, recheck_interval=60) as b:
-        _, _, t1 = await b.compare_and_set(b"v1", "")
-        await b.compare_and_set(b"v2", t1)
-        with anyio.fail_after(PROMPT):
-            await b.wait_for_change(t1, 60)
-            await b.wait_for_change("", 60)
-            await b.wait_for_change("other-epoch.1", 60)
-
-
 async def test_run_watched_again_right_after_release_still_wakes(
     server: RedisServer, run_id: str
 ) -> None:
     async with backend(server.url, run_id + "-keeps-the-connection-open") as keeper:
-        await keeper.read()
-        token = ""
+        await keeper.snapshot()
         for round_ in range(5):  # subscribe, unsubscribe, subscribe: only the last counts
             async with backend(server.url, run_id) as released:
-                await released.read()
+                await released.snapshot()
             async with backend(server.url, run_id, recheck_interval=60) as b:
+                token = (await b.apply(request(b, Op.JOIN, 0))).status.token
                 waiting = asyncio.ensure_future(b.wait_for_change(token, 60))
                 await asyncio.sleep(0.05)
                 assert not waiting.done()
-                token = foreign_cas(server, b.keys, str(round_).encode(), token)[1].decode()
+                foreign_op(server, b.keys, Op.CLOSE if round_ % 2 else Op.JOIN, 1)
                 with anyio.fail_after(2.0):
                     await waiting
+                await b.reset()
 
 
 # -- the members' store ---------------------------------------------------------------------
@@ -437,14 +471,14 @@ async def test_concurrent_adds_from_many_backends_all_count(
 # -- faults ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("operation", ["read", "compare_and_set", "wait_for_change", "kv_get"])
+@pytest.mark.parametrize("operation", ["snapshot", "apply", "wait_for_change", "kv_get"])
 async def test_unreachable_redis_fails_within_read_timeout_naming_it(operation: str) -> None:
     port = free_port()
     url = f"redis://:hidden-pw@127.0.0.1:{port}/0"  # nothing listens there
     async with backend(url, "run", read_timeout=0.5) as b:
         calls = {
-            "read": b.read,
-            "compare_and_set": lambda: b.compare_and_set(b"x", ""),
+            "snapshot": b.snapshot,
+            "apply": lambda: b.apply(request(b, Op.JOIN, 0)),
             "wait_for_change": lambda: b.wait_for_change("", 30),
             "kv_get": lambda: b.kv_get(["k"]),
         }
@@ -477,10 +511,11 @@ async def test_redis_lost_mid_rendezvous_then_fresh_rendezvous_works(
         first_two = [asyncio.ensure_future(h.next_rendezvous()) for h in handlers[:2]]
         observer = handlers[2].backend
         with anyio.fail_after(PROMPT):  # both joined and are waiting for the third
-            data, token = await observer.read()
-            while data is None or len(decode_state(data).participants) < 2:
-                await observer.wait_for_change(token, PROMPT)
-                data, token = await observer.read()
+            while True:
+                snapshot = await observer.snapshot()
+                if snapshot is not None and len(snapshot.participants) == 2:
+                    break
+                await asyncio.sleep(0.02)
         if how == "restart":
             own_server.stop()
         else:
@@ -497,12 +532,12 @@ async def test_redis_lost_mid_rendezvous_then_fresh_rendezvous_works(
 
 async def test_listener_resubscribes_after_a_restart(own_server: RedisServer, run_id: str) -> None:
     async with backend(own_server.url, run_id, recheck_interval=60) as b:
-        _, _, token = await b.compare_and_set(b"v1", "")
+        await b.apply(request(b, Op.JOIN, 0))
         own_server.restart()
         with anyio.fail_after(PROMPT):
-            while (await b.read())[1] != "":
+            while await b.snapshot() is not None:
                 pass
-            _, _, token = await b.compare_and_set(b"v1", "")
+            token = (await b.apply(request(b, Op.JOIN, 0))).status.token
         waiter = asyncio.ensure_future(b.wait_for_change(token, 60))
         watch = b._watch
         assert watch is not None
@@ -511,7 +546,7 @@ async def test_listener_resubscribes_after_a_restart(own_server: RedisServer, ru
         await asyncio.sleep(0.1)
         assert not waiter.done()
         start = time.monotonic()
-        foreign_cas(own_server, b.keys, b"v2", token)
+        foreign_op(own_server, b.keys, Op.JOIN, 1)
         with anyio.fail_after(PROMPT):
             await waiter
         assert time.monotonic() - start < 2.0
@@ -519,23 +554,22 @@ async def test_listener_resubscribes_after_a_restart(own_server: RedisServer, ru
 
 async def test_pubsub_connection_killed_is_replaced(server: RedisServer, run_id: str) -> None:
     async with backend(server.url, run_id, recheck_interval=60) as b:
-        _, _, token = await b.compare_and_set(b"v1", "")
+        token = (await b.apply(request(b, Op.JOIN, 0))).status.token
         watch, shared = b._watch, b._client
         assert watch is not None and shared is not None
         with anyio.fail_after(PROMPT):
             await watch.ready.wait()  # the subscription is made in the background
-        assert watch.subscribed
+        assert watch.live
         killed = shared._conn
         with server.client() as client:
             assert client.client_kill_filter(_type="pubsub") >= 1
         with anyio.fail_after(PROMPT):
-            while shared._conn is killed:  # the loss wakes the waiters (spuriously)
-                await b.wait_for_change(token, PROMPT)
-            await watch.ready.wait()  # resubscribed on a new connection
+            while shared._conn is killed or not watch.live:  # resubscribed on a new one
+                await asyncio.sleep(0.01)
         waiting = asyncio.ensure_future(b.wait_for_change(token, 60))
         await asyncio.sleep(0.05)
         assert not waiting.done()
-        foreign_cas(server, b.keys, b"v2", token)
+        foreign_op(server, b.keys, Op.JOIN, 1)
         with anyio.fail_after(2.0):
             await waiting
 
@@ -576,4 +610,4 @@ async def test_aclose_is_idempotent_and_closed_backend_refuses(
     await b.aclose()  # never used: nothing to release
     await b.aclose()
     with pytest.raises(RendezvousConnectionError, match="closed"):
-        await b.read()
+        await b.snapshot()
