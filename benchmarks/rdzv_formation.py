@@ -5,7 +5,7 @@ loopback, nodes as threads, as torchrun runs it) are measured in the same run an
 printed side by side with ratios (torch time / aelastic time; higher is better).
 
 Also measures the wake-up latency: with one node already waiting in ``next_rendezvous``,
-the time from the last node's own return (its write completed the round) to the waiting
+the time from the last node's own return (its request completed the round) to the waiting
 node's return. torch's waiting nodes poll once a second; aelastic's are woken by the change.
 
 Run: ``python benchmarks/rdzv_formation.py [--sizes 2,8,16,...] [--torch-max 64]``
@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aelastic import RendezvousParameters
 from aelastic import sync as aelastic_sync
-from aelastic.backends import NO_STATE, create_backend
+from aelastic.backends import create_backend
+from aelastic.core.params import RendezvousSettings
+from aelastic.core.state import NodeDesc, Op, Request
 from aelastic.rendezvous import create_handler
-from aelastic.rendezvous.state import RendezvousState, encode_state
 from benchmarks._servers import SERVER_BACKENDS, server_endpoint
 
 LOOPBACK = "127.0.0.1"
@@ -157,7 +158,7 @@ def _in_own_loop(main: Callable[[], Coroutine[Any, Any, None]]) -> threading.Thr
 
 
 async def _async_wakeup(backend: str, endpoint: str) -> float:
-    """Round complete -> the waiting node's next_rendezvous returns (incl. its bootstrap)."""
+    """Round complete -> the waiting node's next_rendezvous returns."""
     run_id = f"wake-{uuid.uuid4().hex[:8]}"
     waiter = create_handler(_params(backend, endpoint, run_id, 2))
     completed: list[float] = []
@@ -166,15 +167,17 @@ async def _async_wakeup(backend: str, endpoint: str) -> float:
         last = create_handler(_params(backend, endpoint, run_id, 2))
         async with last.events() as events:
             await last.next_rendezvous()
-            completed.append((await events.get()).at)  # the write that completed the round
+            completed.append((await events.get()).at)  # the request that completed the round
         await last.aclose()
 
     try:
-        async with waiter.events() as events:
-            waiting = asyncio.ensure_future(waiter.next_rendezvous())
-            while (await events.get()).transition != "add_to_participants":
-                pass
-        await asyncio.sleep(0.2)  # the waiter is now parked, waiting for a change
+        waiting = asyncio.ensure_future(waiter.next_rendezvous())
+        while True:  # the waiter has joined and is parked, waiting for a change
+            snapshot = await waiter.backend.snapshot()
+            if snapshot is not None and snapshot.participants:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
         thread = _in_own_loop(last_node)
         await waiting
         returned = time.time()
@@ -184,24 +187,29 @@ async def _async_wakeup(backend: str, endpoint: str) -> float:
         await waiter.aclose()
 
 
+def _join(params: RendezvousParameters, index: int) -> Request:
+    settings = RendezvousSettings.from_parameters(params)
+    return Request(Op.JOIN, NodeDesc(LOOPBACK, 1000 + index, 0), settings.rules)
+
+
 async def _async_backend_wakeup(backend: str, endpoint: str) -> float:
-    """Another node writes the state -> a waiter parked in wait_for_change returns."""
-    params = _params(backend, endpoint, f"wake-{uuid.uuid4().hex[:8]}", 1)
+    """Another node makes a round transition -> a waiter parked in wait_for_change returns."""
+    params = _params(backend, endpoint, f"wake-{uuid.uuid4().hex[:8]}", 2)
     waiter = create_backend(params)
     ready, go = threading.Event(), threading.Event()
     wrote: list[float] = []
 
     async def writer() -> None:
         other = create_backend(params)
-        _, token = await other.read()
+        await other.snapshot()  # connected
         ready.set()
         await asyncio.to_thread(go.wait)
         wrote.append(time.perf_counter())
-        await other.compare_and_set(encode_state(RendezvousState(round=1)), token)
+        await other.apply(_join(params, 1))  # the second join starts the last call
         await other.aclose()
 
     try:
-        _, _, token = await waiter.compare_and_set(encode_state(RendezvousState()), NO_STATE)
+        token = (await waiter.apply(_join(params, 0))).status.token
         thread = _in_own_loop(writer)
         await asyncio.to_thread(ready.wait)
         parked = asyncio.ensure_future(waiter.wait_for_change(token, 30))

@@ -42,9 +42,7 @@ steps = st.builds(
     Step,
     node=st.integers(0, len(NODES) - 1),
     op=ops,
-    advance_ms=st.one_of(
-        st.just(0), st.integers(1, 400), st.integers(400, 3_000), st.just(20_000)
-    ),
+    advance_ms=st.one_of(st.just(0), st.integers(1, 400), st.integers(400, 3_000), st.just(20_000)),
     expired=st.sampled_from([False] * 9 + [True]),
     finished=st.booleans(),
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -54,6 +54,19 @@ async def join_all(
     """Every handler's ``next_rendezvous()``, concurrently, in at most ``within`` seconds."""
     with anyio.fail_after(within):
         return list(await asyncio.gather(*(h.next_rendezvous() for h in handlers)))
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], within: float = PROMPT) -> None:
+    """Wait until ``check()`` holds (asked every 20 ms), at most ``within`` seconds.
+
+    For conditions nothing notifies (a node gone from a snapshot); prefer events elsewhere.
+    """
+    with anyio.fail_after(within):
+        for _ in range(int(within / 0.02) + 2):
+            if await check():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("the condition never held")
 
 
 def assert_one_group(infos: list[RendezvousInfo[Store]], size: int) -> None:

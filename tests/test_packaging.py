@@ -88,9 +88,71 @@ def test_a_missing_extra_names_what_to_install(monkeypatch: pytest.MonkeyPatch) 
     from aelastic import RendezvousParameters
     from aelastic.backends import registry
 
-    monkeypatch.setitem(
-        registry._BUILTINS, "fake", ("aelastic_missing_module_xyz", "create", "redis")
-    )
+    row = registry.BackendInfo("fake", "aelastic_missing_module_xyz", "redis", "-", True, "-")
+    monkeypatch.setitem(registry._BY_NAME, "fake", row)
     monkeypatch.delitem(registry._registry, "fake", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'aelastic\[redis\]'"):
         registry.create_backend(RendezvousParameters("fake", "", "run", 1, 1))
+
+
+# -- layers ---------------------------------------------------------------------------------
+
+_PACKAGE = Path(__file__).resolve().parent.parent / "aelastic"
+
+#: What each layer may import from aelastic (the ground floor imports nothing above it).
+_LAYERS = {
+    "core": {"core"},
+    "backends": {"core", "backends"},
+    "rendezvous": {"core", "backends", "rendezvous"},
+    "agent": {"core", "backends", "rendezvous", "agent", "_redact"},
+    "sync": {"core", "backends", "rendezvous", "sync"},
+}
+
+
+def _aelastic_imports(path: Path) -> set[str]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    package = path.relative_to(_PACKAGE.parent).with_suffix("").parts[:-1]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(package[: len(package) - node.level + 1])
+                parts = base + (node.module.split(".") if node.module else [])
+                names = [parts] if node.module else [[*base, a.name] for a in node.names]
+            else:
+                names = [node.module.split(".")] if node.module else []
+            for parts in names:
+                if parts and parts[0] == "aelastic" and len(parts) > 1:
+                    found.add(parts[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "aelastic" and len(parts) > 1:
+                    found.add(parts[1])
+    return found
+
+
+@pytest.mark.parametrize("layer", sorted(_LAYERS))
+def test_layers_import_nothing_above_them(layer: str) -> None:
+    files = [_PACKAGE / "sync.py"] if layer == "sync" else sorted((_PACKAGE / layer).rglob("*.py"))
+    assert files
+    for path in files:
+        above = _aelastic_imports(path) - _LAYERS[layer]
+        assert not above, f"{path.relative_to(_PACKAGE)} imports {sorted(above)}"
+
+
+def test_backend_rows_match_the_entry_points() -> None:
+    tomllib = pytest.importorskip("tomllib")
+
+    from aelastic.backends import BUILTINS
+
+    project = tomllib.loads((_PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    backends = project["entry-points"]["aelastic.backends"]
+    torchrun = project["entry-points"]["torchrun.handlers"]
+    for info in BUILTINS:
+        assert backends[info.name] == f"{info.module}:create_backend"
+        assert torchrun[info.torchrun_alias].startswith("aelastic.integrations.torchrun:")
+    assert set(backends) == {i.name for i in BUILTINS}
+    assert set(torchrun) == {i.torchrun_alias for i in BUILTINS}

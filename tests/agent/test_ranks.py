@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from aelastic.agent.ranks import AgentRecord, assign_ranks
-from aelastic.rendezvous import RendezvousStateError
 from aelastic.core.state import NodeDesc
+from aelastic.rendezvous import RendezvousStateError
 
 
 def record(role: str, size: int, n: int = 0) -> AgentRecord:

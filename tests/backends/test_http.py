@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import anyio
 import pytest
+from aelastic.rendezvous.state import decode_state
 from aiohttp import web
 
 from aelastic import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
@@ -24,7 +25,6 @@ from aelastic.backends.http import _transport
 from aelastic.backends.http.client import HttpBackend, create_backend, parse_endpoint
 from aelastic.backends.http.server import create_app
 from aelastic.rendezvous import DynamicRendezvousHandler, create_handler
-from aelastic.rendezvous.state import decode_state
 from tests._http_server import HttpServer, free_port, serve_in_loop
 from tests._rendezvous_helpers import handler_group
 

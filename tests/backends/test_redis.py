@@ -33,7 +33,7 @@ from aelastic.core.state import NodeDesc, Op, Outcome, Request
 from aelastic.rendezvous import DynamicRendezvousHandler, RendezvousInfo
 from aelastic.store import Store
 from tests._redis_server import RedisServer, free_port, redis_server_fixture
-from tests._rendezvous_helpers import PROMPT, assert_one_group, handler_group
+from tests._rendezvous_helpers import PROMPT, assert_one_group, eventually, handler_group
 from tests._rendezvous_helpers import join_all as join_all_within
 
 pytestmark = pytest.mark.anyio
@@ -377,7 +377,7 @@ async def test_a_state_of_the_first_format_is_refused_naming_both_versions(
                 mapping={"epoch": "abc", "version": "3", "data": json.dumps(v1)},
             )
             before = client.dump(b.keys.state)
-        with pytest.raises(RendezvousStateError, match="version 1.*version 2"):
+        with pytest.raises(RendezvousStateError, match=r"version 1.*version 2"):
             await b.apply(request(b, Op.JOIN, 0))
         with server.client() as client:
             assert client.dump(b.keys.state) == before
@@ -563,9 +563,11 @@ async def test_pubsub_connection_killed_is_replaced(server: RedisServer, run_id:
         killed = shared._conn
         with server.client() as client:
             assert client.client_kill_filter(_type="pubsub") >= 1
-        with anyio.fail_after(PROMPT):
-            while shared._conn is killed or not watch.live:  # resubscribed on a new one
-                await asyncio.sleep(0.01)
+
+        async def resubscribed() -> bool:  # on a new connection
+            return shared._conn is not killed and watch.live
+
+        await eventually(resubscribed)
         waiting = asyncio.ensure_future(b.wait_for_change(token, 60))
         await asyncio.sleep(0.05)
         assert not waiting.done()

@@ -12,14 +12,17 @@ import pytest
 from aelastic import (
     RendezvousClosedError,
     RendezvousGracefulExitError,
-    RendezvousStateError,
     RendezvousTimeoutError,
 )
-from aelastic.core.token import NO_STATE
-from aelastic.rendezvous import DynamicRendezvousHandler
 from aelastic.core.state import Snapshot
-from aelastic.store import Store
-from tests._rendezvous_helpers import PROMPT, assert_one_group, handler_group, join_all
+from aelastic.rendezvous import DynamicRendezvousHandler
+from tests._rendezvous_helpers import (
+    PROMPT,
+    assert_one_group,
+    eventually,
+    handler_group,
+    join_all,
+)
 
 from .conftest import MakeParams
 
@@ -132,9 +135,11 @@ async def test_cancelled_join_leaves_the_state_clean(make_params: MakeParams) ->
         join.cancel()
         with pytest.raises(asyncio.CancelledError):
             await join
-        with anyio.fail_after(PROMPT):
-            while (await stored(node)).knows(node.node):
-                await asyncio.sleep(0.05)
+
+        async def gone() -> bool:
+            return not (await stored(node)).knows(node.node)
+
+        await eventually(gone)
 
 
 async def test_member_that_leaves_is_seen_by_the_others(make_params: MakeParams) -> None:
@@ -221,6 +226,8 @@ async def test_cancelled_join_of_a_complete_round_leaves(make_params: MakeParams
         await asyncio.sleep(0.05)
         third_join.cancel()
         await asyncio.gather(third_join, return_exceptions=True)
-        with anyio.fail_after(PROMPT):
-            while (await stored(second)).knows(first.node):
-                await asyncio.sleep(0.05)
+
+        async def gone() -> bool:
+            return not (await stored(second)).knows(first.node)
+
+        await eventually(gone)

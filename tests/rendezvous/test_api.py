@@ -16,8 +16,8 @@ from aelastic import (
 )
 from aelastic.backends import backend_names, create_backend, register_backend
 from aelastic.backends.memory import MemoryBackend
-from aelastic.rendezvous import create_handler
 from aelastic.core.params import RendezvousSettings
+from aelastic.rendezvous import create_handler
 
 BAD_PARAMS = [
     ("", "ep", "run", 1, 1),
