@@ -13,9 +13,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from aelastic.backends import BUILTINS  # noqa: E402
+
 __all__ = ["SERVER_BACKENDS", "server_endpoint"]
 
-SERVER_BACKENDS = ("redis", "http")
+#: The built-in backends nodes on several machines can share (the registry's rows).
+SERVER_BACKENDS = tuple(info.name for info in BUILTINS if info.multi_node)
 
 
 @contextmanager

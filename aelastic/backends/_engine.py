@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ..core.machine import snapshot_of, status_of, step
 from ..core.protocol import INT64_MAX, INT64_MIN
 from ..core.state import NodeDesc, Reply, Request, RunState, Snapshot, Status, Transition
-from ..core.token import NO_STATE, new_epoch
+from ..core.token import NO_STATE, make, new_epoch
 
 __all__ = ["Engine", "Run", "add_int64", "now_ms"]
 
@@ -75,7 +75,7 @@ class Run:
     @property
     def token(self) -> str:
         state = self.state
-        return NO_STATE if state is None else f"{state.epoch}.{state.generation}"
+        return NO_STATE if state is None else make(state.epoch, state.generation)
 
     @property
     def idle(self) -> bool:

@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 from aelastic import RendezvousParameters
+from aelastic.backends import BUILTINS, backend_info
 
-BACKENDS = ["memory", "redis", "http"]
+#: Every built-in backend (the registry's rows).
+BACKENDS = [info.name for info in BUILTINS]
 
 MakeParams = Callable[..., RendezvousParameters]
 
@@ -42,7 +44,8 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def endpoint(backend: str, request: pytest.FixtureRequest) -> str:
-    if backend == "memory":
+    info = backend_info(backend)
+    if info is not None and not info.multi_node:
         return "conformance"
     url: str = request.getfixturevalue(f"{backend}_url")
     return url
