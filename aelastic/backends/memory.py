@@ -16,10 +16,14 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from .._redact import redact_endpoint
 from ..rendezvous.api import RendezvousParameters
 from .base import NO_STATE, Token
 
-__all__ = ["MemoryBackend", "create_backend"]
+__all__ = ["CONFIG_KEYS", "MemoryBackend", "create_backend"]
+
+#: The ``--rdzv-conf`` keys of this backend, beyond the rendezvous settings: none.
+CONFIG_KEYS: tuple[str, ...] = ()
 
 _epochs = itertools.count(1)
 
@@ -107,7 +111,8 @@ class MemoryBackend:
             self._run = self._hub.run(run_id)
 
     def __repr__(self) -> str:
-        return f"MemoryBackend(run_id={self._run_id!r}, endpoint={self._endpoint!r})"
+        endpoint = redact_endpoint(self._endpoint)
+        return f"MemoryBackend(run_id={self._run_id!r}, endpoint={endpoint!r})"
 
     @property
     def endpoint(self) -> str:
@@ -196,6 +201,20 @@ class MemoryBackend:
 
     async def aclose(self) -> None:
         """Nothing to release: the run's data stays for other handlers of this process."""
+
+    async def reset(self) -> bool:
+        """Drop the run's state and store, for every handler of this process (waiters wake).
+
+        Returns:
+            Whether the run held anything.
+        """
+        with self._hub.lock:
+            run = self._run
+            held = run.state is not None or bool(run.kv)
+            run.state, run.version, run.epoch = None, 0, next(_epochs)
+            run.kv.clear()
+            self._hub.notify(run)
+            return held
 
 
 def create_backend(params: RendezvousParameters) -> MemoryBackend:

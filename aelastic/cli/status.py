@@ -3,8 +3,12 @@
 How it works: the command opens the job's backend (redis or http) through the backend
 registry, reads the state cell once, decodes it with the state codec and prints the round,
 whether it is complete or closed, the participants with their ranks and heartbeat ages, and
-the waiting and redundant nodes. It never writes. ``--watch`` prints again at every change
-(the backend wakes it; there is no poll), ``--json`` prints machine-readable output.
+the waiting and redundant nodes. It never writes, except with ``--reset``: that shows the
+state, asks for a confirmation line (``--yes`` skips it) and deletes the run's rendezvous
+state and store through the backend's ``reset()``, so that a finished job's id can be used
+again. ``--watch`` prints again at every change (the backend wakes it; there is no poll),
+``--json`` prints machine-readable output (a rank is ``null`` until the round is complete).
+Nothing printed shows a password or token.
 """
 
 from __future__ import annotations
@@ -12,14 +16,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from .._redact import known_secrets, redact, redact_endpoint
+from ..backends.base import RendezvousBackend
 from ..backends.registry import create_backend
-from ..rendezvous.api import RendezvousError, RendezvousParameters, RendezvousSettings
+from ..rendezvous.api import (
+    RendezvousError,
+    RendezvousParameters,
+    RendezvousSettings,
+    RendezvousStateError,
+)
 from ..rendezvous.state import NodeDesc, RendezvousState, decode_state
+from .conf_keys import unknown_key_warnings
 from .options import BACKEND_ALIASES, UsageError, parse_rdzv_conf
 
 __all__ = ["build_parser", "format_state", "main", "state_to_json"]
@@ -41,6 +54,12 @@ def build_parser(prog: str = "aelastic status") -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--watch", action="store_true", help="print again at every change")
+    p.add_argument(
+        "--reset",
+        action="store_true",
+        help="delete the job's rendezvous state and store (asks first), so its id can be reused",
+    )
+    p.add_argument("-y", "--yes", action="store_true", help="--reset without asking")
     return p
 
 
@@ -82,7 +101,7 @@ def state_to_json(
         "closed": state.closed,
         "deadline_in": None if state.deadline is None else round(state.deadline - now, 3),
         "participants": [
-            {**node(n), "rank": r}
+            {**node(n), "rank": r if state.complete else None}
             for n, r in sorted(state.participants.items(), key=lambda item: (item[1], item[0]))
         ],
         "waiting": [node(n) for n in _sorted_nodes(state.wait_list)],
@@ -116,13 +135,66 @@ def format_state(state: RendezvousState | None, settings: RendezvousSettings, no
     return "\n".join(lines)
 
 
+def _summary(state: RendezvousState | None, settings: RendezvousSettings, now: float) -> str:
+    """One line: what ``--reset`` would delete, and whether nodes still use it."""
+    if state is None:
+        return "no rendezvous state (the store may still hold keys)"
+    status = "closed" if state.closed else ("complete" if state.complete else "forming")
+    nodes = {*state.participants, *state.wait_list, *state.redundancy_list}
+    live = sum(
+        1
+        for n in nodes
+        if (at := state.last_heartbeats.get(n)) is not None
+        and now - at <= settings.heartbeat_window
+    )
+    text = f"round {state.round}, {status}, {len(nodes)} node(s)"
+    if live and not state.closed:
+        text += f"; {live} still alive: stop them first, they would lose their rendezvous"
+    return text
+
+
+async def _confirm(prompt: str) -> bool:
+    print(prompt, end="", flush=True)
+    answer = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    if not answer.endswith("\n"):
+        print(flush=True)
+    return answer.strip().lower() in ("y", "yes")
+
+
+async def _reset(
+    args: argparse.Namespace, backend: RendezvousBackend, settings: RendezvousSettings
+) -> int:
+    reset = getattr(backend, "reset", None)
+    if not callable(reset):
+        raise UsageError(f"the {backend.name} backend cannot reset a run")
+    where = f"job '{settings.run_id}' at {redact_endpoint(args.rdzv_endpoint)}"
+    data, _ = await backend.read()
+    try:
+        summary = _summary(None if data is None else decode_state(data), settings, time.time())
+    except RendezvousStateError as exc:
+        summary = f"unreadable state ({exc})"
+    print(f"{where}: {summary}", flush=True)
+    if not (args.yes or await _confirm("delete its rendezvous state and store? [y/N] ")):
+        print("nothing deleted", flush=True)
+        return 1
+    if await reset():
+        print(f"deleted the rendezvous state and store of {where}: the id is free", flush=True)
+    else:
+        print(f"{where} had nothing to delete: the id is free", flush=True)
+    return 0
+
+
 async def _show(args: argparse.Namespace) -> int:
     backend_name = BACKEND_ALIASES.get(args.rdzv_backend, args.rdzv_backend)
     if backend_name == "memory":
         raise UsageError(
             "the memory backend lives inside one launcher process: status needs redis or http"
         )
+    if args.reset and (args.watch or args.json):
+        raise UsageError("--reset cannot be combined with --watch or --json")
     config = parse_rdzv_conf(args.rdzv_conf)
+    for warning in unknown_key_warnings(config, backend_name):
+        print(f"aelastic status: warning: {warning}", file=sys.stderr, flush=True)
     try:
         params = RendezvousParameters(
             backend_name, args.rdzv_endpoint, args.rdzv_id, 1, 1, **config
@@ -132,6 +204,8 @@ async def _show(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
     try:
+        if args.reset:
+            return await _reset(args, backend, settings)
         while True:
             data, token = await backend.read()
             state = None if data is None else decode_state(data)
@@ -150,7 +224,8 @@ async def _show(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    """Run ``aelastic status``; the exit code (1 when the backend cannot be read).
+    """Run ``aelastic status``; the exit code (1 when the backend cannot be read, or when
+    ``--reset`` was not confirmed).
 
     Raises:
         UsageError: Bad flags (exit code 2).
@@ -158,11 +233,10 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
         return asyncio.run(_show(args))
-    except RendezvousError as exc:
-        print(f"aelastic status: error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    except ImportError as exc:
-        print(f"aelastic status: error: {exc}", file=sys.stderr, flush=True)
+    except (RendezvousError, ImportError) as exc:
+        config = parse_rdzv_conf(args.rdzv_conf)
+        secrets = known_secrets(args.rdzv_endpoint, config, os.environ)
+        print(f"aelastic status: error: {redact(str(exc), secrets)}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -23,10 +23,14 @@ from yarl import URL
 from ...rendezvous.api import RendezvousParameters
 from ..base import Token
 from . import _transport
-from ._channel import RunChannel
+from ._channel import RunChannel, _segment
 from .wire import TOKEN_ENV, b64encode
 
-__all__ = ["DEFAULT_PORT", "HttpBackend", "create_backend", "parse_endpoint"]
+__all__ = ["CONFIG_KEYS", "DEFAULT_PORT", "HttpBackend", "create_backend", "parse_endpoint"]
+
+#: The ``--rdzv-conf`` keys this backend reads, beyond the rendezvous settings (the CLI
+#: warns about any other key).
+CONFIG_KEYS = ("token", "share_connections")
 
 #: Port used when the endpoint names none (torchrun's default rendezvous port).
 DEFAULT_PORT = 29400
@@ -220,6 +224,19 @@ class HttpBackend:
                 del channel.conn.runs[self._run_id]
             await channel.aclose()
         await _transport.release(channel.conn)
+
+    async def reset(self) -> bool:
+        """Delete the run on the server (``DELETE /v1/runs/{run}``: state and store) so the
+        id can be reused; waiting nodes are woken. Whether the run held anything.
+
+        Raises:
+            RendezvousConnectionError: The server refused the request or was unreachable.
+        """
+        channel = self._open()
+        path = f"/v1/runs/{_segment(self._run_id)}"
+        answer = await channel.conn.call("DELETE", path, self._read_timeout)
+        assert answer is not None
+        return answer[1].get("deleted") is True
 
 
 def create_backend(params: RendezvousParameters) -> HttpBackend:

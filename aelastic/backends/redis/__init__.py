@@ -28,6 +28,7 @@ from ._endpoint import ENV_PASSWORD, ENV_USERNAME, RedisEndpoint, parse_endpoint
 from ._scripts import RunKeys
 
 __all__ = [
+    "CONFIG_KEYS",
     "ENV_PASSWORD",
     "ENV_USERNAME",
     "RedisBackend",
@@ -36,6 +37,26 @@ __all__ = [
     "create_backend",
     "parse_endpoint",
 ]
+
+#: The ``--rdzv-conf`` keys this backend reads, beyond the rendezvous settings (the CLI
+#: warns about any other key).
+CONFIG_KEYS = (
+    "username",
+    "password",
+    "key_ttl",
+    "recheck_interval",
+    "max_connections",
+    "key_prefix",
+    "tls",
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "sentinel_username",
+    "sentinel_password",
+    "wait_replicas",
+    "share_connections",
+)
 
 
 def create_backend(params: RendezvousParameters) -> RedisBackend:

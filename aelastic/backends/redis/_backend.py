@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
+    InvalidResponse,
     NoPermissionError,
     NoScriptError,
     ReadOnlyError,
@@ -172,6 +173,13 @@ class RedisBackend:
             except NoPermissionError as exc:
                 raise RendezvousConnectionError(
                     f"Redis at {self.endpoint} refused {what}: {exc}"
+                ) from None
+            except InvalidResponse as exc:  # another protocol: retrying cannot help
+                said = str(exc).removeprefix("Protocol Error: ")
+                said = said if len(said) <= 60 else said[:57] + "..."
+                raise RendezvousConnectionError(
+                    f"The server at {self.endpoint} does not speak the Redis protocol (it "
+                    f"answered {what} with {said}): is it a Redis server? Check the host and port."
                 ) from None
             except _TRANSIENT as exc:
                 remaining = deadline - loop.time()
@@ -466,6 +474,48 @@ class RedisBackend:
             return
         await client.unwatch(watch)
         await release_client(client)
+
+    # -- starting over (operators) --------------------------------------------------------
+
+    async def reset(self) -> bool:
+        """Delete every key of this run (state, store, pending adds) so the id can be reused.
+
+        Finds the keys with ``SCAN`` (``MATCH <prefix>:{<run id>}:*``), removes them with
+        ``UNLINK`` and publishes the change, so waiting nodes re-read. Only for a run whose
+        nodes are gone: live nodes would see their rendezvous vanish.
+
+        Returns:
+            Whether the run had any key.
+
+        Raises:
+            RendezvousConnectionError: Redis could not be reached within ``read_timeout``.
+        """
+        client, watch = await self._bind()
+        pattern = _glob_escape(self._keys.base) + ":*"
+
+        async def delete_all(timeout: float) -> int:
+            deleted, cursor = 0, 0
+            while True:
+                reply = await client.command(
+                    "SCAN", cursor, "MATCH", pattern, "COUNT", 1000, timeout=timeout
+                )
+                cursor, names = int(reply[0]), list(reply[1])
+                if names:
+                    deleted += int(await client.command("UNLINK", *names, timeout=timeout))
+                if cursor == 0:
+                    break
+            await client.command("PUBLISH", self._keys.channel, b"s", timeout=timeout)
+            return deleted
+
+        deleted = await self._call("reset", delete_all)
+        watch.cached = None
+        watch.seq += 1
+        return deleted > 0
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis ``MATCH`` pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
