@@ -153,16 +153,26 @@ def _summary(state: RendezvousState | None, settings: RendezvousSettings, now: f
     return text
 
 
-async def _confirm(prompt: str) -> bool:
+def _say(text: str, secrets: frozenset[str], *, end: str = "\n", err: bool = False) -> None:
+    """Print ``text`` redacted (no password, token or known secret)."""
+    print(redact(text, secrets), end=end, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def _confirm(prompt: str) -> bool:
+    """Ask ``prompt``; whether the line read says yes (end of input: no). The event loop
+    waits meanwhile: nothing else is under way, and Ctrl-C stays immediate."""
     print(prompt, end="", flush=True)
-    answer = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    answer = sys.stdin.readline()
     if not answer.endswith("\n"):
         print(flush=True)
     return answer.strip().lower() in ("y", "yes")
 
 
 async def _reset(
-    args: argparse.Namespace, backend: RendezvousBackend, settings: RendezvousSettings
+    args: argparse.Namespace,
+    backend: RendezvousBackend,
+    settings: RendezvousSettings,
+    secrets: frozenset[str],
 ) -> int:
     reset = getattr(backend, "reset", None)
     if not callable(reset):
@@ -173,18 +183,18 @@ async def _reset(
         summary = _summary(None if data is None else decode_state(data), settings, time.time())
     except RendezvousStateError as exc:
         summary = f"unreadable state ({exc})"
-    print(f"{where}: {summary}", flush=True)
-    if not (args.yes or await _confirm("delete its rendezvous state and store? [y/N] ")):
-        print("nothing deleted", flush=True)
+    _say(f"{where}: {summary}", secrets)
+    if not (args.yes or _confirm("delete its rendezvous state and store? [y/N] ")):
+        _say("nothing deleted", secrets)
         return 1
     if await reset():
-        print(f"deleted the rendezvous state and store of {where}: the id is free", flush=True)
+        _say(f"deleted the rendezvous state and store of {where}: the id is free", secrets)
     else:
-        print(f"{where} had nothing to delete: the id is free", flush=True)
+        _say(f"{where} had nothing to delete: the id is free", secrets)
     return 0
 
 
-async def _show(args: argparse.Namespace) -> int:
+async def _show(args: argparse.Namespace, secrets: frozenset[str]) -> int:
     backend_name = BACKEND_ALIASES.get(args.rdzv_backend, args.rdzv_backend)
     if backend_name == "memory":
         raise UsageError(
@@ -194,7 +204,7 @@ async def _show(args: argparse.Namespace) -> int:
         raise UsageError("--reset cannot be combined with --watch or --json")
     config = parse_rdzv_conf(args.rdzv_conf)
     for warning in unknown_key_warnings(config, backend_name):
-        print(f"aelastic status: warning: {warning}", file=sys.stderr, flush=True)
+        _say(f"aelastic status: warning: {warning}", secrets, err=True)
     try:
         params = RendezvousParameters(
             backend_name, args.rdzv_endpoint, args.rdzv_id, 1, 1, **config
@@ -205,15 +215,15 @@ async def _show(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     try:
         if args.reset:
-            return await _reset(args, backend, settings)
+            return await _reset(args, backend, settings, secrets)
         while True:
             data, token = await backend.read()
             state = None if data is None else decode_state(data)
             now = time.time()
             if args.json:
-                print(json.dumps(state_to_json(state, settings, now)), flush=True)
+                _say(json.dumps(state_to_json(state, settings, now)), secrets)
             else:
-                print(format_state(state, settings, now), flush=True)
+                _say(format_state(state, settings, now), secrets)
             if not args.watch:
                 return 0
             await backend.wait_for_change(token, 30.0)
@@ -231,12 +241,12 @@ def main(argv: Sequence[str]) -> int:
         UsageError: Bad flags (exit code 2).
     """
     args = build_parser().parse_args(list(argv))
+    config = parse_rdzv_conf(args.rdzv_conf)
+    secrets = known_secrets(args.rdzv_endpoint, config, os.environ)
     try:
-        return asyncio.run(_show(args))
+        return asyncio.run(_show(args, secrets))
     except (RendezvousError, ImportError) as exc:
-        config = parse_rdzv_conf(args.rdzv_conf)
-        secrets = known_secrets(args.rdzv_endpoint, config, os.environ)
-        print(f"aelastic status: error: {redact(str(exc), secrets)}", file=sys.stderr, flush=True)
+        _say(f"aelastic status: error: {exc}", secrets, err=True)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -50,6 +51,8 @@ class GarbageServer:
                     pass
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the thread
         self._sock.close()
         self._thread.join(5)
 

@@ -8,6 +8,7 @@ workers print their whole environment, and the standbys' start environment, to t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -64,7 +65,7 @@ report = {"restart": restart, "warm": warm, "env": dict(os.environ),
           "start_env": environ_of("self")}
 os.write(1, ("REPORT " + json.dumps(report) + "\n").encode())
 if restart == "0":
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 30
     while not (pids := standbys()) and time.monotonic() < deadline:
         time.sleep(0.05)
     for pid in pids:
@@ -89,11 +90,24 @@ def _status(tmp_path: Path, endpoint: str, run_id: str, *extra: str) -> tuple[in
     return run_cli([*args, "--rdzv-id", run_id, *extra], tmp_path, env=SECRET_ENV)
 
 
+@contextlib.contextmanager
+def _stopped_at_the_end(node: Cli) -> Iterator[None]:
+    """Stop the launcher with SIGTERM if the test fails, so that its workers go too (they
+    hold the output pipe open, and a SIGKILL of the launcher alone would leave them)."""
+    try:
+        yield
+    finally:
+        if node.proc.poll() is None:
+            node.signal(signal.SIGTERM)
+            node.wait(60)
+
+
 def _assert_no_secret(text: str) -> None:
     for secret in SECRETS:
         assert secret not in text, f"{secret!r} shown in:\n{text}"
 
 
+@pytest.mark.timeout(300)
 def test_a_job_shows_no_secret_and_workers_inherit_none(
     server: RedisServer, tmp_path: Path, run_id: str
 ) -> None:
@@ -109,8 +123,8 @@ def test_a_job_shows_no_secret_and_workers_inherit_none(
         "-v",  # info logs too: they must be clean as well
         "worker.py",
     ]
-    with Cli(args, tmp_path, env=env) as node:
-        node.wait_for(lambda lines: any('"restart": "1"' in line for line in lines), 120)
+    with Cli(args, tmp_path, env=env) as node, _stopped_at_the_end(node):
+        node.wait_for(lambda lines: any('"restart": "1"' in line for line in lines), 90)
 
         # aelastic status, text and JSON, with the password in the URL or in --rdzv-conf.
         code, out = _status(tmp_path, _url(server), run_id)
