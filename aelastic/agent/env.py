@@ -3,7 +3,10 @@
 How it works: pure functions of the spec, the group and the worker. The agent's own
 environment comes first, then ``WorkerSpec.env``, then torch's variables (which win), so an
 existing torch script finds RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... as under
-torchrun. ``${local_rank}`` in string arguments becomes the worker's local rank.
+torchrun. The agent's credentials (``AELASTIC_REDIS_PASSWORD``, ``AELASTIC_HTTP_TOKEN``...,
+see :data:`aelastic._redact.SECRET_ENV`) are not inherited: workers need no rendezvous
+secret, and their environment often ends up in logs. ``${local_rank}`` in string arguments
+becomes the worker's local rank.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._redact import SECRET_ENV
 from .api import Worker, WorkerGroup
 
 __all__ = [
     "ATTEMPT_KEYS",
     "LOCAL_RANK_MACRO",
     "cuda_visible_device",
+    "inherited_env",
     "substitute_args",
     "worker_env",
 ]
@@ -50,6 +55,12 @@ ATTEMPT_KEYS = frozenset(
         "CUDA_VISIBLE_DEVICES",
     }
 )
+
+
+def inherited_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a worker inherits of ``base`` (default ``os.environ``): all but the credentials."""
+    parent = os.environ if base is None else base
+    return {k: v for k, v in parent.items() if k not in SECRET_ENV}
 
 
 def substitute_args(args: Sequence[Any], local_rank: int) -> tuple[Any, ...]:
@@ -99,7 +110,8 @@ def worker_env(
         restart_count: Restarts spent so far.
         run_id: The rendezvous run id.
         error_file: Where the worker's ``@record`` writes its error (``""``: nowhere).
-        base: The environment to start from (default: the agent's ``os.environ``).
+        base: The environment to start from (default: the agent's ``os.environ``), minus
+            the credentials of :data:`aelastic._redact.SECRET_ENV`.
 
     Raises:
         ValueError: The group has no ranks or master address yet, or the GPU assignment
@@ -108,7 +120,7 @@ def worker_env(
     spec = group.spec
     if group.group_rank is None or group.group_world_size is None or group.master_addr is None:
         raise ValueError("the worker group has not been through a rendezvous yet")
-    parent = dict(os.environ if base is None else base)
+    parent = inherited_env(base)
     env = dict(parent)
     env.update(spec.env)
     env.update(

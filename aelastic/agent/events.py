@@ -6,7 +6,9 @@ restart or rescale was decided, the exit barrier, the end). Subscribers are eith
 callbacks (``agent.add_listener(fn)``, called synchronously on the agent's event loop; an
 exception in a callback is logged and ignored) or async iterators (``agent.events()``, a
 stream that ends when the run ends). :class:`AgentMetrics` keeps running counters and the
-last durations, readable at any time from ``agent.metrics``.
+last durations, readable at any time from ``agent.metrics``. Text in an event's data (a
+reason quoting a backend error, say) is redacted before anyone sees it: no password of an
+endpoint and no ``password=``/``token=`` value reaches a subscriber or a log.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from .._redact import redact
 from .api import WorkerState
 
 __all__ = ["AgentEvent", "AgentMetrics", "EventBus", "EventKind", "EventStream"]
@@ -124,6 +127,25 @@ class AgentMetrics:
         return self
 
 
+def _scrub(value: Any) -> Any:
+    """``value`` with its text redacted (inside mappings, lists and tuples too)."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, Mapping):
+        return {k: _scrub(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_scrub(v) for v in value)
+    return value
+
+
+def _redacted(event: AgentEvent) -> AgentEvent:
+    """``event`` with no secret in its data (the same object when there was none)."""
+    data = {k: _scrub(v) for k, v in event.data.items()}
+    if data == dict(event.data):
+        return event
+    return replace(event, data=MappingProxyType(data))
+
+
 _END = object()
 
 
@@ -190,7 +212,8 @@ class EventBus:
             self._streams.remove(stream)
 
     def emit(self, event: AgentEvent) -> None:
-        """Deliver ``event`` to every subscriber."""
+        """Deliver ``event``, redacted, to every subscriber."""
+        event = _redacted(event)
         self.metrics = self.metrics.updated(event)
         for callback in list(self._callbacks):
             try:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ._aio import cancel_and_wait, uncancellable
 from .api import WorkerSpec
-from .env import ATTEMPT_KEYS
+from .env import ATTEMPT_KEYS, inherited_env
 from .process import WorkerProcess, stop_processes
 
 __all__ = ["STANDBY_DELAY", "Launch", "Standby", "StandbyPool", "launch_of", "standby_env"]
@@ -122,7 +122,7 @@ def launch_of(spec: WorkerSpec) -> Launch | None:
 
 def standby_env(spec: WorkerSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a standby starts with: the worker's without the per-attempt keys."""
-    env = dict(os.environ if base is None else base)
+    env = inherited_env(base)
     env.update(spec.env)
     return {k: v for k, v in env.items() if k not in ATTEMPT_KEYS}
 

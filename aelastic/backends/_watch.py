@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 
 from ..core.state import Status
-from ..core.token import Order, Token, compare
+from ..core.token import NO_STATE, Order, Token, compare
 
 __all__ = ["RunWatch"]
 
@@ -70,12 +70,9 @@ class RunWatch:
     def on_status(self, status: Status) -> None:
         """``status`` was read or notified: keep it if newer, wake who it concerns."""
         latest = self.latest
-        if (
-            latest is not None
-            and compare(status.token, latest.token) is not Order.UNKNOWN
-            and compare(latest.token, status.token) is not Order.CHANGED
-        ):
-            return  # not newer than what is known
+        older = latest is not None and compare(status.token, latest.token) is Order.CHANGED
+        if older and status.token != NO_STATE:
+            return  # older than what is known (an empty status: the run was deleted)
         self.latest = status
         for waiter in list(self._status_waiters):
             if compare(waiter.token, status.token) is not Order.SAME:

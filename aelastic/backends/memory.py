@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from .._redact import redact_endpoint
 from ..core.params import RendezvousParameters
 from ..core.state import Reply, Request, Snapshot, Status
 from ..core.token import Token
@@ -46,7 +47,8 @@ class MemoryBackend:
         self._run_id = run_id
 
     def __repr__(self) -> str:
-        return f"MemoryBackend(run_id={self._run_id!r}, endpoint={self._endpoint!r})"
+        endpoint = redact_endpoint(self._endpoint)
+        return f"MemoryBackend(run_id={self._run_id!r}, endpoint={endpoint!r})"
 
     @property
     def endpoint(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from .._redact import redact
 from .options import UsageError
 
 __all__ = ["main"]
@@ -32,12 +33,14 @@ def _run(argv: Sequence[str]) -> int:
     import logging
     import os
 
+    from .._redact import known_secrets
     from .console import Console
     from .launch import launch
     from .options import parse_config
 
     config = parse_config(argv)
-    console = Console(enabled=not config.quiet)
+    secrets = known_secrets(config.rdzv_endpoint, config.rdzv_configs, os.environ)
+    console = Console(enabled=not config.quiet, secrets=secrets)
     level: int | None = logging.INFO if config.verbose else None
     env_level = os.environ.get("LOGLEVEL", "").upper()
     if env_level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -76,5 +79,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UsageError(f"unknown command {command!r} (commands: run, serve, status)")
     except UsageError as exc:
         prefix = f"aelastic {command}" if command in ("run", "serve", "status") else "aelastic"
-        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        print(f"{prefix}: error: {redact(str(exc))}", file=sys.stderr)
         return 2

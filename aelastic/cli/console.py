@@ -4,7 +4,9 @@ How it works: :class:`Console` is an agent event listener (``agent.add_listener`
 :class:`~aelastic.agent.AgentEvent` becomes at most one line on stderr, prefixed with
 ``[aelastic +<seconds since launch>]``, saying what happened in words a newcomer understands
 (rendezvous, starting workers, a worker exited, restarting, rescaling, done) and how long it
-took. Workers' own output is not touched: it goes to stdout/stderr as the agent streams it.
+took. Every line is redacted (:func:`aelastic._redact.redact`): no endpoint password,
+``password=``/``token=`` value or known secret is ever printed. Workers' own output is not
+touched: it goes to stdout/stderr as the agent streams it.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
+from .._redact import redact
 from ..agent.api import ProcessFailure, RunResult
 from ..agent.events import AgentEvent, EventKind
 
@@ -80,14 +83,21 @@ class Console:
         stream: Where to write (stderr by default).
         enabled: ``False`` prints only errors and the final summary.
         started: Monotonic time of the launch (``+seconds`` are counted from it).
+        secrets: Values never to print (passwords, tokens), masked wherever they appear.
     """
 
     def __init__(
-        self, stream: TextIO | None = None, *, enabled: bool = True, started: float | None = None
+        self,
+        stream: TextIO | None = None,
+        *,
+        enabled: bool = True,
+        started: float | None = None,
+        secrets: Iterable[str] = (),
     ) -> None:
         self._stream = stream
         self._enabled = enabled
         self._started = time.monotonic() if started is None else started
+        self._secrets = frozenset(secrets)
 
     def line(self, text: str, *, always: bool = False) -> None:
         """Print ``text`` as one launcher line."""
@@ -95,7 +105,7 @@ class Console:
             return
         stream = self._stream or sys.stderr
         elapsed = time.monotonic() - self._started
-        stream.write(f"[aelastic +{elapsed:.2f}s] {text}\n")
+        stream.write(f"[aelastic +{elapsed:.2f}s] {redact(text, self._secrets)}\n")
         stream.flush()
 
     def capture_logs(self, level: int | None = None) -> logging.Handler:

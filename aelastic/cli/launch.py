@@ -6,7 +6,9 @@ events, and awaits ``agent.run()`` in a task. The signals of ``--signals-to-hand
 task: the agent then stops its workers (SIGTERM to each process group, the grace period, then
 SIGKILL) and leaves the rendezvous; the launcher exits with 1, as torchrun does after a signal.
 A failed run exits with 1 too, after a root-cause summary (rank, exit code or signal, the
-message of the worker's error file). Torch is never imported here.
+message of the worker's error file). A job id whose run was closed before this node came
+(a finished job's) gets the way out: a new ``--rdzv-id``, or ``aelastic status --reset``.
+Endpoints show without their password. Torch is never imported here.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import signal
 import time
 from collections.abc import Sequence
 
+from .._redact import redact_endpoint
 from ..agent import ElasticAgent, WorkerSpec
 from ..rendezvous import (
+    RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousParameters,
@@ -67,7 +71,7 @@ def _banner(config: LaunchConfig, name: str) -> str:
     where = (
         "standalone (nothing else to start)"
         if config.standalone
-        else f"{config.rdzv_backend} rendezvous at {config.rdzv_endpoint or 'this process'}"
+        else f"{config.rdzv_backend} rendezvous at {_where(config)}"
     )
     restarts = config.max_restarts
     command = shlex.join([os.path.basename(config.entrypoint), *config.args])
@@ -75,6 +79,36 @@ def _banner(config: LaunchConfig, name: str) -> str:
         f"launching {name}: {per_node}, {nodes}, {where}; job id {config.run_id}; "
         f"{restarts or 'no'} restart{'s' if restarts != 1 else ''} allowed; command: {command}"
     )
+
+
+def _where(config: LaunchConfig) -> str:
+    return redact_endpoint(config.rdzv_endpoint) if config.rdzv_endpoint else "this process"
+
+
+def _closed_on_arrival(config: LaunchConfig) -> list[str]:
+    """What to say when the job id names a run that was closed before this node came."""
+    lines = [
+        f"error: the job id '{config.run_id}' was used by a job that has finished: its "
+        f"rendezvous at {_where(config)} is closed, so no node can join it again"
+    ]
+    if config.rdzv_backend in ("redis", "http"):
+        reset = shlex.join(
+            [
+                "aelastic",
+                "status",
+                "--rdzv-backend",
+                config.rdzv_backend,
+                "--rdzv-endpoint",
+                redact_endpoint(config.rdzv_endpoint),
+                "--rdzv-id",
+                config.run_id,
+                "--reset",
+            ]
+        )
+        lines.append(f"start fresh with a new --rdzv-id, or delete the old run first: {reset}")
+    else:
+        lines.append("start fresh with a new --rdzv-id")
+    return lines
 
 
 def build_spec(config: LaunchConfig) -> WorkerSpec:
@@ -176,7 +210,11 @@ async def launch(config: LaunchConfig, console: Console | None = None) -> int:
         console.line(f"this node was not needed and the job is over: {exc}")
         return EXIT_OK
     except RendezvousError as exc:
-        console.line(f"error: rendezvous failed: {type(exc).__name__}: {exc}", always=True)
+        if isinstance(exc, RendezvousClosedError) and agent.metrics.rendezvous_count == 0:
+            for line in _closed_on_arrival(config):
+                console.line(line, always=True)
+        else:
+            console.line(f"error: rendezvous failed: {type(exc).__name__}: {exc}", always=True)
         return EXIT_FAILED
     except OSError as exc:
         console.line(f"error: cannot start the workers: {exc}", always=True)

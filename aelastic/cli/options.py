@@ -22,10 +22,12 @@ import signal
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, NoReturn
 
+from .._redact import redact
 from ..backends.registry import BUILTINS, backend_info
+from .conf_keys import unknown_key_warnings
 from .devices import determine_local_world_size
 
 __all__ = ["BACKEND_ALIASES", "LaunchConfig", "UsageError", "build_parser", "config_from_args"]
@@ -195,9 +197,9 @@ def build_parser(prog: str = "aelastic run") -> argparse.ArgumentParser:
     return p
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class LaunchConfig:
-    """Everything ``aelastic run`` needs to launch, validated."""
+    """Everything ``aelastic run`` needs to launch, validated (its repr hides secrets)."""
 
     min_nodes: int
     max_nodes: int
@@ -229,6 +231,10 @@ class LaunchConfig:
     verbose: bool = False
     nproc_device: str = ""
     warnings: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return redact(f"LaunchConfig({shown})")
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -327,6 +333,11 @@ def _backend(
             )
         standalone = True
     if standalone:
+        if min_nodes > 1:
+            raise UsageError(
+                f"--standalone runs the rendezvous inside this launcher: it cannot wait for "
+                f"--nnodes {args.nnodes} (use --rdzv-backend redis or http for several nodes)"
+            )
         if name not in ("static", "memory", "aelastic-memory") or args.rdzv_endpoint:
             warnings.append("--standalone ignores --rdzv-backend, --rdzv-endpoint and --rdzv-id")
         return "memory", "", f"standalone-{uuid.uuid4().hex[:12]}", True, warnings
@@ -399,6 +410,7 @@ def config_from_args(
     if not run_id.strip():
         raise UsageError("--rdzv-id must not be empty")
     conf = parse_rdzv_conf(args.rdzv_conf)
+    warnings.extend(unknown_key_warnings(conf, backend))
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise UsageError(f"--master-port {args.master_port} is not a port number")
     grace: float = 30.0

@@ -1,12 +1,16 @@
-"""``aelastic status``: what a job's rendezvous looks like now, for an operator (read-only).
+"""``aelastic status``: what a job's rendezvous looks like now, for an operator.
 
 How it works: the command opens the job's backend (redis or http) through the backend
 registry, reads the run's whole membership once (a snapshot) and prints the round, whether
 it is complete or closed, the participants with their ranks and heartbeat ages (by the
-backend's clock), and the waiting and redundant nodes. It never changes the rendezvous.
-``--watch`` prints again whenever the membership changed (woken by round transitions, and
-looking every two seconds for joins to a forming round; heartbeats alone print nothing) and
-exits when the run closes; ``--json`` prints machine-readable output.
+backend's clock), and the waiting and redundant nodes. It never changes the rendezvous,
+except with ``--reset``: that shows the run, asks for a confirmation line (``--yes`` skips
+it) and deletes the run's rendezvous state and store (the backend's ``reset()``), so that a
+finished job's id can be used again. ``--watch`` prints again whenever the membership
+changed (woken by round transitions, and looking every two seconds for joins to a forming
+round; heartbeats alone print nothing) and exits when the run closes; ``--json`` prints
+machine-readable output (a rank is ``null`` until the round completes). Nothing printed
+shows a password or token.
 """
 
 from __future__ import annotations
@@ -14,15 +18,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ..backends.registry import create_backend
-from ..core.errors import RendezvousError
+from .._redact import known_secrets, redact, redact_endpoint
+from ..backends.registry import backend_info, create_backend
+from ..core.errors import RendezvousError, RendezvousStateError
 from ..core.machine import expiry_ms
 from ..core.params import RendezvousParameters, RendezvousSettings
+from ..core.protocol import RendezvousBackend
 from ..core.state import MemberEntry, Snapshot
+from .conf_keys import unknown_key_warnings
 from .options import BACKEND_ALIASES, UsageError, parse_rdzv_conf
 
 __all__ = ["build_parser", "format_snapshot", "main", "snapshot_to_json"]
@@ -46,6 +54,12 @@ def build_parser(prog: str = "aelastic status") -> argparse.ArgumentParser:
     p.add_argument(
         "--watch", action="store_true", help="print again at every change, until the run closes"
     )
+    p.add_argument(
+        "--reset",
+        action="store_true",
+        help="delete the job's rendezvous state and store (asks first), so its id can be reused",
+    )
+    p.add_argument("-y", "--yes", action="store_true", help="--reset without asking")
     return p
 
 
@@ -140,13 +154,70 @@ def _membership(snapshot: Snapshot | None) -> object:
 _WATCH_PERIOD = 2.0
 
 
-async def _show(args: argparse.Namespace) -> int:
+def _say(text: str, secrets: frozenset[str], *, end: str = "\n", err: bool = False) -> None:
+    """Print ``text`` redacted (no password, token or known secret)."""
+    print(redact(text, secrets), end=end, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def _confirm(prompt: str) -> bool:
+    """Ask ``prompt``; whether the line read says yes (end of input: no)."""
+    print(prompt, end="", flush=True)
+    answer = sys.stdin.readline()
+    if not answer.endswith("\n"):
+        print(flush=True)
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _summary(snapshot: Snapshot | None, settings: RendezvousSettings) -> str:
+    """One line: what ``--reset`` would delete, and whether nodes still use it."""
+    if snapshot is None:
+        return "no rendezvous state (the store may still hold keys)"
+    status = snapshot.status
+    state = "closed" if status.closed else ("complete" if status.complete else "forming")
+    members = snapshot.members()
+    window = settings.rules.window_ms
+    live = sum(1 for e in members if expiry_ms(e.beat_ms, window) >= status.now_ms)
+    text = f"round {status.round}, {state}, {len(members)} node(s)"
+    if live and not status.closed:
+        text += f"; {live} still alive: stop them first, they would lose their rendezvous"
+    return text
+
+
+async def _reset(
+    args: argparse.Namespace,
+    backend: RendezvousBackend,
+    settings: RendezvousSettings,
+    secrets: frozenset[str],
+) -> int:
+    where = f"job '{settings.run_id}' at {redact_endpoint(args.rdzv_endpoint)}"
+    try:
+        summary = _summary(await backend.snapshot(), settings)
+    except RendezvousStateError as exc:
+        summary = f"unreadable state ({exc})"
+    _say(f"{where}: {summary}", secrets)
+    if not (args.yes or _confirm("delete its rendezvous state and store? [y/N] ")):
+        _say("nothing deleted", secrets)
+        return 1
+    if await backend.reset():
+        _say(f"deleted the rendezvous state and store of {where}: the id is free", secrets)
+    else:
+        _say(f"{where} had nothing to delete: the id is free", secrets)
+    return 0
+
+
+async def _show(args: argparse.Namespace, secrets: frozenset[str]) -> int:
     backend_name = BACKEND_ALIASES.get(args.rdzv_backend, args.rdzv_backend)
-    if backend_name == "memory":
+    info = backend_info(backend_name)
+    if info is not None and not info.multi_node:
         raise UsageError(
-            "the memory backend lives inside one launcher process: status needs redis or http"
+            f"the {backend_name} backend lives inside one launcher process: status needs a "
+            "backend other processes can reach (redis or http)"
         )
+    if args.reset and (args.watch or args.json):
+        raise UsageError("--reset cannot be combined with --watch or --json")
     config = parse_rdzv_conf(args.rdzv_conf)
+    for warning in unknown_key_warnings(config, backend_name):
+        _say(f"aelastic status: warning: {warning}", secrets, err=True)
     try:
         params = RendezvousParameters(
             backend_name, args.rdzv_endpoint, args.rdzv_id, 1, 1, **config
@@ -157,16 +228,19 @@ async def _show(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     shown: object = ()
     try:
+        if args.reset:
+            return await _reset(args, backend, settings, secrets)
         while True:
             snapshot = await backend.snapshot()
             if _membership(snapshot) != shown:
+                first = shown == ()
                 shown = _membership(snapshot)
                 if args.json:
-                    print(json.dumps(snapshot_to_json(snapshot, settings)), flush=True)
+                    _say(json.dumps(snapshot_to_json(snapshot, settings)), secrets)
                 else:
-                    if args.watch and shown != () and snapshot is not None:
+                    if not first:
                         print(flush=True)
-                    print(format_snapshot(snapshot, settings), flush=True)
+                    _say(format_snapshot(snapshot, settings), secrets)
             if not args.watch or (snapshot is not None and snapshot.status.closed):
                 return 0
             token = "" if snapshot is None else snapshot.status.token
@@ -176,19 +250,19 @@ async def _show(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    """Run ``aelastic status``; the exit code (1 when the backend cannot be read).
+    """Run ``aelastic status``; the exit code (1 when the backend cannot be read, or when
+    ``--reset`` was not confirmed).
 
     Raises:
         UsageError: Bad flags (exit code 2).
     """
     args = build_parser().parse_args(list(argv))
+    config = parse_rdzv_conf(args.rdzv_conf)
+    secrets = known_secrets(args.rdzv_endpoint, config, os.environ)
     try:
-        return asyncio.run(_show(args))
-    except RendezvousError as exc:
-        print(f"aelastic status: error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    except ImportError as exc:
-        print(f"aelastic status: error: {exc}", file=sys.stderr, flush=True)
+        return asyncio.run(_show(args, secrets))
+    except (RendezvousError, ImportError) as exc:
+        _say(f"aelastic status: error: {exc}", secrets, err=True)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
+from .._redact import redact_endpoint
+
 __all__ = [
     "RendezvousInfo",
     "RendezvousParameters",
@@ -74,8 +76,9 @@ class RendezvousParameters:
 
     def __repr__(self) -> str:
         return (
-            f"RendezvousParameters(backend={self.backend!r}, endpoint={self.endpoint!r}, "
-            f"run_id={self.run_id!r}, min_nodes={self.min_nodes}, max_nodes={self.max_nodes})"
+            f"RendezvousParameters(backend={self.backend!r}, "
+            f"endpoint={redact_endpoint(self.endpoint)!r}, run_id={self.run_id!r}, "
+            f"min_nodes={self.min_nodes}, max_nodes={self.max_nodes})"
         )
 
     def get(self, key: str, default: Any = None) -> Any:

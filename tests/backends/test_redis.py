@@ -215,8 +215,7 @@ async def test_acl_user_from_config_with_password_from_environment(
     assert f"bob@127.0.0.1:{auth_server.port}" in str(info.value)
     # carol may not subscribe: no notifications, so waits fall back to asking themselves
     monkeypatch.setenv(ENV_PASSWORD, "carol-pw")
-    async with backend(auth_server.url, run_id, username="carol", recheck_interval=0.2) as b:
-        await b.reset()
+    async with backend(auth_server.url, run_id + "-c", username="carol", recheck_interval=0.2) as b:
         token = (await b.apply(request(b, Op.JOIN, 0))).status.token
         waiting = asyncio.ensure_future(b.wait_for_change(token, 60))
         await asyncio.sleep(0.1)

@@ -12,15 +12,24 @@ string per key, written by scripts that refresh the expiry and publish the key's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
 from ...core.state import FORMAT_VERSION, Reply, Request, Snapshot, Status
 from ...core.token import Token, new_epoch
-from ...core.wire import WireError, reply_from_json, snapshot_from_json, status_from_json
+from ...core.wire import (
+    WireError,
+    reply_from_json,
+    snapshot_from_json,
+    status_from_json,
+    status_to_json,
+)
 from . import _scripts as lua
 from ._calls import RedisCalls
 from ._endpoint import RedisEndpoint
@@ -194,7 +203,6 @@ class RedisBackend(RedisCalls):
         """Delete every key of the run (state, store, records); whether there were any."""
         client, _ = await self._bind()
         pattern = _glob_escape(self._keys.base) + ":*"
-        deleted = 0
 
         async def scan(within: float) -> int:
             count, cursor = 0, b"0"
@@ -205,7 +213,12 @@ class RedisBackend(RedisCalls):
                 if found:
                     count += await client.command("UNLINK", *found, within=within)
                 if cursor in (b"0", 0, "0"):
-                    return count
+                    break
+            # Waiting nodes learn that the run is gone (an empty status: a new epoch next).
+            empty = json.dumps(status_to_json(Status()), separators=(",", ":")).encode()
+            with contextlib.suppress(ResponseError):  # a user without the channel: no news
+                await client.command("PUBLISH", self._keys.channel, b"s" + empty, within=within)
+            return count
 
         deleted = await self._call("reset", scan)
         return deleted > 0

@@ -138,10 +138,13 @@ class RedisCalls:
                 raise RendezvousConnectionError(
                     f"Redis at {self.endpoint} refused {what}: {exc}"
                 ) from None
-            except InvalidResponse:
+            except InvalidResponse as exc:  # another protocol: retrying cannot help
+                said = str(exc).removeprefix("Protocol Error: ")
+                said = said if len(said) <= 60 else said[:57] + "..."
                 raise RendezvousConnectionError(
-                    f"The server at {self.endpoint} does not answer as Redis does ({what}): "
-                    "is it a Redis server?"
+                    f"The server at {self.endpoint} does not speak the Redis protocol (it "
+                    f"answered {what} with {said}): is it a Redis server? Check the host and "
+                    "port."
                 ) from None
             except _TRANSIENT as exc:
                 remaining = deadline - loop.time()
