@@ -104,7 +104,7 @@ _LAYERS = {
     "core": {"core"},
     "backends": {"core", "backends"},
     "rendezvous": {"core", "backends", "rendezvous"},
-    "agent": {"core", "backends", "rendezvous", "agent", "_redact"},
+    "agent": {"core", "backends", "rendezvous", "agent"},
     "sync": {"core", "backends", "rendezvous", "sync"},
 }
 

@@ -7,7 +7,10 @@ import time
 import pytest
 
 from aelastic import RendezvousParameters
-from aelastic._redact import (
+from aelastic.agent.api import WorkerState
+from aelastic.agent.env import inherited_env
+from aelastic.agent.events import AgentEvent, EventBus, EventKind
+from aelastic.core.redact import (
     SECRET_ENV,
     is_secret_key,
     known_secrets,
@@ -15,9 +18,6 @@ from aelastic._redact import (
     redact_config,
     redact_endpoint,
 )
-from aelastic.agent.api import WorkerState
-from aelastic.agent.env import inherited_env
-from aelastic.agent.events import AgentEvent, EventBus, EventKind
 
 SECRET = "S3cret-pw"
 

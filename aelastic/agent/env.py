@@ -4,7 +4,7 @@ How it works: pure functions of the spec, the group and the worker. The agent's 
 environment comes first, then ``WorkerSpec.env``, then torch's variables (which win), so an
 existing torch script finds RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... as under
 torchrun. The agent's credentials (``AELASTIC_REDIS_PASSWORD``, ``AELASTIC_HTTP_TOKEN``...,
-see :data:`aelastic._redact.SECRET_ENV`) are not inherited: workers need no rendezvous
+see :data:`aelastic.core.redact.SECRET_ENV`) are not inherited: workers need no rendezvous
 secret, and their environment often ends up in logs. ``${local_rank}`` in string arguments
 becomes the worker's local rank.
 """
@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._redact import SECRET_ENV
+from ..core.redact import SECRET_ENV
 from .api import Worker, WorkerGroup
 
 __all__ = [
@@ -111,7 +111,7 @@ def worker_env(
         run_id: The rendezvous run id.
         error_file: Where the worker's ``@record`` writes its error (``""``: nowhere).
         base: The environment to start from (default: the agent's ``os.environ``), minus
-            the credentials of :data:`aelastic._redact.SECRET_ENV`.
+            the credentials of :data:`aelastic.core.redact.SECRET_ENV`.
 
     Raises:
         ValueError: The group has no ranks or master address yet, or the GPU assignment

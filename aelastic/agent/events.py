@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from .._redact import redact
+from ..core.redact import redact
 from .api import WorkerState
 
 __all__ = ["AgentEvent", "AgentMetrics", "EventBus", "EventKind", "EventStream"]

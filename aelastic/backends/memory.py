@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from .._redact import redact_endpoint
 from ..core.params import RendezvousParameters
+from ..core.redact import redact_endpoint
 from ..core.state import Reply, Request, Snapshot, Status
 from ..core.token import Token
 from ._engine import Engine, now_ms

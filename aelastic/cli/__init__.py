@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from .._redact import redact
+from ..core.redact import redact
 from .options import UsageError
 
 __all__ = ["main"]
@@ -33,7 +33,7 @@ def _run(argv: Sequence[str]) -> int:
     import logging
     import os
 
-    from .._redact import known_secrets
+    from ..core.redact import known_secrets
     from .console import Console
     from .launch import launch
     from .options import parse_config

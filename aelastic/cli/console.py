@@ -4,7 +4,7 @@ How it works: :class:`Console` is an agent event listener (``agent.add_listener`
 :class:`~aelastic.agent.AgentEvent` becomes at most one line on stderr, prefixed with
 ``[aelastic +<seconds since launch>]``, saying what happened in words a newcomer understands
 (rendezvous, starting workers, a worker exited, restarting, rescaling, done) and how long it
-took. Every line is redacted (:func:`aelastic._redact.redact`): no endpoint password,
+took. Every line is redacted (:func:`aelastic.core.redact.redact`): no endpoint password,
 ``password=``/``token=`` value or known secret is ever printed. Workers' own output is not
 touched: it goes to stdout/stderr as the agent streams it.
 """
@@ -18,9 +18,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
-from .._redact import redact
 from ..agent.api import ProcessFailure, RunResult
 from ..agent.events import AgentEvent, EventKind
+from ..core.redact import redact
 
 __all__ = ["Console", "describe_exit", "summarize_failure"]
 

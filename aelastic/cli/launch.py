@@ -21,8 +21,8 @@ import signal
 import time
 from collections.abc import Sequence
 
-from .._redact import redact_endpoint
 from ..agent import ElasticAgent, WorkerSpec
+from ..core.redact import redact_endpoint
 from ..rendezvous import (
     RendezvousClosedError,
     RendezvousError,

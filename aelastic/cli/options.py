@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NoReturn
 
-from .._redact import redact
 from ..backends.registry import BUILTINS, backend_info
+from ..core.redact import redact
 from .conf_keys import unknown_key_warnings
 from .devices import determine_local_world_size
 

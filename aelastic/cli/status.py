@@ -23,12 +23,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from .._redact import known_secrets, redact, redact_endpoint
 from ..backends.registry import backend_info, create_backend
 from ..core.errors import RendezvousError, RendezvousStateError
 from ..core.machine import expiry_ms
 from ..core.params import RendezvousParameters, RendezvousSettings
 from ..core.protocol import RendezvousBackend
+from ..core.redact import known_secrets, redact, redact_endpoint
 from ..core.state import MemberEntry, Snapshot
 from .conf_keys import unknown_key_warnings
 from .options import BACKEND_ALIASES, UsageError, parse_rdzv_conf

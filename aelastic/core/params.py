@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
-from .._redact import redact_endpoint
+from .redact import redact_endpoint
 
 __all__ = [
     "RendezvousInfo",
