@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks._scale_servers import ROOT, Counters, ServerUnderTest
+from benchmarks._scale_servers import ROOT, Counters, ServerUnderTest, cpu_seconds
 
 __all__ = ["Job", "measure"]
 
@@ -152,6 +152,15 @@ class Job:
             return -1
         return sum(counts)
 
+    def cpu(self) -> float:
+        """CPU seconds the live worker processes used so far (the nodes' side)."""
+        total = 0.0
+        for worker in self.workers:
+            if worker.alive and not worker.killed:
+                with contextlib.suppress(OSError):
+                    total += cpu_seconds(worker.process.pid)
+        return total
+
     def kill(self, worker: Worker) -> None:
         worker.killed = True
         os.kill(worker.process.pid, signal.SIGKILL)
@@ -256,12 +265,14 @@ async def measure(
             result["status"] = "did not start"
             return result
         at = time.time() + 1.0
+        cpu0 = job.cpu()
         await job.send({"cmd": "form", "at": at})
         finished = await job.until(
             lambda: len(job.formed) + len(job.failed) >= n or bool(job.died), timeout + 1.0
         )
         spent = server.snapshot() - before
         formation = _per_node(spent, n)
+        formation["nodes_cpu_s"] = job.cpu() - cpu0
         formation["formed"] = len(job.formed)
         if job.formed:
             formation["seconds"] = max(e["t"] for e in job.formed.values()) - at
@@ -280,10 +291,12 @@ async def measure(
         if idle > 0:
             await asyncio.sleep(settle)
             wakeups0, counters0, t0 = await job.wakeups(), server.snapshot(), time.time()
+            cpu0 = job.cpu()
             await asyncio.sleep(idle)
             wakeups1, counters1, t1 = await job.wakeups(), server.snapshot(), time.time()
             window = t1 - t0
             result["idle"] = _per_node(counters1 - counters0, n, window)
+            result["idle"]["nodes_cpu_s"] = job.cpu() - cpu0
             result["idle"]["seconds"] = window
             woken = -1 if min(wakeups0, wakeups1) < 0 else wakeups1 - wakeups0
             result["idle"]["wakeups_per_node_s"] = None if woken < 0 else woken / n / window

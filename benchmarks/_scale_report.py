@@ -32,6 +32,8 @@ def _case_row(case: dict[str, Any]) -> str:
     form = _num(seconds, ".3f") if status == "ok" else status
     if status == "did not finish":
         form = f"DNF>{formation.get('timeout_s', 0):g}s"
+    elif status.startswith("skipped"):
+        form = "skipped"
     detect_max = _num(kill.get("max_s"), ".2f")
     if kill and kill.get("detected") != kill.get("survivors"):
         detect_max = f"{kill.get('detected')}/{kill.get('survivors')}"
@@ -74,20 +76,56 @@ _UNITS = (
 
 
 def _ratio_line(cases: list[dict[str, Any]]) -> str | None:
-    done = [
+    measured = [
         c
         for c in cases
-        if c["status"] == "ok" and c.get("formation", {}).get("bytes_per_node") is not None
+        if c["status"] in ("ok", "did not finish")
+        and c.get("formation", {}).get("bytes_per_node") is not None
     ]
-    if len(done) < 2:
+    if len(measured) < 2 or measured[0]["status"] != "ok":
         return None
-    small, large = done[0], done[-1]
+    small, large = measured[0], measured[-1]
     ratio = large["formation"]["bytes_per_node"] / small["formation"]["bytes_per_node"]
     growth = large["n"] / small["n"]
+    bound = ""
+    if large["status"] != "ok":
+        bound = ">= "  # the traffic until the timeout: a lower bound
     return (
-        f"  per-node formation bytes, N={large['n']} / N={small['n']}: {ratio:,.1f}x "
+        f"  per-node formation bytes, N={large['n']} / N={small['n']}: {bound}{ratio:,.1f}x "
         f"(flat: 1x, linear in N: {growth:g}x, quadratic: {growth**2:g}x)"
+        + (" (did not finish: traffic until the timeout)" if bound else "")
     )
+
+
+def _notes(cases: list[dict[str, Any]]) -> list[str]:
+    """What went wrong or looked odd in ``cases``, one line each."""
+    notes: list[str] = []
+    for case in cases:
+        at = f"  N={case['n']}:"
+        if case.get("errors"):
+            notes.append(f"{at} {len(case['errors'])} distinct errors, e.g. {case['errors'][0]}")
+        if case.get("died"):
+            notes.append(f"{at} worker processes {case['died']} exited on their own")
+        if case.get("spurious_watch_returns"):
+            sample = case["spurious_samples"][0]
+            lost = ", ".join(sample["lost"][:3])
+            notes.append(
+                f"{at} {case['spurious_watch_returns']} watch() returns before the kill, "
+                f"e.g. round {sample['round']}, lost [{lost}], waiting {sample['waiting']}, "
+                f"removed {sample['removed']}"
+            )
+        others = case.get("kill", {}).get("other_members_lost")
+        if others:
+            notes.append(f"{at} after the kill, {others} other live members were seen lost")
+        if case.get("watch_errors"):
+            notes.append(f"{at} {case['watch_errors']} watch() calls raised")
+        issues = case.get("log_issues", {})
+        if issues.get("lines"):
+            notes.append(
+                f"{at} {issues['lines']} error/warning lines in the workers' stderr, e.g. "
+                f"{issues['samples'][0][:160]}"
+            )
+    return notes
 
 
 def format_report(results: dict[str, Any]) -> str:
@@ -97,13 +135,19 @@ def format_report(results: dict[str, Any]) -> str:
     backends = list(dict.fromkeys(c["backend"] for c in results["cases"]))
     for backend in backends:
         cases = [c for c in results["cases"] if c["backend"] == backend]
-        out.append(f"{backend} ({label}; nodes per process on one {isolation} each)")
+        where = (
+            "each node on its own event loop and thread"
+            if isolation == "thread"
+            else "the nodes of a process as tasks of one event loop"
+        )
+        out.append(f"{backend} ({label}; {where})")
         out.append(_HEADER)
         out.append("-" * len(_HEADER))
         out += [_case_row(c) for c in cases]
         ratio = _ratio_line(cases)
         if ratio:
             out.append(ratio)
+        out += _notes(cases)
         out.append("")
     if results["cases"]:
         out.append(_UNITS)
@@ -117,6 +161,8 @@ def format_report(results: dict[str, Any]) -> str:
             form = _num(formation.get("seconds"), ".3f") if status == "ok" else status
             if status == "did not finish":
                 form = f"DNF>{formation.get('timeout_s', 0):g}s"
+            elif status.startswith("skipped"):
+                form = "skipped"
             out.append(
                 f"{case['n']:>5} | {form:>11} | {_kb(formation.get('bytes_per_node')):>10} | "
                 f"{_num(formation.get('connections_per_node'), '.1f'):>6}"
@@ -124,6 +170,7 @@ def format_report(results: dict[str, Any]) -> str:
         ratio = _ratio_line(results["torch"])
         if ratio:
             out.append(ratio)
+        out += _notes(results["torch"])
         out.append("")
     for case in results["spurious"]:
         idle = case.get("idle", {})
@@ -135,6 +182,7 @@ def format_report(results: dict[str, Any]) -> str:
             f"idle KB/node/s {_kb(idle.get('bytes_per_node'))}, "
             f"formation {_num(case.get('formation', {}).get('seconds'), '.3f')} s"
         )
+        out += _notes([case])
     return "\n".join(out)
 
 
@@ -143,21 +191,26 @@ def save(results: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
-def _series(results: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
+def _series(results: dict[str, Any]) -> dict[str, list[tuple[int, float, bool]]]:
+    """(N, per-node formation bytes, finished) by line name."""
     label = results["label"]
-    series: dict[str, list[tuple[int, float]]] = {}
+    series: dict[str, list[tuple[int, float, bool]]] = {}
     for group, prefix in ((results["cases"], ""), (results["torch"], "torch c10d")):
         for case in group:
             per_node = case.get("formation", {}).get("bytes_per_node")
-            if case["status"] != "ok" or not per_node:
+            if case["status"] not in ("ok", "did not finish") or not per_node:
                 continue
             name = prefix or case["backend"]
-            series.setdefault(f"{name} ({label})", []).append((case["n"], per_node))
+            point = (case["n"], per_node, case["status"] == "ok")
+            series.setdefault(f"{name} ({label})", []).append(point)
     return series
 
 
 def plot(documents: list[dict[str, Any]], path: Path) -> None:
     """Per-node formation bytes against N (log-log), one line per (label, backend).
+
+    A formation that did not finish is drawn with an open triangle: its traffic until the
+    timeout, a lower bound.
 
     Raises:
         SystemExit: matplotlib is not installed.
@@ -175,13 +228,28 @@ def plot(documents: list[dict[str, Any]], path: Path) -> None:
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
     sizes: set[int] = set()
+    unfinished = False
     for results in documents:
         for name, points in _series(results).items():
             points.sort()
-            xs, ys = [p[0] for p in points], [p[1] / 1024 for p in points]
-            sizes.update(xs)
+            sizes.update(p[0] for p in points)
             style = "s--" if name.startswith("torch") else "o-"
-            axes.plot(xs, ys, style, label=name)
+            (line,) = axes.plot(
+                [p[0] for p in points], [p[1] / 1024 for p in points], style, label=name
+            )
+            open_points = [p for p in points if not p[2]]
+            if open_points:
+                unfinished = True
+                axes.plot(
+                    [p[0] for p in open_points],
+                    [p[1] / 1024 for p in open_points],
+                    "^",
+                    markersize=11,
+                    markerfacecolor="none",
+                    color=line.get_color(),
+                )
+    if unfinished:
+        axes.plot([], [], "^", markerfacecolor="none", color="gray", label="did not finish")
     axes.set_xscale("log", base=2)
     axes.set_xticks(sorted(sizes))
     axes.xaxis.set_major_formatter(ScalarFormatter())

@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import datetime
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -211,6 +212,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
         "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_average_at_start": os.getloadavg(),
         "settings": {
             "sizes": args.sizes,
             "procs": args.procs,
@@ -224,7 +227,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     log_dir = Path(tempfile.mkdtemp(prefix="aelastic-scale-"))
     for backend in args.backends:
+        stopped_at = None
         for n in args.sizes:
+            if stopped_at is not None:  # a larger N would not finish either
+                skipped = f"skipped (N={stopped_at} did not finish)"
+                results["cases"].append({"backend": backend, "n": n, "status": skipped})
+                continue
             counts = [*_split(n - 1, args.procs), 1]
             case = await run_aelastic(
                 backend,
@@ -239,13 +247,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results["cases"].append(case)
             _progress(case)
             if case["status"] != "ok":
-                break  # larger N would not finish either
+                stopped_at = n
+    stopped_at = None
     for n in args.torch_sizes:
+        if stopped_at is not None:
+            skipped = f"skipped (N={stopped_at} did not finish)"
+            results["torch"].append({"backend": "torch-c10d", "n": n, "status": skipped})
+            continue
         case = await run_torch(n, args, log_dir)
         results["torch"].append(case)
         _progress(case)
         if case["status"] != "ok":
-            break
+            stopped_at = n
     if args.spurious_procs > 0:
         for backend in args.backends:
             case = await run_aelastic(
