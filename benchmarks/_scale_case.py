@@ -256,6 +256,7 @@ async def measure(
     job = Job(log_dir, name)
     n = sum(counts)
     result: dict[str, Any] = {"n": n, "processes": len(counts), "status": "ok"}
+    result["load_average_before"] = os.getloadavg()
     try:
         before = server.snapshot()
         await job.spawn(counts, command)
@@ -324,6 +325,7 @@ async def measure(
         result["watch_errors"] = len(job.watch_errors)
         return result
     finally:
+        result["load_average_after"] = os.getloadavg()
         await job.stop()
         result["log_issues"] = job.log_issues()
 

@@ -174,14 +174,22 @@ def format_report(results: dict[str, Any]) -> str:
         out.append("")
     for case in results["spurious"]:
         idle = case.get("idle", {})
-        out.append(
-            f"spurious-change check, {case['backend']}: {case['n']} processes x 1 node, "
-            f"{_num(idle.get('seconds'), '.0f')} s idle: status {case['status']}, "
-            f"watch() returns {case.get('spurious_watch_returns', '-')} (must be 0), "
-            f"wake-ups/node/s {_num(idle.get('wakeups_per_node_s'), '.2f')}, "
-            f"idle KB/node/s {_kb(idle.get('bytes_per_node'))}, "
-            f"formation {_num(case.get('formation', {}).get('seconds'), '.3f')} s"
-        )
+        formation = case.get("formation", {})
+        head = f"spurious-change check, {case['backend']}: {case['n']} processes x 1 node:"
+        if case["status"] != "ok":
+            out.append(
+                f"{head} {case['status']} (formation limit {formation.get('timeout_s', '-')} s, "
+                f"{formation.get('formed', 0)} formed, {_kb(formation.get('bytes_per_node'))} "
+                "KB/node sent meanwhile)"
+            )
+        else:
+            out.append(
+                f"{head} formed in {_num(formation.get('seconds'), '.3f')} s, then "
+                f"{_num(idle.get('seconds'), '.0f')} s idle: watch() returns "
+                f"{case.get('spurious_watch_returns', '-')} (must be 0), wake-ups/node/s "
+                f"{_num(idle.get('wakeups_per_node_s'), '.2f')}, idle KB/node/s "
+                f"{_kb(idle.get('bytes_per_node'))}"
+            )
         out += _notes([case])
     return "\n".join(out)
 
@@ -234,8 +242,13 @@ def plot(documents: list[dict[str, Any]], path: Path) -> None:
             points.sort()
             sizes.update(p[0] for p in points)
             style = "s--" if name.startswith("torch") else "o-"
+            finished = [i for i, p in enumerate(points) if p[2]]
             (line,) = axes.plot(
-                [p[0] for p in points], [p[1] / 1024 for p in points], style, label=name
+                [p[0] for p in points],
+                [p[1] / 1024 for p in points],
+                style,
+                markevery=finished,
+                label=name,
             )
             open_points = [p for p in points if not p[2]]
             if open_points:
