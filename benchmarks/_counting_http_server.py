@@ -1,0 +1,107 @@
+"""aelastic's HTTP rendezvous server with traffic counters, for ``rdzv_scale.py``.
+
+Serves the same application as ``aelastic serve`` (``create_app()``, no token, no
+persistence) on a loopback port, with one more middleware, outermost, that counts every
+answered request and the bytes of its answer: the body exactly, the head (status line and
+headers) as aiohttp writes it, up to a few bytes. ``GET /_bench/stats`` (not counted itself)
+answers ``{"requests", "bytes_out", "connections"}``, where ``connections`` is the number of
+distinct client sockets that sent a request.
+
+Run: ``python -m benchmarks._counting_http_server [--port 0]``; prints
+``listening on http://127.0.0.1:PORT`` once it accepts connections, serves until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import http, web
+
+from aelastic.backends.http.server import create_app
+from benchmarks._scale_node import raise_fd_limit
+
+STATS_PATH = "/_bench/stats"
+
+#: Head bytes aiohttp adds when it sends an answer: ``Date: <29 chars>\r\n`` and ``Server``.
+_ADDED_HEAD = len("Date: Sun, 06 Nov 1994 08:49:37 GMT\r\n") + len(
+    f"Server: {http.SERVER_SOFTWARE}\r\n"
+)
+
+
+def answer_size(response: web.StreamResponse) -> int:
+    """Bytes aiohttp writes for ``response``: status line, headers, blank line, body."""
+    body = getattr(response, "body", None)
+    length = len(body) if isinstance(body, bytes | bytearray) else (response.content_length or 0)
+    head = len(f"HTTP/1.1 {response.status} {response.reason}\r\n") + 2 + _ADDED_HEAD
+    head += sum(len(k) + len(v) + 4 for k, v in response.headers.items())
+    if "Content-Length" not in response.headers:
+        head += len(f"Content-Length: {length}\r\n")
+    return head + length
+
+
+class Counters:
+    """Requests answered, bytes written, client sockets seen."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.bytes_out = 0
+        self.peers: set[Any] = set()
+
+    def middleware(self) -> Any:
+        @web.middleware
+        async def counting(
+            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+        ) -> web.StreamResponse:
+            response = await handler(request)
+            if request.path != STATS_PATH:
+                self.requests += 1
+                self.bytes_out += answer_size(response)
+                transport = request.transport
+                if transport is not None:
+                    self.peers.add(transport.get_extra_info("peername"))
+            return response
+
+        return counting
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"requests": self.requests, "bytes_out": self.bytes_out, "connections": len(self.peers)}
+        )
+
+
+async def serve(port: int) -> None:
+    counters = Counters()
+    app = create_app(token="")
+    app.middlewares.insert(0, counters.middleware())
+    app.router.add_get(STATS_PATH, counters.stats)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", port, backlog=4096)
+        await site.start()
+        print(f"listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    raise_fd_limit()
+    asyncio.run(serve(args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Servers under test for ``rdzv_scale.py``, each with its traffic counters.
+
+* :class:`RedisUnderTest`: a real ``redis-server`` (``tests/_redis_server.py``) on a free
+  loopback port, with room for thousands of clients. Counters from ``INFO stats``
+  (``total_commands_processed``, ``total_net_output_bytes``, ``total_connections_received``),
+  read over a raw socket so that the benchmark's own ``INFO`` calls (one command and the
+  reply's exact bytes each) are subtracted.
+* :class:`HttpUnderTest`: aelastic's HTTP server app in its own process with a counting
+  middleware (``benchmarks/_counting_http_server.py``).
+* :class:`TorchStoreUnderTest`: torch's ``TCPStore`` server behind a byte-counting TCP
+  proxy, in one process (``benchmarks/_scale_torch.py host``).
+
+``snapshot()`` gives cumulative :class:`Counters`; a phase's traffic is the difference of two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+__all__ = [
+    "Counters",
+    "HttpUnderTest",
+    "RedisUnderTest",
+    "ServerUnderTest",
+    "TorchStoreUnderTest",
+    "cpu_seconds",
+]
+
+_TICK = 1.0 / os.sysconf("SC_CLK_TCK")
+_START_TIMEOUT = 30.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * _TICK
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Cumulative server-side counts (``commands`` is -1 where it cannot be counted)."""
+
+    commands: int
+    bytes_out: int
+    connections: int
+    cpu: float
+
+    def __sub__(self, before: Counters) -> Counters:
+        commands = -1 if self.commands < 0 else self.commands - before.commands
+        return Counters(
+            commands,
+            self.bytes_out - before.bytes_out,
+            self.connections - before.connections,
+            self.cpu - before.cpu,
+        )
+
+
+class ServerUnderTest(Protocol):
+    endpoint: str
+    pid: int
+
+    def snapshot(self) -> Counters: ...
+
+    def close(self) -> None: ...
+
+
+def _ready_line(process: subprocess.Popen[str], prefix: str, what: str) -> str:
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line.startswith(prefix):
+        process.kill()
+        raise RuntimeError(f"{what} did not start: {line!r}")
+    return line[len(prefix) :].strip()
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class RedisUnderTest:
+    """A ``redis-server`` on loopback, its counters read with ``INFO stats``."""
+
+    def __init__(self) -> None:
+        from tests._redis_server import RedisServer
+
+        self._server = RedisServer(
+            extra_args=("--maxclients", "19000", "--tcp-backlog", "4096")
+        ).start()
+        assert self._server.process is not None
+        self.pid = self._server.process.pid
+        self.endpoint = self._server.url
+        self._sock = socket.create_connection(("127.0.0.1", self._server.port))
+        self._reader = self._sock.makefile("rb")
+        self._own_commands = 0
+        self._own_bytes = 0
+
+    def _info(self) -> tuple[dict[str, str], int]:
+        self._sock.sendall(b"*2\r\n$4\r\nINFO\r\n$5\r\nstats\r\n")
+        header = self._reader.readline()
+        if not header.startswith(b"$"):
+            raise RuntimeError(f"unexpected INFO reply: {header!r}")
+        size = int(header[1:])
+        body = self._reader.read(size + 2)
+        fields = dict(line.split(":", 1) for line in body.decode().splitlines() if ":" in line)
+        return fields, len(header) + size + 2
+
+    def snapshot(self) -> Counters:
+        """Counters so far, without the benchmark's own INFO calls.
+
+        An INFO reply reports the counts before that INFO itself ran and was answered, so
+        every earlier INFO (one command, its reply's bytes) is subtracted.
+        """
+        fields, reply_bytes = self._info()
+        counters = Counters(
+            int(fields["total_commands_processed"]) - self._own_commands,
+            int(fields["total_net_output_bytes"]) - self._own_bytes,
+            int(fields["total_connections_received"]) - 1,  # this socket
+            cpu_seconds(self.pid),
+        )
+        self._own_commands += 1
+        self._own_bytes += reply_bytes
+        return counters
+
+    def close(self) -> None:
+        self._reader.close()
+        self._sock.close()
+        self._server.close()
+
+
+class HttpUnderTest:
+    """aelastic's HTTP server (with counters) in its own process."""
+
+    def __init__(self) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks._counting_http_server", "--port", "0"],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.pid = self._process.pid
+        self.endpoint = _ready_line(self._process, "listening on ", "the HTTP server")
+
+    def snapshot(self) -> Counters:
+        url = f"{self.endpoint}/_bench/stats"
+        with urllib.request.urlopen(url, timeout=_START_TIMEOUT) as answer:
+            doc = json.load(answer)
+        return Counters(
+            doc["requests"], doc["bytes_out"], doc["connections"], cpu_seconds(self.pid)
+        )
+
+    def close(self) -> None:
+        _stop(self._process)
+
+
+class TorchStoreUnderTest:
+    """torch's TCPStore server behind a byte-counting proxy, in one process."""
+
+    def __init__(self) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks._scale_torch", "host"],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+        )
+        self.pid = self._process.pid
+        self.endpoint = _ready_line(self._process, "proxy on ", "the TCPStore host")
+
+    def snapshot(self) -> Counters:
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write("stats\n")
+        self._process.stdin.flush()
+        doc = json.loads(self._process.stdout.readline())
+        return Counters(-1, doc["bytes_out"], doc["connections"], cpu_seconds(self.pid))
+
+    def close(self) -> None:
+        _stop(self._process)
