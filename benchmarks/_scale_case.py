@@ -202,6 +202,7 @@ def _per_node(counters: Counters, n: int, seconds: float = 1.0) -> dict[str, flo
     scale = n * seconds
     return {
         "commands_per_node": None if counters.commands < 0 else counters.commands / scale,
+        "operations_per_node": None if counters.operations < 0 else counters.operations / scale,
         "bytes_per_node": counters.bytes_out / scale,
         "connections_per_node": counters.connections / n,
         "server_cpu_s": counters.cpu,

@@ -41,6 +41,7 @@ def _case_row(case: dict[str, Any]) -> str:
         f"{case['n']:>5}",
         f"{form:>11}",
         f"{_num(formation.get('commands_per_node'), ',.1f'):>10}",
+        f"{_num(formation.get('operations_per_node'), ',.0f'):>8}",
         f"{_kb(formation.get('bytes_per_node')):>10}",
         f"{_num(idle.get('commands_per_node'), ',.2f'):>9}",
         f"{_kb(idle.get('bytes_per_node')):>9}",
@@ -58,6 +59,7 @@ _HEADER = " | ".join(
         f"{'N':>5}",
         f"{'formation s':>11}",
         f"{'cmds/node':>10}",
+        f"{'ops/node':>8}",
         f"{'KB/node':>10}",
         f"{'idle cmd':>9}",
         f"{'idle KB':>9}",
@@ -69,6 +71,8 @@ _HEADER = " | ".join(
     ]
 )
 _UNITS = (
+    "cmds: requests a node sent (Redis: commands from clients; HTTP: requests); ops: every "
+    "command Redis ran, inside scripts too; "
     "idle cmd / idle KB / wakeups: per node per second; kill max/med: s from SIGKILL until "
     "the survivors' watch() showed the node lost; spurious: watch() returns before the kill; "
     "conns: connections opened per node during formation"

@@ -57,14 +57,19 @@ class Counters:
     bytes_out: int
     connections: int
     cpu: float
+    #: Redis: every command the server ran, those inside scripts included (``commands`` are
+    #: the ones clients sent); -1 where it is not counted.
+    operations: int = -1
 
     def __sub__(self, before: Counters) -> Counters:
         commands = -1 if self.commands < 0 else self.commands - before.commands
+        operations = -1 if self.operations < 0 else self.operations - before.operations
         return Counters(
             commands,
             self.bytes_out - before.bytes_out,
             self.connections - before.connections,
             self.cpu - before.cpu,
+            operations,
         )
 
 
@@ -96,6 +101,14 @@ def _stop(process: subprocess.Popen[str]) -> None:
             process.wait()
 
 
+#: Commands aelastic's clients send to Redis (every other one runs inside its scripts):
+#: what a node asks of the server, one round trip each.
+_CLIENT_COMMANDS = frozenset(
+    {"evalsha", "eval", "script", "subscribe", "unsubscribe", "ping", "exists", "scan",
+     "unlink", "client", "hello", "auth", "select"}
+)  # fmt: skip
+
+
 class RedisUnderTest:
     """A ``redis-server`` on loopback, its counters read with ``INFO stats``."""
 
@@ -113,8 +126,8 @@ class RedisUnderTest:
         self._own_commands = 0
         self._own_bytes = 0
 
-    def _info(self) -> tuple[dict[str, str], int]:
-        self._sock.sendall(b"*2\r\n$4\r\nINFO\r\n$5\r\nstats\r\n")
+    def _info(self, section: bytes = b"stats") -> tuple[dict[str, str], int]:
+        self._sock.sendall(b"*2\r\n$4\r\nINFO\r\n$%d\r\n%s\r\n" % (len(section), section))
         header = self._reader.readline()
         if not header.startswith(b"$"):
             raise RuntimeError(f"unexpected INFO reply: {header!r}")
@@ -129,12 +142,21 @@ class RedisUnderTest:
         An INFO reply reports the counts before that INFO itself ran and was answered, so
         every earlier INFO (one command, its reply's bytes) is subtracted.
         """
+        stats, stats_bytes = self._info(b"commandstats")
+        self._own_commands += 1
+        self._own_bytes += stats_bytes
         fields, reply_bytes = self._info()
+        sent = 0
+        for name, value in stats.items():
+            command = name.removeprefix("cmdstat_").split("|")[0]
+            if command in _CLIENT_COMMANDS:
+                sent += int(value.split(",")[0].removeprefix("calls="))
         counters = Counters(
-            int(fields["total_commands_processed"]) - self._own_commands,
+            sent,
             int(fields["total_net_output_bytes"]) - self._own_bytes,
             int(fields["total_connections_received"]) - 1,  # this socket
             cpu_seconds(self.pid),
+            int(fields["total_commands_processed"]) - self._own_commands,
         )
         self._own_commands += 1
         self._own_bytes += reply_bytes

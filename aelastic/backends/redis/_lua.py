@@ -27,22 +27,26 @@ local HS, P, PORTS, W, R, B = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[
 local TYPES = {[HS] = 'hash', [P] = 'zset', [PORTS] = 'hash', [W] = 'set', [R] = 'set',
                [B] = 'zset'}
 
-local function check_types()
-  for key, want in pairs(TYPES) do
+-- Checks the Redis type of the given keys (all six by default); returns an error object
+-- and whether the header exists.
+local function check_types(keys)
+  local exists = false
+  for _, key in ipairs(keys or KEYS) do
     local kind = redis.call('TYPE', key)['ok']
-    if kind ~= 'none' and kind ~= want then
-      return {error = 'type', key = key, kind = kind}
+    if kind ~= 'none' and kind ~= TYPES[key] then
+      return {error = 'type', key = key, kind = kind}, false
     end
+    if key == HS and kind ~= 'none' then exists = true end
   end
-  return nil
+  return nil, exists
 end
 
-local function load_header(epoch)
+local function load_header(epoch, exists)
   local f = redis.call('HMGET', HS, 'format', 'epoch', 'version', 'round', 'complete',
     'closed', 'deadline', 'seq', 'world', 'lost', 'finished', 'sample', 'master_addr',
     'master_port', 'data')
   if not f[1] and not f[2] and not f[15] then
-    if redis.call('EXISTS', HS) == 1 then return nil, {error = 'foreign'} end
+    if exists then return nil, {error = 'foreign'} end
     return {fresh = true, epoch = epoch, gen = 0, round = 0, complete = false,
             closed = false, deadline = false, seq = 0, world = 0, lost = 0, finished = 0,
             sample = {}, master_addr = false, master_port = false}
@@ -96,9 +100,12 @@ local expired, finished = ARGV[7] == '1', ARGV[8] == '1'
 local port = tonumber(ARGV[9])
 local ttl, channel = ARGV[12], ARGV[13]
 
-local bad = check_types()
+-- A heartbeat or a status touches the header and the heartbeats (and, rarely, prunes):
+-- the other keys are checked by the requests that change membership.
+local light = op == 'keep_alive' or op == 'status'
+local bad, exists = check_types(light and {HS, B} or nil)
 if bad then return cjson.encode(bad) end
-local h, err = load_header(ARGV[11])
+local h, err = load_header(ARGV[11], exists)
 if not h then return cjson.encode(err) end
 local now = server_now(ARGV[10])
 
@@ -246,6 +253,7 @@ local function apply()
 end
 
 local before = signature()
+local header_before = cjson.encode(h)
 local pruned = prune()
 local outcome, transition, wake_at, restart = apply()
 if signature() ~= before then h.gen = h.gen + 1 end
@@ -263,8 +271,14 @@ if h.fresh then
   table.insert(fields, 'data')
   table.insert(fields, '{"format":"aelastic.rendezvous.state","version":2}')
 end
-redis.call('HSET', HS, unpack(fields))
-for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ttl) end
+if h.fresh or cjson.encode(h) ~= header_before then redis.call('HSET', HS, unpack(fields)) end
+-- Every key's expiry is refreshed when membership changes, and otherwise once half of it
+-- is used up (a heartbeat then costs one PTTL).
+if not light or pruned > 0 or redis.call('PTTL', HS) < tonumber(ttl) / 2 then
+  for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ttl) end
+else
+  redis.call('PEXPIRE', B, ttl)
+end
 
 local status = status_of(h, now)
 if signature() ~= before then redis.call('PUBLISH', channel, 's' .. cjson.encode(status)) end
@@ -288,9 +302,9 @@ return cjson.encode(reply)
 STATUS = (
     _HEADER
     + r"""
-local bad = check_types()
+local bad, exists = check_types()
 if bad then return cjson.encode(bad) end
-local h, err = load_header('')
+local h, err = load_header('', exists)
 if not h then return cjson.encode(err) end
 if h.fresh then return cjson.encode({absent = true}) end
 return cjson.encode(status_of(h, server_now(ARGV[1])))
@@ -301,9 +315,9 @@ return cjson.encode(status_of(h, server_now(ARGV[1])))
 SNAPSHOT = (
     _HEADER
     + r"""
-local bad = check_types()
+local bad, exists = check_types()
 if bad then return cjson.encode(bad) end
-local h, err = load_header('')
+local h, err = load_header('', exists)
 if not h then return cjson.encode(err) end
 if h.fresh then return cjson.encode({absent = true}) end
 local beats = {}
