@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..backends.http.wire import DEFAULT_PORT
 from .options import UsageError
@@ -39,6 +39,9 @@ def build_parser(prog: str = "aelastic serve") -> argparse.ArgumentParser:
     p.add_argument(
         "--run-ttl", type=float, default=None, help="forget runs idle this long (s; 0: never)"
     )
+    p.add_argument(
+        "--max-body", type=int, default=None, help="largest request body in bytes (default 4 MiB)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log the server's info lines")
     return p
 
@@ -54,8 +57,10 @@ def main(argv: Sequence[str]) -> int:
         raise UsageError(f"--port {args.port} is not a port number")
     if args.run_ttl is not None and not args.run_ttl >= 0:
         raise UsageError("--run-ttl must be >= 0")
+    if args.max_body is not None and args.max_body < 1024:
+        raise UsageError("--max-body must be at least 1024 bytes")
     try:
-        from ..backends.http.server import PersistenceError, run_server
+        from ..backends.http.server import PersistenceError, resolve_token, run_server
     except ImportError as exc:
         print(
             f"aelastic serve: error: {exc.name} is missing; pip install 'aelastic[http]'",
@@ -66,7 +71,13 @@ def main(argv: Sequence[str]) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
     )
-    kwargs = {} if args.run_ttl is None else {"run_ttl": args.run_ttl}
+    try:
+        resolve_token(None)  # a token that could never match is refused at once
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    kwargs: dict[str, Any] = {} if args.run_ttl is None else {"run_ttl": args.run_ttl}
+    if args.max_body is not None:
+        kwargs["max_body"] = args.max_body
     try:
         run_server(args.host, args.port, persist_path=args.persist, **kwargs)
     except PersistenceError as exc:

@@ -73,3 +73,20 @@ async def test_kv_wait_wakes_when_the_keys_appear(make_params: MakeParams) -> No
     finally:
         await waiting_backend.aclose()
         await writer.aclose()
+
+
+async def test_counters_are_signed_64_bit_on_every_backend(made: RendezvousBackend) -> None:
+    """torch's stores add signed 64-bit integers: leaving that range is a ValueError, and
+    the stored value stays as it was (the same on every backend)."""
+    top, bottom = 2**63 - 1, -(2**63)
+    assert await made.kv_add("c", top) == top
+    with pytest.raises(ValueError):
+        await made.kv_add("c", 1)
+    assert await made.kv_get(["c"]) == [str(top).encode()]
+    assert await made.kv_add("d", bottom) == bottom
+    with pytest.raises(ValueError):
+        await made.kv_add("d", -1)
+    await made.kv_set("big", str(2**64).encode())  # set by someone else: past 64 bits
+    with pytest.raises(ValueError):
+        await made.kv_add("big", 0)
+    assert await made.kv_get(["big"]) == [str(2**64).encode()]

@@ -231,3 +231,36 @@ async def test_cancelled_join_of_a_complete_round_leaves(make_params: MakeParams
             return not (await stored(second)).knows(first.node)
 
         await eventually(gone)
+
+
+async def test_after_shutdown_the_handler_still_answers_as_torchs_does(
+    make_params: MakeParams,
+) -> None:
+    async with handlers(make_params, 1, 1, 1) as (node,):
+        await join_all([node])
+        assert await node.shutdown() is True
+        assert await node.shutdown() is True  # again: still True, nothing raised
+        assert await node.is_closed() is True
+        assert await node.num_nodes_waiting() == 0
+        with pytest.raises(RendezvousClosedError):
+            await node.next_rendezvous()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "message"),
+    [
+        ("~", "hostname of the rendezvous endpoint '~'"),
+        ("~:123", "hostname of the rendezvous endpoint '~:123'"),
+        ("dummy.com :123", "hostname of the rendezvous endpoint 'dummy.com :123'"),
+        ("dummy.com:", "port number of the rendezvous endpoint 'dummy.com:'"),
+    ],
+)
+@pytest.mark.parametrize("backend_name", ["redis", "http"])
+def test_invalid_endpoints_fail_at_once_with_torchs_messages(
+    backend_name: str, endpoint: str, message: str
+) -> None:
+    from aelastic import RendezvousParameters
+    from aelastic.rendezvous import create_handler
+
+    with pytest.raises(ValueError, match=message):
+        create_handler(RendezvousParameters(backend_name, endpoint, "run", 1, 1))

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from ...core.params import parse_rendezvous_endpoint
+
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
@@ -190,6 +192,8 @@ def parse_endpoint(
     config = config or {}
     environ = os.environ if environ is None else environ
     text = (endpoint or "").strip()
+    if text and "://" not in text and "@" not in text:
+        parse_rendezvous_endpoint(text, DEFAULT_PORT)  # a bare host:port: torch's rules
     if text:
         tls, host, port, db, username, password = _split(text)
     else:

@@ -120,17 +120,19 @@ return {1}
 )
 
 #: KEYS: key, op record. ARGV: amount, ttl ms, channel, message, op record ttl ms.
-#: -> {1, new value} | {-1, type} | {-3}
+#: -> {1, new value as text} | {-1, type} | {-3}
 KV_ADD = (
     _STRING_ONLY
     + """
 local done = redis.call('GET', KEYS[2])
-if done then return {1, tonumber(done)} end
+if done then return {1, done} end
 local kind = foreign(KEYS[1])
 if kind then return {-1, kind} end
 local value = redis.call('GET', KEYS[1])
 if value and not string.match(value, '^%-?%d+$') then return {-3} end
-local new = redis.call('INCRBY', KEYS[1], ARGV[1])
+redis.call('INCRBY', KEYS[1], ARGV[1])
+-- Read back as text: a Lua number (a double) cannot hold every 64-bit integer.
+local new = redis.call('GET', KEYS[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('SET', KEYS[2], new, 'PX', ARGV[5])
 redis.call('PUBLISH', ARGV[3], ARGV[4])

@@ -64,6 +64,7 @@ __all__ = [
     "DEFAULT_RUN_TTL",
     "PersistenceError",
     "create_app",
+    "resolve_token",
     "run_server",
     "serve",
 ]
