@@ -104,3 +104,61 @@ def test_late_node_scales_the_group_up(
             assert a.wait(60) == 0, a.output
     assert "node(s) waiting to join" in a.output or "rescaling" in a.output, a.output
     assert "world=2" in a.output and "world=2" in b.output
+
+
+def test_a_member_stopped_as_the_round_completes_then_killed_never_hangs_the_others(
+    tmp_path: Path, rendezvous: tuple[str, str], run_id: str
+) -> None:
+    """The lower-pid node is frozen (SIGSTOP) just before the last call ends, so the round
+    completes with it, then it is killed: the survivor learns its rank from its own join,
+    sees the frozen member lost within the heartbeat window, and forms a group with a new
+    node. Nothing waits for the dead member's store keys past that."""
+    import asyncio
+    import time
+
+    from aelastic import RendezvousParameters
+    from aelastic.backends import create_backend
+
+    backend_name, endpoint = rendezvous
+    (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
+    conf = "--rdzv-conf=last_call_timeout=3,keep_alive_interval=0.5,keep_alive_max_attempt=3"
+
+    def node() -> Cli:
+        return Cli(
+            [
+                "run", "--nnodes=2:3", f"--rdzv-backend={backend_name}",
+                f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", conf,
+                "--local-addr=127.0.0.1", "--max-restarts=3", "worker.py", "2",
+            ],
+            tmp_path,
+        )  # fmt: skip
+
+    async def last_call_left() -> float:
+        params = RendezvousParameters(backend_name, endpoint, run_id, 2, 3)
+        backend = create_backend(params)
+        try:
+            for _ in range(600):
+                snap = await backend.snapshot()
+                if snap is not None and snap.status.deadline_ms is not None:
+                    return (snap.status.deadline_ms - snap.status.now_ms) / 1000
+                await asyncio.sleep(0.02)
+            raise AssertionError("the last call never started")
+        finally:
+            await backend.aclose()
+
+    with node() as a, node() as b:
+        left = asyncio.run(last_call_left())
+        time.sleep(max(left - 0.3, 0.0))
+        frozen, survivor = (a, b) if a.proc.pid < b.proc.pid else (b, a)
+        os.kill(frozen.proc.pid, signal.SIGSTOP)
+        time.sleep(0.5)  # the round completes with the frozen node in it
+        for pid in [frozen.proc.pid, *_children(frozen.proc.pid)]:
+            os.kill(pid, signal.SIGKILL)
+        frozen.wait(30)
+        started = time.monotonic()
+        with node() as c:
+            assert survivor.wait(60) == 0, survivor.output
+            assert c.wait(60) == 0, c.output
+        # heartbeat window (1.5 s) + last call (3 s), with room for a loaded machine
+        assert time.monotonic() - started < 40
+    assert "world=2" in survivor.output and "world=2" in c.output
