@@ -9,9 +9,11 @@
         server.kill()     # SIGKILL: a crash
         server.start()    # again, on the same port (same url)
 
-* ``HttpServer(token=None, persist=None, port=None)``: ``token`` sets AELASTIC_HTTP_TOKEN for
-  the server (``None``: no auth); ``persist`` is a path for ``--persist``; ``port`` defaults to
-  a free one, kept across restarts.
+* ``HttpServer(token=None, persist=None, port=None, max_body=None)``: ``token`` sets
+  AELASTIC_HTTP_TOKEN for the server (``None``: no auth); ``persist`` is a path for
+  ``--persist``; ``port`` defaults to a free one, kept across restarts. ``max_body`` (which
+  ``aelastic serve`` has no flag for) runs ``run_server(max_body=...)`` the way the command
+  does instead.
 * ``start(timeout=30)`` returns once the server printed that it listens (it then accepts
   connections); it raises ``RuntimeError`` with the server's stderr if it exits instead.
   ``url`` is ``http://127.0.0.1:PORT``, ``endpoint`` is ``127.0.0.1:PORT``.
@@ -40,6 +42,14 @@ __all__ = ["HttpServer", "free_port", "serve_in_loop"]
 
 _ROOT = Path(__file__).resolve().parent.parent
 _READY = "aelastic rendezvous server listening on "
+#: ``aelastic serve`` with a ``max_body``: argv is host, port, persist ("" for none), max_body.
+_SERVE_WITH_MAX_BODY = (
+    "import logging, sys\n"
+    "from aelastic.backends.http.server import run_server\n"
+    "logging.basicConfig(level=logging.WARNING, format='%(asctime)s %(name)s: %(message)s')\n"
+    "host, port, persist, max_body = sys.argv[1:]\n"
+    "run_server(host, int(port), persist_path=persist or None, max_body=int(max_body))\n"
+)
 
 
 def free_port() -> int:
@@ -59,11 +69,13 @@ class HttpServer:
         persist: str | os.PathLike[str] | None = None,
         port: int | None = None,
         extra_args: tuple[str, ...] = (),
+        max_body: int | None = None,
     ) -> None:
         self.token = token
         self.persist = None if persist is None else str(persist)
         self.port = free_port() if port is None else port
         self.extra_args = extra_args
+        self.max_body = max_body
         self._proc: subprocess.Popen[str] | None = None
         self._stderr: Any = None
 
@@ -103,10 +115,14 @@ class HttpServer:
         if self.token is not None:
             env["AELASTIC_HTTP_TOKEN"] = self.token
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "aelastic", "serve", "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), *self.extra_args]
-        if self.persist is not None:
-            cmd += ["--persist", self.persist]
+        if self.max_body is not None:
+            cmd = [sys.executable, "-c", _SERVE_WITH_MAX_BODY, "127.0.0.1", str(self.port)]
+            cmd += [self.persist or "", str(self.max_body)]
+        else:
+            cmd = [sys.executable, "-m", "aelastic", "serve", "--host", "127.0.0.1"]
+            cmd += ["--port", str(self.port), *self.extra_args]
+            if self.persist is not None:
+                cmd += ["--persist", self.persist]
         if self._stderr is None:
             self._stderr = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in kill())
                 "w+", prefix="aelastic-http-", suffix=".log"

@@ -6,7 +6,10 @@ status?token=<newest known>&wait=<hold>``, which the server answers as soon as t
 token moves (round transitions only) or when the hold ends; each answer is news for the
 watch, which wakes the waiters it concerns. The loop stops once nobody waits. If the server
 cannot be reached the watch is told (its waiters then ask by themselves, and fail after
-``read_timeout``) and the loop retries with backoff while waiters remain.
+``read_timeout``) and the loop retries with backoff while waiters remain. A run whose state
+is gone (deleted, or a server restarted without its journal) answers "no state", which no
+token order can call newer: the watch then starts over as after a lost channel (its waiters
+re-check and learn it) and the next long-poll waits for a state to appear.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Awaitable, Callable
 
 from ....core.errors import RendezvousError
 from ....core.state import Status
+from ....core.token import NO_STATE
 from ..._watch import RunWatch
 
 __all__ = ["LONG_POLL", "RunFeed"]
@@ -62,6 +66,8 @@ class RunFeed:
                 continue
             delay = 0.05
             watch.on_status(status)
+            if status.token == NO_STATE and watch.token not in (None, NO_STATE):
+                watch.on_lost()  # the state is gone: forget what was known, never spin
         watch.live = False
 
     async def aclose(self) -> None:

@@ -10,7 +10,9 @@ dirty at the call is appended and fsynced (in a thread: the loop never blocks on
 only the dirty runs are serialized). The journal is rewritten compactly at start and when it
 grew past twice its live size (runs serialized in small batches between which the loop
 serves requests). A temporary file left by a crash during a rewrite is removed at start.
-Heartbeats are not saved: after a restart every listed node gets a fresh heartbeat window.
+After a write failed (the journal may end in a cut line, or be gone) the next commit
+rewrites it whole instead of appending. Heartbeats are not saved: after a restart every
+listed node gets a fresh heartbeat window.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ class RunStore:
         self._path = None if persist_path is None else Path(persist_path)
         self._lock: asyncio.Lock | None = None
         self._written = 0  # bytes in the journal
+        self._damaged = False  # a write failed: rewrite the journal whole before appending
         self._live = 0  # bytes of its last rewrite
         if self._path is not None:
             self._open(self._path)
@@ -229,34 +232,44 @@ class RunStore:
         async with self._lock:  # after a commit under way, which may hold our change
             if not self._dirty:
                 return
+            if self._damaged:
+                await self._compact(strict=True)
+                return
             batch, self._dirty = self._dirty, set()
             lines = [self._line(run_id) for run_id in batch]
             try:
                 await asyncio.to_thread(_append, self._path, lines)
             except OSError as exc:
                 self._dirty |= batch
-                log.error("could not persist the rendezvous runs to %s: %s", self._path, exc)
-                raise PersistenceError(
-                    f"could not persist the runs to {self._path}: {exc}"
-                ) from exc
+                self._damaged = True  # it may end in a cut line now, or be gone
+                raise self._failed(exc) from exc
             self._written += sum(len(line) for line in lines)
             if self._written > max(_MIN_REWRITE, _GROWTH * self._live):
                 await self._compact()
 
-    async def _compact(self) -> None:
+    def _failed(self, exc: OSError) -> PersistenceError:
+        log.error("could not persist the rendezvous runs to %s: %s", self._path, exc)
+        return PersistenceError(f"could not persist the runs to {self._path}: {exc}")
+
+    async def _compact(self, strict: bool = False) -> None:
+        """Rewrite the journal compactly; ``strict``: raise if that fails (else log)."""
         assert self._path is not None
         lines = [self._header()]
         run_ids = list(self.engine.runs)
         for start in range(0, len(run_ids), _BATCH):
             lines.extend(self._line(r) for r in run_ids[start : start + _BATCH] if r)
             await asyncio.sleep(0)  # let the loop serve requests between batches
-        lines.extend(self._line(r) for r in self._dirty)  # changed meanwhile: newest last
-        self._dirty.clear()
+        changed, self._dirty = self._dirty, set()
+        lines.extend(self._line(r) for r in changed)  # changed meanwhile: newest last
         try:
             await asyncio.to_thread(_rewrite, self._path, lines)
         except OSError as exc:
+            self._dirty |= changed  # not on disk: the next commit writes them
+            if strict:
+                raise self._failed(exc) from exc
             log.error("could not rewrite %s: %s", self._path, exc)
             return  # the journal as it was stays valid; try again after the next commit
+        self._damaged = False
         self._written = self._live = sum(len(line) for line in lines)
 
     # -- runs -----------------------------------------------------------------------------
