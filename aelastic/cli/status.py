@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from .._signals import sigint_interrupts
 from ..backends.registry import create_backend
 from ..rendezvous.api import RendezvousError, RendezvousParameters, RendezvousSettings
 from ..rendezvous.state import NodeDesc, RendezvousState, decode_state
@@ -157,7 +158,8 @@ def main(argv: Sequence[str]) -> int:
     """
     args = build_parser().parse_args(list(argv))
     try:
-        return asyncio.run(_show(args))
+        with sigint_interrupts():  # --watch ends on SIGINT, even if inherited ignored
+            return asyncio.run(_show(args))
     except RendezvousError as exc:
         print(f"aelastic status: error: {exc}", file=sys.stderr, flush=True)
         return 1
