@@ -17,11 +17,12 @@ No worker outlives its agent either, even one killed by SIGKILL. Two mechanisms:
   forked the child ends, not the process: workers are started on the agent's event-loop
   thread, which lives as long as the agent does (an embedding program must keep it so);
 * the guardian (:mod:`aelastic.agent._guard`), a small helper process in its own session,
-  started with the first worker. Every worker's group is announced to it and withdrawn once
-  stopped; when the agent process is gone it gives what is left the agent's own stop:
-  SIGTERM to each group, the grace period, SIGKILL. The kernel's signal reaches only the
-  worker; the guardian reaches the worker's children in its group too (a worker may so see
-  SIGTERM twice).
+  started before the first worker. Every worker's group is announced to it right after the
+  spawn (one write) and withdrawn once stopped; when the agent process is gone it gives what
+  is left the agent's own stop: SIGTERM to each group, the grace period, SIGKILL. The
+  kernel's signal reaches only the worker; the guardian reaches the worker's children in its
+  group too (a worker may so see SIGTERM twice). An agent killed in the instant between a
+  spawn and its announcement leaves that worker to the kernel's signal alone.
 
 What neither reaches: processes a worker moved out of its group on purpose (``setsid``,
 ``setpgid``), as with any process-group based stop.
@@ -92,6 +93,7 @@ class WorkerProcess:
         Raises:
             OSError: The command could not be started (not found, not executable, ...).
         """
+        _GUARDIAN.ensure()  # up before the spawn: the announcement follows it at once
         popen = subprocess.Popen(
             list(argv),
             env=dict(env),
@@ -296,6 +298,12 @@ class _Guardian:
         self._groups: dict[int, bytes] = {}
         self._warned = False
 
+    def ensure(self) -> None:
+        """Start the guardian now if there is none (so that announcing a group is a write)."""
+        with self._lock:
+            if self._fd is None:
+                self._start()
+
     def watch(self, pgid: int, grace: float) -> None:
         """Announce group ``pgid``: stop it (``grace`` s) should this process die."""
         line = f"+ {pgid} {start_time(pgid)} {grace!r}\n".encode()
@@ -316,8 +324,7 @@ class _Guardian:
                 return
             except OSError:  # it died: start another one, told every group
                 self._close()
-        if self._groups:
-            self._start()
+        self._start()
 
     def _start(self) -> None:
         read_fd, write_fd = os.pipe()
@@ -334,7 +341,8 @@ class _Guardian:
                     ],
                     setsid=True,
                 )
-            os.write(write_fd, b"".join(self._groups.values()))
+            if self._groups:
+                os.write(write_fd, b"".join(self._groups.values()))
         except (OSError, ValueError) as exc:
             os.close(write_fd)
             if not self._warned:

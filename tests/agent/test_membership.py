@@ -226,12 +226,21 @@ async def test_failure_stays_the_root_cause_when_the_restart_cannot_rendezvous(
     assert all(reaped(h["pid"]) for h in pair)
 
 
-async def test_ctrl_c_in_a_run_sync_script_stops_its_workers(run_id: str) -> None:
+#: Runs the rest of the command line with SIGINT ignored, as a shell script's background
+#: job inherits it (``exec`` keeps the pid).
+IGNORING_SIGINT = ["sh", "-c", 'trap "" INT; exec "$0" "$@"']
+
+
+# SIGINT inherited ignored once made run_sync deaf to it (asyncio.run then installs no
+# handler): the script ran on until killed.
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+async def test_ctrl_c_in_a_run_sync_script_stops_its_workers(run_id: str, inherited: str) -> None:
     async with WorkerHub() as hub:
         env = {**os.environ, **hub.env, "PYTHONPATH": str(ROOT)}
         args = [str(Path(__file__).with_name("peer.py")), "memory", "local", run_id]
         args.append("last_call_timeout=0.1")
-        script = subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT)  # noqa: ASYNC220
+        prefix = IGNORING_SIGINT if inherited == "ignored" else []
+        script = subprocess.Popen([*prefix, sys.executable, *args], env=env, cwd=ROOT)  # noqa: ASYNC220
         try:
             hello = await hub.next()
             script.send_signal(signal.SIGINT)

@@ -23,12 +23,28 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-class Cli:
-    """``python -m aelastic <args>`` with stdout and stderr merged, read by a thread."""
+#: Runs the rest of the command line with SIGINT ignored, as a shell script's background
+#: job inherits it (``exec`` keeps the process: same pid).
+IGNORING_SIGINT = ["sh", "-c", 'trap "" INT; exec "$0" "$@"']
 
-    def __init__(self, args: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> None:
+
+class Cli:
+    """``python -m aelastic <args>`` with stdout and stderr merged, read by a thread.
+
+    ``ignore_sigint`` starts it with SIGINT ignored (inherited, as by a background job).
+    """
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        cwd: Path,
+        env: dict[str, str] | None = None,
+        *,
+        ignore_sigint: bool = False,
+    ) -> None:
+        prefix = IGNORING_SIGINT if ignore_sigint else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aelastic", *args],
+            [*prefix, sys.executable, "-m", "aelastic", *args],
             cwd=cwd,
             env=cli_env(env),
             stdout=subprocess.PIPE,
