@@ -23,15 +23,19 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-#: Runs the rest of the command line with SIGINT ignored, as a shell script's background
-#: job inherits it (``exec`` keeps the process: same pid).
-IGNORING_SIGINT = ["sh", "-c", 'trap "" INT; exec "$0" "$@"']
+def sigint_as(disposition: str | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` starting a child with SIGINT ``"default"`` or ``"ignored"`` (as a
+    background job of a shell script inherits it); ``None``: whatever this process has."""
+    if disposition is None:
+        return None
+    handler = {"default": signal.SIG_DFL, "ignored": signal.SIG_IGN}[disposition]
+    return lambda: signal.signal(signal.SIGINT, handler)
 
 
 class Cli:
     """``python -m aelastic <args>`` with stdout and stderr merged, read by a thread.
 
-    ``ignore_sigint`` starts it with SIGINT ignored (inherited, as by a background job).
+    ``sigint`` starts it with SIGINT ``"default"`` or ``"ignored"`` (see :func:`sigint_as`).
     """
 
     def __init__(
@@ -40,11 +44,11 @@ class Cli:
         cwd: Path,
         env: dict[str, str] | None = None,
         *,
-        ignore_sigint: bool = False,
+        sigint: str | None = None,
     ) -> None:
-        prefix = IGNORING_SIGINT if ignore_sigint else []
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "aelastic", *args],
+            [sys.executable, "-m", "aelastic", *args],
+            preexec_fn=sigint_as(sigint),
             cwd=cwd,
             env=cli_env(env),
             stdout=subprocess.PIPE,

@@ -146,8 +146,7 @@ def test_status_watch_ends_on_sigint(tmp_path: Path, run_id: str, inherited: str
 
     with HttpServer() as server:
         args = ["status", "--rdzv-backend", "http", "--rdzv-endpoint", server.endpoint]
-        ignore = inherited == "ignored"
-        with Cli([*args, "--rdzv-id", run_id, "--watch"], tmp_path, ignore_sigint=ignore) as watch:
+        with Cli([*args, "--rdzv-id", run_id, "--watch"], tmp_path, sigint=inherited) as watch:
             watch.wait_for(lambda lines: any("no rendezvous state" in line for line in lines))
             watch.signal(signal.SIGINT)
             assert watch.wait(60) == 130, watch.output

@@ -47,7 +47,7 @@ def _workers(cli: Cli) -> list[int]:
 def test_sigint_ends_a_standalone_launch(tmp_path: Path, point: str, inherited: str) -> None:
     (tmp_path / "sleep.py").write_text(textwrap.dedent(SLEEP))
     args = ["run", "--nproc-per-node", "2", "sleep.py"]
-    with Cli(args, tmp_path, ignore_sigint=inherited == "ignored") as cli:
+    with Cli(args, tmp_path, sigint=inherited) as cli:
         if point == "launch":
             cli.wait_for(_has("launching sleep.py"))
         elif point == "workers":
@@ -77,7 +77,7 @@ def test_sigint_ends_a_launch_waiting_in_the_rendezvous(
         with Cli(status, tmp_path) as watch:
             watch.wait_for(_has("no rendezvous state"))
             args = ["run", "--nnodes=2", *rdzv, "--local-addr=127.0.0.1", "sleep.py"]
-            with Cli(args, tmp_path, ignore_sigint=inherited == "ignored") as node:
+            with Cli(args, tmp_path, sigint=inherited) as node:
                 # It joined and waits for a second node that never comes.
                 watch.wait_for(_has("participants (1)"))
                 node.signal(signal.SIGINT)
