@@ -287,8 +287,8 @@ _GUARD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard
 class _Guardian:
     """This process's link to its guardian (see :mod:`aelastic.agent._guard`).
 
-    Started with the first group it must watch, started again (told every group still
-    watched) if it died. Thread-safe; a forked child starts with no guardian of its own.
+    Started before the first spawn, started again (told every group still watched) if it
+    died. Thread-safe; a forked child starts with no guardian of its own.
     """
 
     def __init__(self) -> None:
@@ -343,8 +343,9 @@ class _Guardian:
                 )
             if self._groups:
                 os.write(write_fd, b"".join(self._groups.values()))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, AttributeError) as exc:
             os.close(write_fd)
+            self._close()  # reaps one that started but died at once
             if not self._warned:
                 self._warned = True
                 log.warning(
