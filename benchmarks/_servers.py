@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aelastic.backends import BUILTINS  # noqa: E402
+from aelastic.backends import BUILTINS
 
 __all__ = ["SERVER_BACKENDS", "server_endpoint"]
 

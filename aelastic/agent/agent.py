@@ -24,13 +24,15 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
 from ..core.errors import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
 from ..core.view import MembershipView
 from ._aio import cancel_and_wait, quietly, uncancellable
+from ._signals import sigint_interrupts
 from .api import (
     DEFAULT_ROLE,
     ProcessFailure,
@@ -40,7 +42,7 @@ from .api import (
     WorkerState,
     std_map,
 )
-from .errors import format_failures
+from .errors import NOT_KEPT, format_failures
 from .events import AgentEvent, AgentMetrics, EventBus, EventKind, EventStream
 from .logs import run_log_dir
 from .membership import GroupChanged, RoundGroup
@@ -143,7 +145,9 @@ class ElasticAgent:
         """:meth:`run` on a private event loop, for plain scripts; releases the handler after.
 
         Works from any thread that is not itself running an event loop (another thread may
-        run one). Ctrl-C stops the workers cleanly, then raises ``KeyboardInterrupt``.
+        run one). In the main thread, SIGINT (Ctrl-C) stops the workers cleanly, then raises
+        ``KeyboardInterrupt``, even if the process inherited SIGINT ignored (a background
+        job of a shell script); a SIGINT handler of the program's own is left alone.
 
         Raises:
             RuntimeError: Called from a thread whose event loop is running (use ``await run()``).
@@ -161,7 +165,8 @@ class ElasticAgent:
             finally:
                 await self._handler.aclose()
 
-        return asyncio.run(main())
+        with sigint_interrupts():
+            return asyncio.run(main())
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -208,7 +213,7 @@ class ElasticAgent:
                 log.warning(
                     "worker group failed, restarting (%d restarts left):\n%s",
                     self._restarts_left - 1,
-                    format_failures(RunResult(WorkerState.FAILED, failures=failures)),
+                    format_failures(RunResult(WorkerState.FAILED, failures=self._kept(failures))),
                 )
                 await self._stop_workers(WorkerState.FAILED)
                 self._restarts_left -= 1
@@ -234,7 +239,7 @@ class ElasticAgent:
         )
 
     def _failed(self, failures: dict[int, ProcessFailure], reason: str) -> RunResult:
-        result = RunResult(WorkerState.FAILED, failures=dict(failures))
+        result = RunResult(WorkerState.FAILED, failures=self._kept(failures))
         self._set_state(WorkerState.FAILED)
         log.error("%s:\n%s", reason, format_failures(result, self._spec.role))
         return result
@@ -459,6 +464,16 @@ class ElasticAgent:
             reason = "cancelled or error" if result is None else result.state.value
             self._emit(EventKind.FINISHED, reason=reason)
             self._bus.close()
+
+    def _kept(self, failures: Mapping[int, ProcessFailure]) -> dict[int, ProcessFailure]:
+        """``failures`` as reported: error files removed with the run are named so, not by a
+        path that will not exist (their content stays in ``error_file_data``)."""
+        if self._own_log_root is None or not self._logs_disposable():
+            return dict(failures)
+        return {
+            rank: f if f.error_file in ("", "<N/A>") else replace(f, error_file=NOT_KEPT)
+            for rank, f in failures.items()
+        }
 
     def _logs_disposable(self) -> bool:
         """A log root the agent made holds only error files (already read) unless redirected."""

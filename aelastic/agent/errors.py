@@ -5,7 +5,10 @@ writes ``{"message": {"message": ..., "extraInfo": {"py_callstack": ..., "timest
 (or the older ``{"message": "...", "timestamp": ...}``) to ``TORCHELASTIC_ERROR_FILE``
 when it dies of an exception. :func:`make_failure` turns an exit status plus that file into a
 :class:`~aelastic.agent.api.ProcessFailure`; a missing, empty or unreadable file never hides
-the failure itself, it only leaves a generated message.
+the failure itself, it only leaves a generated message. When the agent's log directory is
+a temporary one (no ``log_dir``), it is removed with the run: the failures then name their
+error file :data:`NOT_KEPT`, and the content stays in ``error_file_data`` (reports show it,
+see :func:`error_details`).
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from typing import Any
 
 from .api import ProcessFailure, RunResult
 
-__all__ = ["format_failures", "make_failure", "read_error_file"]
+__all__ = ["NOT_KEPT", "error_details", "format_failures", "make_failure", "read_error_file"]
 
 _NOT_AVAILABLE = "<N/A>"
+#: ``ProcessFailure.error_file`` of an error file removed with the agent's temporary logs.
+NOT_KEPT = "<not kept: no log_dir>"
 _NO_TRACEBACK = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
 
 
@@ -118,16 +123,17 @@ def _by_time(failures: Mapping[int, ProcessFailure]) -> list[ProcessFailure]:
     return sorted(failures.values(), key=lambda f: (f.timestamp, f.global_rank))
 
 
-def _callstack(failure: ProcessFailure) -> str | None:
+def error_details(failure: ProcessFailure) -> str:
+    """What the worker's error file said: its call stack when it has one, else the message."""
     message = failure.error_file_data.get("message")
     extra = message.get("extraInfo") if isinstance(message, dict) else None
     stack = extra.get("py_callstack") if isinstance(extra, dict) else None
-    return stack.rstrip() if isinstance(stack, str) and stack.strip() else None
+    return stack.rstrip() if isinstance(stack, str) and stack.strip() else failure.message
 
 
 def _describe(index: int, failure: ProcessFailure) -> str:
     signal_part = f" ({failure.signal_name()})" if failure.exitcode < 0 else ""
-    message = (_callstack(failure) or failure.message).replace("\n", "\n    ")
+    message = error_details(failure).replace("\n", "\n    ")
     return (
         f"[{index}]:\n"
         f"  time      : {failure.timestamp_isoformat()}\n"

@@ -7,23 +7,52 @@ exits (a waiter thread blocked in ``waitpid`` where pidfds are missing), and the
 reaped at once. :func:`stop_processes` sends SIGTERM to every group, waits up to the grace
 period, SIGKILLs what is left, reaps every worker and sweeps the groups with SIGKILL so no
 descendant outlives the stop.
+
+No worker outlives its agent either, even one killed by SIGKILL. Two mechanisms:
+
+* the kernel's parent-death signal. Between fork and exec the child asks for SIGTERM when
+  its parent dies (``prctl(PR_SET_PDEATHSIG)``, through ctypes, in ``preexec_fn``: a ctypes
+  call, ``os.getppid()`` and ``os._exit`` only), then exits at once if the agent died before
+  that (``os.getppid()`` is no longer the agent). The kernel sends it when the *thread* that
+  forked the child ends, not the process: workers are started on the agent's event-loop
+  thread, which lives as long as the agent does (an embedding program must keep it so);
+* the guardian (:mod:`aelastic.agent._guard`), a small helper process in its own session,
+  started before the first worker. Every worker's group is announced to it right after the
+  spawn (one write) and withdrawn once stopped; when the agent process is gone it gives what
+  is left the agent's own stop: SIGTERM to each group, the grace period, SIGKILL. The
+  kernel's signal reaches only the worker; the guardian reaches the worker's children in its
+  group too (a worker may so see SIGTERM twice). An agent killed in the instant between a
+  spawn and its announcement leaves that worker to the kernel's signal alone.
+
+What neither reaches: processes a worker moved out of its group on purpose (``setsid``,
+``setpgid``), as with any process-group based stop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any
+
+from ._guard import group_members, start_time
 
 __all__ = ["WorkerProcess", "stop_processes"]
 
+log = logging.getLogger("aelastic.agent")
+
 _Stream = int | IO[Any] | None
+
+#: Grace period the guardian gives a group when the caller names none (torch's default).
+DEFAULT_GRACE = 30.0
 
 
 class WorkerProcess:
@@ -53,12 +82,18 @@ class WorkerProcess:
         stderr: _Stream = None,
         cwd: str | None = None,
         pass_fds: Sequence[int] = (),
+        grace: float = DEFAULT_GRACE,
     ) -> WorkerProcess:
         """Start ``argv`` in a new session (call on the event loop that will await it).
+
+        The process gets SIGTERM if this thread ends (the agent died), and its group is
+        announced to the guardian, which stops it (``grace`` s between SIGTERM and SIGKILL)
+        if the agent process dies before :func:`stop_processes` did.
 
         Raises:
             OSError: The command could not be started (not found, not executable, ...).
         """
+        _GUARDIAN.ensure()  # up before the spawn: the announcement follows it at once
         popen = subprocess.Popen(
             list(argv),
             env=dict(env),
@@ -69,7 +104,9 @@ class WorkerProcess:
             pass_fds=tuple(pass_fds),
             start_new_session=True,
             close_fds=True,
+            preexec_fn=_die_with_parent(),
         )
+        _GUARDIAN.watch(popen.pid, grace)
         return cls(popen, local_rank)
 
     def restarted(self) -> None:
@@ -166,30 +203,15 @@ async def stop_processes(processes: Iterable[WorkerProcess], grace: float) -> No
         await asyncio.wait([asyncio.ensure_future(p.wait()) for p in left])
     for proc in procs:
         proc.close()
-    stragglers = [pid for p in procs if p.alive_in_group() for pid in _group_members(p.pid)]
+    stragglers = [pid for p in procs if p.alive_in_group() for pid in group_members(p.pid)]
     if stragglers:
         await _await_deaths(stragglers, _STRAGGLER_TIMEOUT)
+    for proc in procs:
+        _GUARDIAN.forget(proc.pid)
 
 
 #: Longest wait for SIGKILLed descendants to die (they are not ours to reap).
 _STRAGGLER_TIMEOUT = 5.0
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live processes of process group ``pgid`` (Linux ``/proc``; empty elsewhere)."""
-    members = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-                members.append(int(entry.name))
-    return members
 
 
 async def _await_deaths(pids: list[int], timeout: float) -> None:
@@ -216,3 +238,143 @@ async def _await_deaths(pids: list[int], timeout: float) -> None:
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+# -- dying with the agent ---------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+_prctl: Callable[..., int] | None = None
+_prctl_looked_up = False
+
+
+def _libc_prctl() -> Callable[..., int] | None:
+    """libc's ``prctl`` (Linux), looked up once in the agent, never in a forked child."""
+    global _prctl, _prctl_looked_up
+    if not _prctl_looked_up:
+        _prctl_looked_up = True
+        if sys.platform.startswith("linux"):
+            try:
+                prctl = ctypes.CDLL(None, use_errno=True).prctl
+            except (OSError, AttributeError):
+                return None
+            prctl.argtypes = [ctypes.c_int, *[ctypes.c_ulong] * 4]
+            prctl.restype = ctypes.c_int
+            _prctl = prctl
+    return _prctl
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that arms SIGTERM on the parent's death (``None``: not on Linux)."""
+    prctl = _libc_prctl()
+    if prctl is None:
+        return None
+    parent = os.getpid()
+    sig = int(signal.SIGTERM)
+
+    def arm() -> None:
+        # Runs in the child between fork and exec: nothing here takes a lock that another
+        # thread of the agent could have held when it forked.
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)  # the agent died before the signal was armed
+
+    return arm
+
+
+_GUARD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
+
+
+class _Guardian:
+    """This process's link to its guardian (see :mod:`aelastic.agent._guard`).
+
+    Started before the first spawn, started again (told every group still watched) if it
+    died. Thread-safe; a forked child starts with no guardian of its own.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._pid: int | None = None
+        self._groups: dict[int, bytes] = {}
+        self._warned = False
+
+    def ensure(self) -> None:
+        """Start the guardian now if there is none (so that announcing a group is a write)."""
+        with self._lock:
+            if self._fd is None:
+                self._start()
+
+    def watch(self, pgid: int, grace: float) -> None:
+        """Announce group ``pgid``: stop it (``grace`` s) should this process die."""
+        line = f"+ {pgid} {start_time(pgid)} {grace!r}\n".encode()
+        with self._lock:
+            self._groups[pgid] = line
+            self._send(line)
+
+    def forget(self, pgid: int) -> None:
+        """Withdraw group ``pgid`` (stopped and swept)."""
+        with self._lock:
+            if self._groups.pop(pgid, None) is not None:
+                self._send(f"- {pgid}\n".encode())
+
+    def _send(self, line: bytes) -> None:
+        if self._fd is not None:
+            try:
+                os.write(self._fd, line)
+                return
+            except OSError:  # it died: start another one, told every group
+                self._close()
+        self._start()
+
+    def _start(self) -> None:
+        read_fd, write_fd = os.pipe()
+        try:
+            with open(os.devnull, "rb") as null:
+                self._pid = os.posix_spawn(
+                    sys.executable,
+                    [sys.executable, "-I", "-S", _GUARD_SCRIPT],
+                    os.environ,
+                    file_actions=[
+                        (os.POSIX_SPAWN_DUP2, read_fd, 0),
+                        (os.POSIX_SPAWN_DUP2, null.fileno(), 1),
+                        (os.POSIX_SPAWN_DUP2, null.fileno(), 2),
+                    ],
+                    setsid=True,
+                )
+            if self._groups:
+                os.write(write_fd, b"".join(self._groups.values()))
+        except (OSError, ValueError, AttributeError) as exc:
+            os.close(write_fd)
+            self._close()  # reaps one that started but died at once
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "no guardian for the workers (%s): they may outlive a killed agent", exc
+                )
+            return
+        finally:
+            os.close(read_fd)
+        self._fd = write_fd
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        pid, self._pid = self._pid, None
+        if pid is not None:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+
+    def after_fork_in_child(self) -> None:
+        """A forked child has no guardian: its copy of the pipe would hide the agent's end."""
+        self._lock = threading.Lock()
+        fd, self._fd, self._pid = self._fd, None, None
+        self._groups = {}
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+_GUARDIAN = _Guardian()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_GUARDIAN.after_fork_in_child)

@@ -7,13 +7,16 @@ agent keeps one idle interpreter per local rank, started with the same executabl
 working directory and environment as the worker would get, minus the variables that change
 per attempt. It blocks (no CPU) on a Unix socket. To start a worker the agent sends it the
 full environment, the argv and the redirected stdout/stderr descriptors (SCM_RIGHTS); the
-standby applies them, then runs the script in ``__main__`` as ``python script.py`` would
-(``sys.path[0]``, ``__file__``, ``sys.argv``), or the module as ``python -m`` does.
+standby (``python [flags] .../aelastic/agent/_standby.py FD``, see
+:mod:`aelastic.agent._standby`) applies them, then runs the script in ``__main__`` as
+``python script.py`` would (``sys.path[0]``, ``__file__``, ``sys.argv``), or the module as
+``python -m`` does.
 
 A standby is used only when that is indistinguishable for the worker: the environment
 apart from the per-attempt variables is unchanged since it started, and it is alive.
 Otherwise the worker is started cold. Standbys die with the agent (they exit when the
-socket closes) and are stopped with the workers.
+socket closes, and are started like workers: SIGTERM on the agent's death, watched by the
+guardian) and are stopped with the workers.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from ._aio import cancel_and_wait, uncancellable
 from .api import WorkerSpec
 from .env import ATTEMPT_KEYS, inherited_env
-from .process import WorkerProcess, stop_processes
+from .process import DEFAULT_GRACE, WorkerProcess, stop_processes
 
 __all__ = ["STANDBY_DELAY", "Launch", "Standby", "StandbyPool", "launch_of", "standby_env"]
 
@@ -40,50 +43,8 @@ log = logging.getLogger("aelastic.agent")
 #: Interpreter options that may precede the script (flags without a value).
 _FLAGS = frozenset({"-u", "-B", "-O", "-OO", "-s", "-E", "-q", "-b", "-bb", "-d", "-v"})
 
-_ZYGOTE = """\
-def _aelastic_standby():
-    import json, os, socket, sys
-    ctl = socket.socket(fileno=int(sys.argv[1]))
-    try:
-        msg, fds, _flags, _addr = socket.recv_fds(ctl, 1 << 22, 2)
-    except OSError:
-        os._exit(0)
-    if not msg:
-        os._exit(0)  # the agent is gone
-    ctl.close()
-    job = json.loads(msg)
-    for target, fd in zip(job["dup"], fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    for key in job["unset"]:
-        os.environ.pop(key, None)
-    os.environ.update(job["env"])
-    main = sys.modules["__main__"].__dict__
-    for name in [n for n in main if not n.startswith("__")]:
-        del main[name]
-    if job["module"] is not None:
-        import runpy
-        sys.argv[:] = [job["module"], *job["args"]]
-        sys.path[0] = os.getcwd()
-        runpy._run_module_as_main(job["module"])
-        return
-    path = job["script"]
-    sys.argv[:] = [path, *job["args"]]
-    if not os.path.isfile(path) or not path.endswith((".py", ".pyw")):
-        import runpy
-        runpy.run_path(path, run_name="__main__")
-        return
-    import io
-    from importlib.machinery import SourceFileLoader
-    full = os.path.abspath(path)
-    sys.path[0] = os.path.dirname(os.path.realpath(path))
-    with io.open_code(full) as f:
-        code = compile(f.read(), full, "exec")
-    main.update(__name__="__main__", __file__=full, __cached__=None, __doc__=None,
-                __package__=None, __spec__=None, __loader__=SourceFileLoader("__main__", full))
-    exec(code, main)
-_aelastic_standby()
-"""
+#: The standby's program, run as a script (see :mod:`aelastic.agent._standby`).
+_STANDBY_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_standby.py")
 
 
 @dataclass(frozen=True)
@@ -134,17 +95,24 @@ class Standby:
         launch: The worker's Python launch.
         base_env: The environment to start it with (the worker's, minus per-attempt keys).
         local_rank: The local rank it will serve.
+        grace: The workers' grace period (the guardian's, should the agent die).
     """
 
-    def __init__(self, launch: Launch, base_env: Mapping[str, str], local_rank: int) -> None:
+    def __init__(
+        self,
+        launch: Launch,
+        base_env: Mapping[str, str],
+        local_rank: int,
+        grace: float = DEFAULT_GRACE,
+    ) -> None:
         self.launch = launch
         self.base_env = dict(base_env)
         self.local_rank = local_rank
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            argv = [launch.executable, *launch.flags, "-c", _ZYGOTE, str(theirs.fileno())]
+            argv = [launch.executable, *launch.flags, _STANDBY_SCRIPT, str(theirs.fileno())]
             self.process = WorkerProcess.start(
-                argv, self.base_env, local_rank, pass_fds=[theirs.fileno()]
+                argv, self.base_env, local_rank, pass_fds=[theirs.fileno()], grace=grace
             )
         except BaseException:
             mine.close()
@@ -228,7 +196,8 @@ class StandbyPool:
         env = standby_env(self._spec)
         for rank in range(self._spec.local_world_size):
             try:
-                self._ready[rank] = Standby(launch, env, rank)
+                grace = self._spec.stop_grace_period
+                self._ready[rank] = Standby(launch, env, rank, grace)
             except OSError as exc:
                 log.warning("could not start a warm standby: %s", exc)
                 return

@@ -93,7 +93,14 @@ class WorkerSet:
                 try:
                     proc = self._warm(standbys, rank, env, (stdout, stderr))
                     if proc is None:
-                        proc = WorkerProcess.start(argv, env, rank, stdout=stdout, stderr=stderr)
+                        proc = WorkerProcess.start(
+                            argv,
+                            env,
+                            rank,
+                            stdout=stdout,
+                            stderr=stderr,
+                            grace=self._group.spec.stop_grace_period,
+                        )
                 except BaseException:
                     self._logs.abandon(rank)
                     raise

@@ -29,6 +29,19 @@ commands:
 
 
 def _run(argv: Sequence[str]) -> int:
+    from ..agent._signals import sigint_interrupts
+
+    # Until launch() handles the signals itself (and after), SIGINT interrupts, even if
+    # inherited ignored: nothing runs then, so the launcher just exits with 1.
+    with sigint_interrupts():
+        try:
+            return _launch(argv)
+        except KeyboardInterrupt:
+            print("aelastic run: interrupted", file=sys.stderr)
+            return 1
+
+
+def _launch(argv: Sequence[str]) -> int:
     import asyncio
     import logging
     import os

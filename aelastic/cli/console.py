@@ -12,13 +12,16 @@ touched: it goes to stdout/stderr as the agent streams it.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
+import textwrap
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
 from ..agent.api import ProcessFailure, RunResult
+from ..agent.errors import error_details
 from ..agent.events import AgentEvent, EventKind
 from ..core.redact import redact
 
@@ -185,8 +188,14 @@ class Console:
             self.line(f"{name} FAILED (no worker failure recorded)", always=True)
             return
         self.line(f"{name} FAILED; root cause: {summarize_failure(root)}", always=True)
-        if root.error_file not in ("", "<N/A>"):
+        if os.path.isfile(root.error_file):
             self.line(f"error file of rank {root.global_rank}: {root.error_file}", always=True)
+        elif root.error_file_data:  # the file went with the temporary logs: show what it said
+            details = textwrap.indent(error_details(root), "  ")
+            self.line(
+                f"error file of rank {root.global_rank} (not kept; --log-dir keeps it):\n{details}",
+                always=True,
+            )
         others = sorted(
             (f for f in result.failures.values() if f is not root), key=lambda f: f.global_rank
         )

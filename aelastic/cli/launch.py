@@ -2,8 +2,9 @@
 
 How it works: :func:`launch` builds the rendezvous handler and the :class:`WorkerSpec` from a
 :class:`~aelastic.cli.options.LaunchConfig`, subscribes the :class:`Console` to the agent's
-events, and awaits ``agent.run()`` in a task. The signals of ``--signals-to-handle`` cancel that
-task: the agent then stops its workers (SIGTERM to each process group, the grace period, then
+events, and awaits ``agent.run()`` in a task. The signals of ``--signals-to-handle`` are handled
+from the first line of :func:`launch` (even if the process inherited them ignored) and cancel
+that task: the agent then stops its workers (SIGTERM to each process group, the grace period, then
 SIGKILL) and leaves the rendezvous; the launcher exits with 1, as torchrun does after a signal.
 A failed run exits with 1 too, after a root-cause summary (rank, exit code or signal, the
 message of the worker's error file). A job id whose run was closed before this node came
@@ -21,7 +22,7 @@ import signal
 import time
 from collections.abc import Sequence
 
-from ..agent import ElasticAgent, WorkerSpec
+from ..agent import ElasticAgent, RunResult, WorkerSpec
 from ..core.redact import redact_endpoint
 from ..rendezvous import (
     RendezvousClosedError,
@@ -155,28 +156,18 @@ def build_spec(config: LaunchConfig) -> WorkerSpec:
 async def launch(config: LaunchConfig, console: Console | None = None) -> int:
     """Run this node of the job until it ends; the process exit code.
 
+    The signals of ``config.signals`` are handled from the start, whatever the process
+    inherited (ignored included): each cancels the agent, which stops the workers it
+    started, if any, and leaves the rendezvous.
+
     Returns:
         0 on success, 1 when workers failed, the rendezvous failed or a signal stopped the
         job, 2 when the rendezvous settings are invalid.
     """
     console = console or Console(enabled=not config.quiet)
-    name = entrypoint_name(config.entrypoint, config.args)
-    for warning in config.warnings:
-        console.line(f"warning: {warning}", always=True)
-    try:
-        spec = build_spec(config)
-    except ValueError as exc:
-        console.line(f"error: {exc}", always=True)
-        return EXIT_USAGE
-    except ImportError as exc:
-        console.line(f"error: {exc}", always=True)
-        return EXIT_FAILED
-    console.line(_banner(config, name))
-    agent = ElasticAgent(spec)
-    agent.add_listener(console)
     loop = asyncio.get_running_loop()
-    task = loop.create_task(agent.run(), name="aelastic-agent")
     received: list[signal.Signals] = []
+    running: list[asyncio.Task[RunResult]] = []
 
     def on_signal(sig: signal.Signals) -> None:
         if received:
@@ -188,13 +179,60 @@ async def launch(config: LaunchConfig, console: Console | None = None) -> int:
             f"{config.stop_grace_period:g} s) and leaving the rendezvous",
             always=True,
         )
-        task.cancel()
+        for task in running:
+            task.cancel()
 
     installed = []
     for sig in config.signals:
         with contextlib.suppress(ValueError, OSError, RuntimeError):
             loop.add_signal_handler(sig, on_signal, sig)
             installed.append(sig)
+    try:
+        return await _launch(config, console, received, running)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+async def _launch(
+    config: LaunchConfig,
+    console: Console,
+    received: list[signal.Signals],
+    running: list[asyncio.Task[RunResult]],
+) -> int:
+    name = entrypoint_name(config.entrypoint, config.args)
+    for warning in config.warnings:
+        console.line(f"warning: {warning}", always=True)
+    try:
+        spec = build_spec(config)
+    except ValueError as exc:
+        console.line(f"error: {exc}", always=True)
+        return EXIT_USAGE
+    except ImportError as exc:
+        console.line(f"error: {exc}", always=True)
+        return EXIT_FAILED
+    try:
+        console.line(_banner(config, name))
+        agent = ElasticAgent(spec)
+        agent.add_listener(console)
+        task = asyncio.get_running_loop().create_task(agent.run(), name="aelastic-agent")
+        running.append(task)  # a signal received from now on (or before) cancels it
+        if received:
+            task.cancel()
+        return await _outcome(task, console, received, name, agent, config)
+    finally:
+        with contextlib.suppress(Exception):
+            await spec.rdzv_handler.aclose()
+
+
+async def _outcome(
+    task: asyncio.Task[RunResult],
+    console: Console,
+    received: list[signal.Signals],
+    name: str,
+    agent: ElasticAgent,
+    config: LaunchConfig,
+) -> int:
     started = time.monotonic()
     try:
         result = await task
@@ -219,11 +257,6 @@ async def launch(config: LaunchConfig, console: Console | None = None) -> int:
     except OSError as exc:
         console.line(f"error: cannot start the workers: {exc}", always=True)
         return EXIT_FAILED
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-        with contextlib.suppress(Exception):
-            await spec.rdzv_handler.aclose()
     console.result(result, name)
     if received:  # the signal came as the run ended by itself
         return EXIT_FAILED

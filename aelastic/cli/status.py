@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from ..agent._signals import sigint_interrupts
 from ..backends.registry import backend_info, create_backend
 from ..core.errors import RendezvousError, RendezvousStateError
 from ..core.machine import expiry_ms
@@ -260,7 +261,8 @@ def main(argv: Sequence[str]) -> int:
     config = parse_rdzv_conf(args.rdzv_conf)
     secrets = known_secrets(args.rdzv_endpoint, config, os.environ)
     try:
-        return asyncio.run(_show(args, secrets))
+        with sigint_interrupts():  # --watch ends on SIGINT, even if inherited ignored
+            return asyncio.run(_show(args, secrets))
     except (RendezvousError, ImportError) as exc:
         _say(f"aelastic status: error: {exc}", secrets, err=True)
         return 1

@@ -466,8 +466,11 @@ class DynamicRendezvousHandler:
             return
         task.cancel()
         if task.get_loop() is asyncio.get_running_loop():
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # Not `await task` under suppress(CancelledError): that would also swallow a
+            # cancellation of the caller arriving meanwhile (a stopping agent would go on).
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.result()
 
     async def _heartbeats(self) -> None:
         """Beat once an interval; prune a silent node the moment its window ends."""

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from aelastic.agent import ElasticAgent, EventKind, WorkerState
+from aelastic.agent import ElasticAgent, EventKind, WorkerState, standby
+from aelastic.agent.errors import NOT_KEPT, error_details, format_failures
 
 from .helpers import WorkerHub, make_handler, not_running, reaped, running, worker_spec
 
 pytestmark = pytest.mark.anyio
+
+#: The warm standby's program, as it shows in ``sys.orig_argv``.
+STANDBY = str(Path(standby.__file__).with_name("_standby.py"))
 
 TORCH_NAMES = (
     "RANK",
@@ -103,7 +109,7 @@ async def test_warm_restart_looks_like_a_cold_start(run_id: str, tmp_path: Any) 
                 hub.release(hello["pid"])
             assert (await task).state is WorkerState.SUCCEEDED
     for before, after in zip(cold, warm, strict=True):
-        assert "-c" not in before["orig_argv"] and "-c" in after["orig_argv"]  # really warm
+        assert STANDBY not in before["orig_argv"] and STANDBY in after["orig_argv"]  # warm
         assert after["main"] == before["main"]
         assert after["argv"] == before["argv"]
         changed = {"TORCHELASTIC_RESTART_COUNT", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
@@ -137,10 +143,14 @@ async def test_crash_restarts_the_group(run_id: str, tmp_path: Any) -> None:
     assert (tmp_path / run_id / "attempt_1" / "1").is_dir()
 
 
-async def test_restarts_exhausted_fail_with_the_root_cause(run_id: str) -> None:
+@pytest.mark.parametrize("keep", [True, False], ids=["log_dir", "temporary_logs"])
+async def test_restarts_exhausted_fail_with_the_root_cause(
+    run_id: str, tmp_path: Path, keep: bool
+) -> None:
     handler = make_handler(run_id)
     async with WorkerHub() as hub:
-        spec = worker_spec(handler, hub, "report", 2, max_restarts=1)
+        log_dir = str(tmp_path) if keep else None
+        spec = worker_spec(handler, hub, "report", 2, max_restarts=1, log_dir=log_dir)
         async with running(ElasticAgent(spec)) as task:
             for attempt in range(2):
                 hellos = await hub.gather(2)
@@ -155,7 +165,14 @@ async def test_restarts_exhausted_fail_with_the_root_cause(run_id: str) -> None:
     assert failure.pid == hellos[1]["pid"]
     assert failure.exitcode == 1
     assert failure.message == "RuntimeError: boom-1"
-    assert failure.error_file.endswith("attempt_1/1/error.json")
+    if keep:  # the error file is still there, with what the report says
+        assert failure.error_file.endswith("attempt_1/1/error.json")
+        with open(failure.error_file) as fp:  # noqa: ASYNC230 - a small local file
+            assert json.load(fp) == failure.error_file_data
+    else:  # the temporary logs are gone: no dead path, the content is in the failure
+        assert failure.error_file == NOT_KEPT
+        assert "boom-1" in error_details(failure)
+        assert "error_file: <not kept" in format_failures(result)
     assert "py_callstack" in failure.error_file_data["message"]["extraInfo"]
     assert abs(failure.timestamp - time.time()) < 60
     assert all(reaped(h["pid"]) for h in hellos)

@@ -19,6 +19,7 @@ from aelastic.agent import ElasticAgent, EventKind, WorkerState
 from aelastic.rendezvous import RendezvousClosedError
 
 from .._http_server import HttpServer
+from ..cli._proc import sigint_as
 from .helpers import WorkerHub, make_handler, not_running, reaped, running, worker_spec
 
 pytestmark = pytest.mark.anyio
@@ -225,12 +226,17 @@ async def test_failure_stays_the_root_cause_when_the_restart_cannot_rendezvous(
     assert all(reaped(h["pid"]) for h in pair)
 
 
-async def test_ctrl_c_in_a_run_sync_script_stops_its_workers(run_id: str) -> None:
+# SIGINT inherited ignored once made run_sync deaf to it (asyncio.run then installs no
+# handler): the script ran on until killed.
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+async def test_ctrl_c_in_a_run_sync_script_stops_its_workers(run_id: str, inherited: str) -> None:
     async with WorkerHub() as hub:
         env = {**os.environ, **hub.env, "PYTHONPATH": str(ROOT)}
         args = [str(Path(__file__).with_name("peer.py")), "memory", "local", run_id]
         args.append("last_call_timeout=0.1")
-        script = subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT)  # noqa: ASYNC220
+        script = subprocess.Popen(  # noqa: ASYNC220
+            [sys.executable, *args], env=env, cwd=ROOT, preexec_fn=sigint_as(inherited)
+        )
         try:
             hello = await hub.next()
             script.send_signal(signal.SIGINT)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 
+from aelastic.agent import process
 from aelastic.agent.process import WorkerProcess, stop_processes
 
 from .helpers import not_running, reaped
@@ -93,3 +95,30 @@ async def test_waiter_thread_without_pidfd(monkeypatch: pytest.MonkeyPatch) -> N
     await ready(fd)
     assert await asyncio.wait_for(proc.wait(), 30) == 3
     assert reaped(proc.pid)
+
+
+async def test_workers_are_armed_with_sigterm_on_the_agents_death() -> None:
+    # PR_GET_PDEATHSIG (2): the signal the kernel sends this process when its parent dies.
+    code = (
+        "import ctypes\n"
+        "sig = ctypes.c_int()\n"
+        "ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)\n"
+        "os.write(int(os.environ['READY_FD']), str(sig.value).encode())\n"
+    )
+    proc, fd = start(code)
+    assert int(await ready(fd)) == signal.SIGTERM
+    await stop_processes([proc], grace=30)
+
+
+def test_a_child_whose_agent_died_before_it_was_armed_exits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As if the agent died between the fork and the arming: the parent is another process.
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    arm = process._die_with_parent()
+    monkeypatch.undo()
+    assert arm is not None
+    child = subprocess.run(
+        [sys.executable, "-c", "print('ran')"], preexec_fn=arm, capture_output=True, timeout=60
+    )
+    assert (child.returncode, child.stdout) == (1, b"")

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from aelastic.agent import WorkerSpec
+from aelastic.agent import standby as standby_module
 from aelastic.agent.standby import Standby, launch_of, standby_env
 
 from .helpers import make_handler, reaped
 
 pytestmark = pytest.mark.anyio
+
+#: The warm standby's program.
+STANDBY = str(Path(standby_module.__file__).with_name("_standby.py"))
 
 
 def spec(entry: str, *args: str, **kwargs: object) -> WorkerSpec:
@@ -86,3 +92,57 @@ async def test_idle_standby_exits_when_closed(tmp_path: Path) -> None:
     assert await asyncio.wait_for(standby.process.wait(), 30) == 0
     assert not standby.usable_for(dict(os.environ))
     standby.process.close()
+
+
+def _cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as fp:
+        return [arg.decode() for arg in fp.read().split(b"\0")[:-1]]
+
+
+async def test_standby_shows_in_ps_as_a_short_command() -> None:
+    launch = launch_of(spec(sys.executable, "-u", "x.py"))
+    assert launch is not None
+    standby = Standby(launch, dict(os.environ), 0)
+    try:
+        argv = _cmdline(standby.process.pid)
+    finally:
+        standby.close()
+        await asyncio.wait_for(standby.process.wait(), 30)
+        standby.process.close()
+    assert argv[:-1] == [sys.executable, "-u", STANDBY]  # names the standby's module
+    assert argv[-1].isdigit()  # the control socket
+
+
+# What a worker can see of how it was started; a warm one must see what a cold one does.
+PROBE = """\
+import json, os, sys
+json.dump({
+    "name": __name__, "file": __file__, "package": __package__,
+    "spec": None if __spec__ is None else __spec__.name,
+    "argv": sys.argv, "path": sys.path, "rank": os.environ.get("RANK"),
+    "aelastic": sorted(m for m in sys.modules if m.split(".")[0] == "aelastic"),
+}, open(os.environ["PROBE_OUT"], "w"))
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+async def test_warm_start_is_indistinguishable_from_a_cold_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    (tmp_path / "probe.py").write_text(PROBE)
+    monkeypatch.chdir(tmp_path)  # a standby starts in the agent's working directory
+    target = ["probe.py"] if how == "script" else ["-m", "probe"]
+    cold_out, warm_out = tmp_path / "cold.json", tmp_path / "warm.json"
+    env = {**os.environ, "RANK": "3"}
+    cold = subprocess.run(  # noqa: ASYNC221 - a short run, the reference
+        [sys.executable, "-u", *target, "a"], env={**env, "PROBE_OUT": str(cold_out)}, timeout=60
+    )
+    assert cold.returncode == 0
+    launch = launch_of(spec(sys.executable, "-u", *target, "a"))
+    assert launch is not None
+    base = {k: v for k, v in env.items() if k != "RANK"}
+    standby = Standby(launch, {**base, "PROBE_OUT": str(warm_out)}, 0)
+    proc = standby.release({**env, "PROBE_OUT": str(warm_out)}, ["a"], [None, None])
+    assert await asyncio.wait_for(proc.wait(), 30) == 0
+    proc.close()
+    assert json.loads(warm_out.read_text()) == json.loads(cold_out.read_text())

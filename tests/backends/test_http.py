@@ -19,7 +19,6 @@ from typing import Any
 import aiohttp
 import anyio
 import pytest
-from aelastic.rendezvous.state import decode_state
 from aiohttp import web
 
 from aelastic import (

@@ -23,12 +23,32 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-class Cli:
-    """``python -m aelastic <args>`` with stdout and stderr merged, read by a thread."""
+def sigint_as(disposition: str | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` starting a child with SIGINT ``"default"`` or ``"ignored"`` (as a
+    background job of a shell script inherits it); ``None``: whatever this process has."""
+    if disposition is None:
+        return None
+    handler = {"default": signal.SIG_DFL, "ignored": signal.SIG_IGN}[disposition]
+    return lambda: signal.signal(signal.SIGINT, handler)
 
-    def __init__(self, args: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> None:
+
+class Cli:
+    """``python -m aelastic <args>`` with stdout and stderr merged, read by a thread.
+
+    ``sigint`` starts it with SIGINT ``"default"`` or ``"ignored"`` (see :func:`sigint_as`).
+    """
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        cwd: Path,
+        env: dict[str, str] | None = None,
+        *,
+        sigint: str | None = None,
+    ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aelastic", *args],
+            preexec_fn=sigint_as(sigint),
             cwd=cwd,
             env=cli_env(env),
             stdout=subprocess.PIPE,

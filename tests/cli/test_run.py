@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import sys
@@ -91,7 +92,23 @@ def test_failing_worker_reports_the_root_cause(tmp_path: Path) -> None:
     assert "rank 1" in root[-1]
     assert "exit code 3" in root[-1]
     assert "ValueError: bad batch at step 3" in root[-1]
-    assert re.search(r"error file of rank 1: .*error\.json", out)
+    # No --log-dir: the temporary logs go with the run, so the summary says what the error
+    # file said (its traceback), never a path that no longer exists.
+    assert "error file of rank 1 (not kept; --log-dir keeps it):\n  Traceback..." in out, out
+    assert "error.json" not in out, out
+
+
+def test_log_dir_keeps_the_error_files_of_a_failed_run(tmp_path: Path) -> None:
+    script = _script(tmp_path, "fail.py", FAIL)
+    args = ["run", "--nproc-per-node", "2", "--shutdown-timeout", "5", "--log-dir", "logs"]
+    code, out = run_cli([*args, script], tmp_path)
+    assert code == 1, out
+    shown = re.findall(r"error file of rank 1: (.*error\.json)", out)
+    assert shown, out
+    path = tmp_path / shown[-1]
+    assert path.is_file(), out  # still there after the launcher exited
+    message = json.loads(path.read_text())["message"]
+    assert message["message"] == "ValueError: bad batch at step 3"
 
 
 def test_worker_killed_by_a_signal(tmp_path: Path) -> None:

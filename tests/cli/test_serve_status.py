@@ -137,3 +137,16 @@ def test_status_watch_prints_each_change(tmp_path: Path, run_id: str) -> None:
             watch.wait_for(lambda lines: any("participants (0)" in line for line in lines))
             watch.signal(signal.SIGINT)
             assert watch.wait(30) in (0, 130)
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_status_watch_ends_on_sigint(tmp_path: Path, run_id: str, inherited: str) -> None:
+    # SIGINT inherited ignored (a background job of a script) once left --watch running.
+    from tests._http_server import HttpServer
+
+    with HttpServer() as server:
+        args = ["status", "--rdzv-backend", "http", "--rdzv-endpoint", server.endpoint]
+        with Cli([*args, "--rdzv-id", run_id, "--watch"], tmp_path, sigint=inherited) as watch:
+            watch.wait_for(lambda lines: any("no rendezvous state" in line for line in lines))
+            watch.signal(signal.SIGINT)
+            assert watch.wait(60) == 130, watch.output

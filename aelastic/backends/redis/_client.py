@@ -331,7 +331,12 @@ def _time_out(future: asyncio.Future[Any]) -> None:
 
 def _quiet_handshake() -> dict[str, Any]:
     """Options that spare a new connection's optional round trips, where redis-py has them."""
-    accepted = inspect.signature(Connection.__init__).parameters
+    # The options are taken by a base class's __init__ (Connection's own takes **kwargs).
+    accepted: set[str] = set()
+    for cls in Connection.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            accepted.update(inspect.signature(init).parameters)
     quiet: dict[str, Any] = {}
     if "driver_info" in accepted:  # no CLIENT SETINFO lib-name/lib-ver
         quiet["driver_info"] = None

@@ -1,0 +1,80 @@
+"""A warm standby: an idle interpreter that becomes a worker when its agent says so.
+
+How it works: the agent runs ``python [flags] .../aelastic/agent/_standby.py FD`` as a
+script, so that ``ps`` shows one short line and nothing of the ``aelastic`` package gets
+imported (the worker must find the interpreter as a cold start leaves it). The standby takes
+its own directory off ``sys.path`` and blocks on the Unix socket ``FD`` until the agent
+sends one message: the worker's full environment, its argv, and descriptors for stdout and
+stderr (SCM_RIGHTS). It applies them, empties ``__main__`` and runs the script there as
+``python script.py`` would (``sys.path[0]``, ``__file__``, ``sys.argv``), or the module as
+``python -m`` does. End-of-file on the socket (the agent closed it, or is gone) makes it
+exit 0. Everything happens inside one function with local imports, so that emptying
+``__main__`` leaves nothing of the standby behind but the few standard modules it imported.
+"""
+
+
+def _serve() -> None:
+    import json
+    import os
+    import socket
+    import sys
+
+    safe_path = getattr(sys.flags, "safe_path", False)  # -P / PYTHONSAFEPATH (3.11)
+    if not safe_path:
+        del sys.path[0]  # this file's directory: the worker's own entry comes at release
+    ctl = socket.socket(fileno=int(sys.argv[1]))
+    try:
+        msg, fds, _flags, _addr = socket.recv_fds(ctl, 1 << 22, 2)
+    except OSError:
+        os._exit(0)
+    if not msg:
+        os._exit(0)  # the agent closed the socket, or is gone
+    ctl.close()
+    job = json.loads(msg)
+    for target, fd in zip(job["dup"], fds, strict=False):
+        os.dup2(fd, target)
+        os.close(fd)
+    for key in job["unset"]:
+        os.environ.pop(key, None)
+    os.environ.update(job["env"])
+    main = sys.modules["__main__"].__dict__
+    for name in [n for n in main if not n.startswith("__")]:
+        del main[name]
+    if job["module"] is not None:
+        import runpy
+
+        sys.argv[:] = [job["module"], *job["args"]]
+        if not safe_path:
+            sys.path.insert(0, os.getcwd())
+        runpy._run_module_as_main(job["module"])  # type: ignore[attr-defined]
+        return
+    path = job["script"]
+    sys.argv[:] = [path, *job["args"]]
+    is_file = os.path.isfile(path)
+    if is_file and not safe_path:
+        sys.path.insert(0, os.path.dirname(os.path.realpath(path)))
+    if not is_file or not path.endswith((".py", ".pyw")):
+        import runpy
+
+        runpy.run_path(path, run_name="__main__")
+        return
+    import io
+    from importlib.machinery import SourceFileLoader
+
+    full = os.path.abspath(path)
+    with io.open_code(full) as f:
+        code = compile(f.read(), full, "exec")
+    main.update(
+        __name__="__main__",
+        __file__=full,
+        __cached__=None,
+        __doc__=None,
+        __package__=None,
+        __spec__=None,
+        __loader__=SourceFileLoader("__main__", full),
+    )
+    exec(code, main)
+
+
+if __name__ == "__main__":
+    _serve()
