@@ -125,11 +125,11 @@ class Engine:
         """Apply ``request`` to the run at time ``now`` (ms) and wake who it concerns."""
         with self.lock:
             run = self.run(run_id)
+            before = run.token
             if run.state is None:
-                run.state = RunState(new_epoch())
-            before = run.state.generation
+                run.state = RunState(new_epoch())  # a new token: who waits for a run wakes
             reply = step(run.state, request, now)
-            if run.state.generation != before:
+            if run.token != before:
                 _wake(run.status_waiters)
             if reply.transition not in _QUIET:
                 self._changed(run_id, run)

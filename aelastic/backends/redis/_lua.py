@@ -281,7 +281,9 @@ else
 end
 
 local status = status_of(h, now)
-if signature() ~= before then redis.call('PUBLISH', channel, 's' .. cjson.encode(status)) end
+if h.fresh or signature() ~= before then
+  redis.call('PUBLISH', channel, 's' .. cjson.encode(status))
+end
 local reply = {outcome = outcome, status = status, transition = transition,
                restart = restart or false, known = knows(node), pruned = pruned}
 if wake_at then reply.wake_at = wake_at end
