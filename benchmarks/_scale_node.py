@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import resource
 import sys
@@ -184,6 +185,9 @@ def _run_group(nodes: list[Node], registered: Callable[[], None]) -> None:
 
 
 def main() -> int:
+    # Warnings of aelastic's loggers (a heartbeat that failed...) reach the worker's log
+    # with their level, where the harness counts them.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(sys.argv[1])
     raise_fd_limit()
     emit = Emitter()

@@ -473,15 +473,26 @@ class DynamicRendezvousHandler:
                 task.result()
 
     async def _heartbeats(self) -> None:
-        """Beat once an interval; prune a silent node the moment its window ends."""
+        """Beat once an interval; prune a silent node the moment its window ends.
+
+        The first beat comes at a random point of the first interval: the members of a
+        round all completed at the same moment, and beating in step would send the backend
+        every heartbeat of the job at once, every interval.
+        """
         interval = self._settings.keep_alive_interval
         window = self._settings.heartbeat_window
         clock = self._clock
-        next_beat = clock.monotonic() + interval  # the join's answer was the last beat
+        next_beat = clock.monotonic() + interval * random.uniform(0.05, 1.0)
         check_at: float | None = None
+        seen = ""  # the status token when the check was planned
         while True:
-            wake = next_beat if check_at is None else min(next_beat, check_at)
+            checking = check_at is not None and check_at < next_beat
+            wake = check_at if checking and check_at is not None else next_beat
             await clock.sleep(wake - clock.monotonic())
+            status = self._status
+            if checking and status is not None and status.token != seen:
+                check_at = None  # news came first (another survivor pruned): no need
+                continue
             asked = clock.monotonic()
             try:
                 # anyio's deadline, not asyncio.wait_for: on Python 3.11 that can swallow
@@ -504,4 +515,4 @@ class DynamicRendezvousHandler:
                 expires = asked + (oldest - reply.status.now_ms) / 1000 + window
                 expires += random.uniform(0.0, min(0.25, interval / 4))
                 if expires < next_beat:
-                    check_at = max(expires, asked)
+                    check_at, seen = max(expires, asked), reply.status.token

@@ -54,12 +54,12 @@ def standbys():
                 cmdline = fp.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == os.getppid() and b"_aelastic_standby" in cmdline and int(pid) != os.getpid():
+        if ppid == os.getppid() and b"_standby.py" in cmdline and int(pid) != os.getpid():
             found.append(int(pid))
     return found
 
 with open("/proc/self/cmdline", "rb") as fp:
-    warm = b"_aelastic_standby" in fp.read()
+    warm = b"_standby.py" in fp.read()
 restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
 report = {"restart": restart, "warm": warm, "env": dict(os.environ),
           "start_env": environ_of("self")}

@@ -282,7 +282,7 @@ end
 
 local status = status_of(h, now)
 if h.fresh or signature() ~= before then
-  redis.call('PUBLISH', channel, 's' .. cjson.encode(status))
+  redis.pcall('PUBLISH', channel, 's' .. cjson.encode(status))
 end
 local reply = {outcome = outcome, status = status, transition = transition,
                restart = restart or false, known = knows(node), pruned = pruned}

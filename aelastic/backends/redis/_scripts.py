@@ -15,7 +15,10 @@ Redis Cluster hash tag, so a run lives on one slot and multi-key scripts stay le
   transitions only, never heartbeats); a store write publishes ``k<key>``, from inside its
   script, so a waiter never misses a change made after it subscribed.
 
-Every write (and every read of a store key) refreshes the expiry of what it touched
+Notifications are published with ``redis.pcall``: a user whose ACL denies the channel still
+changes the run (its waiters then re-check by themselves), and a script never stops half-way
+over a refused notification. Every write (and every read of a store key) refreshes the
+expiry of what it touched
 (``key_ttl``), so finished runs vanish while a long round keeps its keys. The store scripts
 answer with a status instead of touching a value that aelastic did not write: ``-1``
 (wrong Redis type), ``-3`` (not an integer).
@@ -114,7 +117,7 @@ KV_SET = (
 local kind = foreign(KEYS[1])
 if kind then return {-1, kind} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('PUBLISH', ARGV[3], ARGV[4])
+redis.pcall('PUBLISH', ARGV[3], ARGV[4])
 return {1}
 """
 )
@@ -135,7 +138,7 @@ redis.call('INCRBY', KEYS[1], ARGV[1])
 local new = redis.call('GET', KEYS[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('SET', KEYS[2], new, 'PX', ARGV[5])
-redis.call('PUBLISH', ARGV[3], ARGV[4])
+redis.pcall('PUBLISH', ARGV[3], ARGV[4])
 return {1, new}
 """
 )
@@ -154,7 +157,7 @@ elseif ARGV[1] ~= '1' or value ~= ARGV[2] then
   return {1, value}
 end
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
-redis.call('PUBLISH', ARGV[5], ARGV[6])
+redis.pcall('PUBLISH', ARGV[5], ARGV[6])
 return {1, ARGV[3]}
 """
 )
@@ -166,7 +169,7 @@ KV_DELETE = (
 local kind = foreign(KEYS[1])
 if kind then return {-1, kind} end
 local n = redis.call('DEL', KEYS[1])
-if n > 0 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
+if n > 0 then redis.pcall('PUBLISH', ARGV[1], ARGV[2]) end
 return {1, n}
 """
 )
