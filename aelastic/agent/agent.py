@@ -48,7 +48,7 @@ from .logs import run_log_dir
 from .membership import GroupChanged, RoundGroup
 from .policy import Action, Decision, Observation, Trigger, decide
 from .process import WorkerProcess
-from .ranks import AgentRecord, assign_ranks, record_key
+from .ranks import AgentRecord, exchange_ranks
 from .standby import StandbyPool
 from .workers import WorkerSet
 
@@ -262,22 +262,17 @@ class ElasticAgent:
                 master_addr=spec.master_addr or spec.local_addr or self._handler.node.addr,
                 master_port=spec.master_port or self._reserve_port(),
             )
-        await store.set(record_key(group_rank), mine.encode())
-        keys = [record_key(i) for i in range(info.world_size)]
-        timeout = self._handler.settings.join_timeout
         self._round = RoundGroup(self._handler, store)
-        raw = await self._round.unless_changed(store.multi_get(keys, timeout), self._restarts_left)
-        records = [AgentRecord.decode(data) for data in raw]
-        master = records[0]
-        if master.master_addr is None or master.master_port is None:
-            raise RendezvousError("group rank 0 published no MASTER_ADDR/MASTER_PORT")
+        timeout = self._handler.settings.join_timeout
+        exchange = exchange_ranks(store, group_rank, info.world_size, mine, timeout)
+        mine_assigned = await self._round.unless_changed(exchange, self._restarts_left)
         group.store = store
         group.group_rank = group_rank
         group.group_world_size = info.world_size
-        group.master_addr, group.master_port = master.master_addr, master.master_port
-        group.workers = assign_ranks(records, group_rank)
+        group.master_addr = mine_assigned.master_addr
+        group.master_port = mine_assigned.master_port
+        group.workers = mine_assigned.workers()
         group.round = self._handler_round()
-        self._round.members = {record.node: rank for rank, record in enumerate(records)}
         duration = time.monotonic() - started
         log.info(
             "rendezvous round %s complete in %.3f s: group rank %d of %d, world size %d, "
@@ -433,7 +428,7 @@ class ElasticAgent:
         complete = False
         try:
             complete = await round_group.exit_barrier(
-                group.group_rank, group.group_world_size, self._spec.exit_barrier_timeout
+                self._handler.node, group.group_world_size, self._spec.exit_barrier_timeout
             )
         except RendezvousError as exc:
             log.warning("exit barrier failed: %s", exc)

@@ -3,17 +3,20 @@
 How it works: ``handler.watch()`` returns when the round's group changes (the backend wakes
 it; nothing polls). :meth:`RoundGroup.observe` turns a change into a policy
 :class:`~aelastic.agent.policy.Observation`, telling apart members that are gone after their
-workers succeeded (they marked ``agent/done/<group rank>`` in the round's store) from members
-that are lost. The exit barrier is the same marks: a node that succeeded sets its own, then
-waits for all of them, and gives up early when a member is lost unfinished (the barrier can
-then never complete), or after the configured timeout.
+workers succeeded (the rendezvous counts members that left finished; one that died after
+marking ``agent/done/<node>`` in the round's store counts too) from members that are lost.
+The exit barrier is a counter: a node that succeeded marks itself done and adds one to
+``agent/finished``; the one that brings it to the world size sets ``agent/all-done``, which
+every finished node waits for (one key, whatever the size of the job). It gives up early
+when a member is lost unfinished (the barrier can then never complete), or after the
+configured timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ..core.errors import RendezvousError
@@ -30,10 +33,11 @@ log = logging.getLogger("aelastic.agent")
 
 _T = TypeVar("_T")
 _FINISHED_KEY = "agent/finished"
+_ALL_DONE_KEY = "agent/all-done"
 
 
-def _done_key(group_rank: int) -> str:
-    return f"agent/done/{group_rank}"
+def _done_key(node: NodeDesc) -> str:
+    return f"agent/done/{node.key}"
 
 
 class GroupChanged(Exception):
@@ -50,18 +54,11 @@ class RoundGroup:
     Args:
         handler: The rendezvous handler (its last ``next_rendezvous`` made the round).
         store: The round's store.
-        members: Group rank of every member node (empty until the records are exchanged).
     """
 
-    def __init__(
-        self,
-        handler: DynamicRendezvousHandler,
-        store: Store,
-        members: Mapping[NodeDesc, int] | None = None,
-    ) -> None:
+    def __init__(self, handler: DynamicRendezvousHandler, store: Store) -> None:
         self._handler = handler
         self.store = store
-        self.members = dict(members or {})
 
     def watch(self, since: MembershipView | None) -> asyncio.Task[MembershipView]:
         """A task returning the next change of the group that differs from ``since``."""
@@ -84,8 +81,7 @@ class RoundGroup:
         peers_finished = False
         if not view.closed:
             for node in view.lost:
-                rank = self.members.get(node)
-                if rank is not None and await self.store.try_get(_done_key(rank)) is not None:
+                if await self.store.try_get(_done_key(node)) is not None:
                     finished, lost = finished + 1, lost - 1
             peers_finished = bool(finished) or await self.store.try_get(_FINISHED_KEY) is not None
         return Observation(
@@ -122,7 +118,7 @@ class RoundGroup:
         finally:
             await cancel_and_wait(task)
 
-    async def exit_barrier(self, group_rank: int, world_size: int, timeout: float) -> bool:
+    async def exit_barrier(self, node: NodeDesc, world_size: int, timeout: float) -> bool:
         """Mark this node done, then wait for every member; whether all of them were done.
 
         Returns early (``False``) when a member is lost without being done, this node was
@@ -131,9 +127,10 @@ class RoundGroup:
         Raises:
             RendezvousError: The store failed.
         """
-        await self.store.set(_done_key(group_rank), b"1")
-        await self.store.add(_FINISHED_KEY, 1)
-        keys = [_done_key(rank) for rank in range(world_size)]
+        await self.store.set(_done_key(node), b"1")
+        if await self.store.add(_FINISHED_KEY, 1) >= world_size:
+            await self.store.set(_ALL_DONE_KEY, b"1")
+        keys = [_ALL_DONE_KEY]
         waiting = asyncio.ensure_future(self.store.wait(keys, timeout))
         since: MembershipView | None = None
         try:

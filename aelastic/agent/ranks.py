@@ -2,15 +2,18 @@
 
 How it works: after a round completes, each agent writes one :class:`AgentRecord` (its
 role, its local world size, its rendezvous node, and for group rank 0 the MASTER_ADDR and
-MASTER_PORT of the workers) under its group rank in the round's store, then reads all of
-them with a single ``multi_get``: two store operations per agent, O(n) for the job. Every
-agent then computes the same answer locally: global ranks are prefix sums of
-``local_world_size`` in group-rank order, role ranks the same sums restricted to the role.
-Records are versioned JSON, validated on decode.
+MASTER_PORT of the workers) under its group rank in the round's store. Group rank 0 reads
+them all with one ``multi_get``, computes every agent's :class:`Assignment` (global ranks are
+prefix sums of ``local_world_size`` in group-rank order, role ranks the same sums restricted
+to the role) and writes each under its group rank; every other agent reads only its own.
+So an agent makes two store operations whatever the size of the job, and group rank 0 makes
+O(n). Records and assignments are versioned JSON, validated on decode. Everything here is
+pure except :func:`exchange_ranks`, which does those store operations.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,16 +21,31 @@ from typing import Any
 
 from ..core.errors import RendezvousStateError
 from ..core.state import NodeDesc
+from ..core.store import Store
 from .api import Worker
 
-__all__ = ["AgentRecord", "assign_ranks", "record_key"]
+__all__ = [
+    "AgentRecord",
+    "Assignment",
+    "assign_ranks",
+    "assignment_key",
+    "assignments",
+    "exchange_ranks",
+    "record_key",
+]
 
 _FORMAT = "aelastic.agent.record/1"
+_ASSIGNMENT_FORMAT = "aelastic.agent.assignment/1"
 
 
 def record_key(group_rank: int) -> str:
     """The store key of a group rank's record."""
     return f"agent/record/{group_rank}"
+
+
+def assignment_key(group_rank: int) -> str:
+    """The store key of a group rank's assignment (written by group rank 0)."""
+    return f"agent/assignment/{group_rank}"
 
 
 @dataclass(frozen=True)
@@ -102,3 +120,105 @@ def assign_ranks(records: Sequence[AgentRecord], group_rank: int) -> list[Worker
         )
         for i in range(mine.local_world_size)
     ]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What group rank 0 tells one agent: where its workers stand in the job."""
+
+    base_global_rank: int
+    world_size: int
+    base_role_rank: int
+    role_world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    def workers(self) -> list[Worker]:
+        """This agent's workers with their ranks and world sizes."""
+        return [
+            Worker(
+                local_rank=i,
+                global_rank=self.base_global_rank + i,
+                role_rank=self.base_role_rank + i,
+                world_size=self.world_size,
+                role_world_size=self.role_world_size,
+            )
+            for i in range(self.local_world_size)
+        ]
+
+    def encode(self) -> bytes:
+        """The assignment as JSON bytes."""
+        doc = {
+            "format": _ASSIGNMENT_FORMAT,
+            "ranks": [self.base_global_rank, self.world_size, self.base_role_rank],
+            "role_world_size": self.role_world_size,
+            "local_world_size": self.local_world_size,
+            "master": [self.master_addr, self.master_port],
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Assignment:
+        """Parse an assignment.
+
+        Raises:
+            RendezvousStateError: ``data`` is not an assignment this version wrote.
+        """
+        try:
+            doc = json.loads(data)
+            if doc["format"] != _ASSIGNMENT_FORMAT:
+                raise ValueError(f"format {doc['format']!r}")
+            base, world, base_role = (int(v) for v in doc["ranks"])
+            addr, port = doc["master"]
+            role_world, local = int(doc["role_world_size"]), int(doc["local_world_size"])
+            return cls(base, world, base_role, role_world, local, str(addr), int(port))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RendezvousStateError(f"invalid rank assignment {data[:200]!r}: {exc}") from exc
+
+
+def assignments(records: Sequence[AgentRecord]) -> list[Assignment]:
+    """Every agent's assignment, by group rank (group rank 0 computes them).
+
+    Raises:
+        RendezvousStateError: Group rank 0's record names no MASTER_ADDR/MASTER_PORT.
+    """
+    master = records[0]
+    if master.master_addr is None or master.master_port is None:
+        raise RendezvousStateError("group rank 0 published no MASTER_ADDR/MASTER_PORT")
+    world_size = sum(r.local_world_size for r in records)
+    role_sizes: dict[str, int] = {}
+    for r in records:
+        role_sizes[r.role] = role_sizes.get(r.role, 0) + r.local_world_size
+    out, base, role_bases = [], 0, dict.fromkeys(role_sizes, 0)
+    for r in records:
+        role_base, role_size = role_bases[r.role], role_sizes[r.role]
+        addr, port = master.master_addr, master.master_port
+        out.append(
+            Assignment(base, world_size, role_base, role_size, r.local_world_size, addr, port)
+        )
+        base += r.local_world_size
+        role_bases[r.role] += r.local_world_size
+    return out
+
+
+async def exchange_ranks(
+    store: Store, group_rank: int, world_size: int, mine: AgentRecord, timeout: float
+) -> Assignment:
+    """Publish ``mine``; group rank 0 assigns every agent; the others read their own.
+
+    Raises:
+        StoreTimeoutError: The records (rank 0) or this agent's assignment did not appear
+            within ``timeout`` (callers race this against a change of the group).
+        RendezvousStateError: A record or assignment is not valid.
+    """
+    await store.set(record_key(group_rank), mine.encode())
+    if group_rank != 0:
+        return Assignment.decode(await store.get(assignment_key(group_rank), timeout))
+    keys = [record_key(i) for i in range(world_size)]
+    records = [AgentRecord.decode(data) for data in await store.multi_get(keys, timeout)]
+    assigned = assignments(records)
+    await asyncio.gather(
+        *(store.set(assignment_key(rank), a.encode()) for rank, a in enumerate(assigned) if rank)
+    )
+    return assigned[0]

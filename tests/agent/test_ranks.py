@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aelastic.agent.ranks import AgentRecord, assign_ranks
+from aelastic.agent.ranks import AgentRecord, Assignment, assign_ranks, assignments
 from aelastic.core.state import NodeDesc
 from aelastic.rendezvous import RendezvousStateError
 
@@ -58,3 +58,29 @@ def test_record_round_trip() -> None:
 def test_foreign_records_are_refused(data: bytes) -> None:
     with pytest.raises(RendezvousStateError):
         AgentRecord.decode(data)
+
+
+def test_assignments_agree_with_every_agents_own_computation() -> None:
+    roles = ["trainer", "trainer", "reader", "trainer", "reader"]
+    records = [
+        AgentRecord(role, n, NodeDesc("h", 10 + g, 0), *(("h", 2900) if g == 0 else (None, None)))
+        for g, (role, n) in enumerate(zip(roles, [4, 2, 1, 3, 2], strict=True))
+    ]
+    assigned = assignments(records)
+    for g, a in enumerate(assigned):
+        mine = [
+            (w.local_rank, w.global_rank, w.role_rank, w.world_size, w.role_world_size)
+            for w in assign_ranks(records, g)
+        ]
+        assert [
+            (w.local_rank, w.global_rank, w.role_rank, w.world_size, w.role_world_size)
+            for w in a.workers()
+        ] == mine
+        assert (a.master_addr, a.master_port) == ("h", 2900)
+        assert Assignment.decode(a.encode()) == a
+
+
+def test_a_rank_0_without_master_is_a_state_error() -> None:
+    records = [AgentRecord("trainer", 1, NodeDesc("h", 1, 0))]
+    with pytest.raises(RendezvousStateError, match="MASTER_ADDR"):
+        assignments(records)
