@@ -297,6 +297,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--isolation", choices=("auto", "loop", "thread"), default="auto")
     parser.add_argument("--idle", type=float, default=30.0, help="idle window (s)")
     parser.add_argument("--settle", type=float, default=2.0, help="pause before the idle window")
+    parser.add_argument(
+        "--keep-alive", type=float, default=1.0, help="keep_alive_interval of every node (s)"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="formation limit (s) per N")
     parser.add_argument("--detect-timeout", type=float, default=60.0, help="kill detection limit")
     parser.add_argument("--torch-sizes", type=_sizes, default=[64, 256], help="'' for none")
@@ -316,6 +319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown backends: {', '.join(sorted(unknown))}")
     if args.quick:
         args.sizes, args.idle, args.spurious_idle = [64, 256], 10.0, 10.0
+    CONFIG["keep_alive_interval"] = args.keep_alive
+    TORCH_CONFIG["keep_alive_interval"] = args.keep_alive
     if args.plot_from and not args.plot:
         parser.error("--plot-from needs --plot PATH.png")
     return args

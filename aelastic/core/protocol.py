@@ -83,7 +83,9 @@ class RendezvousBackend(KeyValueBackend, Protocol):
 
         A backend whose server can wait (HTTP) may, when the outcome is *wait*, hold the
         answer up to ``hold`` seconds until the status changes (or the reply's ``wake_at``)
-        and carry out the request again before answering; others answer at once.
+        and carry out the request again before answering; one with a true class attribute
+        ``holds_keep_alive`` also holds a keep-alive until the status changes. Others
+        answer at once.
 
         Raises:
             RendezvousConnectionError: The backend could not be reached.

@@ -25,6 +25,7 @@ import random
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
@@ -112,6 +113,9 @@ class DynamicRendezvousHandler:
         self._rules = settings.rules
         self._clock = clock
         self._backend_name = backend_name or backend.name
+        # A backend that holds keep-alives (HTTP) brings news with each heartbeat's answer:
+        # the node needs no separate long-poll to watch its round.
+        self._holds = bool(getattr(backend, "holds_keep_alive", False))
         self._node = NodeDesc(local_addr or socket.getfqdn(), os.getpid(), next(_local_ids))
         self._status: Status | None = None
         self._round: _Round | None = None
@@ -304,10 +308,16 @@ class DynamicRendezvousHandler:
             self._news.clear()
             status = self._status
             token = "" if status is None else status.token
-            news = asyncio.ensure_future(self._news.wait())
-            change = asyncio.ensure_future(self._backend.wait_for_change(token, _MAX_WAIT))
+            news: asyncio.Future[Any] = asyncio.ensure_future(self._news.wait())
+            beating = self._heartbeat_task is not None and not self._heartbeat_task.done()
+            if self._holds and beating:  # the held heartbeats bring the news
+                change: asyncio.Future[Status | None] = asyncio.ensure_future(
+                    self._quiet(_MAX_WAIT)
+                )
+            else:
+                change = asyncio.ensure_future(self._backend.wait_for_change(token, _MAX_WAIT))
             try:
-                await asyncio.wait({news, change}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait([news, change], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for task in (news, change):
                     task.cancel()
@@ -323,6 +333,10 @@ class DynamicRendezvousHandler:
             delay = woke_at + min_interval - self._clock.monotonic()
             if delay > 0:
                 await self._clock.sleep(delay)
+
+    async def _quiet(self, seconds: float) -> Status | None:
+        await self._clock.sleep(seconds)
+        return None
 
     def _view(self, round_: _Round) -> MembershipView:
         assert self._status is not None
@@ -494,11 +508,15 @@ class DynamicRendezvousHandler:
                 check_at = None  # news came first (another survivor pruned): no need
                 continue
             asked = clock.monotonic()
+            # Held (HTTP): the answer comes when the status moves or the next beat is due.
+            hold = 0.0
+            if self._holds:
+                hold = interval * 0.9 if check_at is None else max(check_at - asked, 0.0)
             try:
                 # anyio's deadline, not asyncio.wait_for: on Python 3.11 that can swallow
                 # a cancellation arriving as the beat completes, and the loop never ends.
-                with anyio.fail_after(self._settings.heartbeat_timeout):
-                    reply = await self._request(Op.KEEP_ALIVE)
+                with anyio.fail_after(self._settings.heartbeat_timeout + hold):
+                    reply = await self._request(Op.KEEP_ALIVE, hold=hold)
             except (RendezvousError, TimeoutError) as exc:
                 log.warning("node %s failed to send a heartbeat: %s", self._node, exc)
                 next_beat, check_at = asked + min(interval, 1.0), None
@@ -508,6 +526,10 @@ class DynamicRendezvousHandler:
                 self._news.set()
                 return
             next_beat, check_at = asked + interval, None
+            if hold:
+                # It was held as long as it could be: the next beat goes at once, and it
+                # carries on watching (an answer brought early by news beats again: rare).
+                next_beat = clock.monotonic()
             oldest = reply.oldest_beat_ms
             if oldest is not None:
                 # The oldest heartbeat's expiry, by the backend's clock, then a little

@@ -103,6 +103,9 @@ class HttpBackend:
     """
 
     name = "http"
+    #: A keep-alive may be held until the status changes or the next beat is due: the
+    #: heartbeat is then also the node's notification channel (one request a beat).
+    holds_keep_alive = True
 
     def __init__(
         self,

@@ -16,11 +16,12 @@ import asyncio
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
-from ....core.state import FORMAT, FORMAT_VERSION, Outcome
+from ....core.state import FORMAT, FORMAT_VERSION, Op, Outcome
 from ....core.wire import (
     WireError,
     reply_to_json,
@@ -169,6 +170,11 @@ async def _rendezvous(request: web.Request) -> web.Response:
     deadline = loop.time() + hold
     # Held: wait for the status to change (or the last call to end), then ask again, as
     # the node would; a join is then one request.
+    held = rdzv_request.op is Op.KEEP_ALIVE and reply.known and hold > 0 and not store.closing
+    # A held heartbeat is also this node's notification channel: it answers when the
+    # status's token moves (a round transition), or when the next beat is due.
+    if held and await engine.wait_status(run_id, reply.status.token, hold):
+        reply = replace(reply, status=engine.status(run_id, now_ms()))
     while reply.outcome is Outcome.WAIT and not store.closing:
         remaining = deadline - loop.time()
         if reply.wake_at_ms is not None:
