@@ -527,9 +527,13 @@ class DynamicRendezvousHandler:
                 return
             next_beat, check_at = asked + interval, None
             if hold:
-                # It was held as long as it could be: the next beat goes at once, and it
-                # carries on watching (an answer brought early by news beats again: rare).
-                next_beat = clock.monotonic()
+                # Held as long as it could be: the next beat goes at once and carries on
+                # watching. Brought early by news, every member of the job is answered at
+                # once: the next beats spread over a little while (this one is fresh), or
+                # they would all come back while the server still sends the news.
+                now = clock.monotonic()
+                early = now < asked + hold - 0.05
+                next_beat = now + (random.uniform(0.0, min(0.5, interval / 2)) if early else 0.0)
             oldest = reply.oldest_beat_ms
             if oldest is not None:
                 # The oldest heartbeat's expiry, by the backend's clock, then a little
