@@ -511,7 +511,7 @@ class DynamicRendezvousHandler:
             # Held (HTTP): the answer comes when the status moves or the next beat is due.
             hold = 0.0
             if self._holds:
-                hold = interval * 0.9 if check_at is None else max(check_at - asked, 0.0)
+                hold = interval if check_at is None else max(check_at - asked, 0.0)
             try:
                 # anyio's deadline, not asyncio.wait_for: on Python 3.11 that can swallow
                 # a cancellation arriving as the beat completes, and the loop never ends.
