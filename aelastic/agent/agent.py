@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 
 from ..core.errors import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
@@ -54,7 +55,7 @@ from .events import (
 )
 from .logs import run_log_dir
 from .membership import GroupChanged, RoundGroup
-from .policy import Action, Decision, Observation, decide
+from .policy import Action, Decision, decide
 from .ranks import AgentRecord, ReservedPort, exchange_ranks
 from .standby import StandbyPool
 from .workers import WorkerSet
@@ -209,7 +210,10 @@ class ElasticAgent:
                 continue
             failures = {}
             await self._start_workers(stopped_at)
-            observation, failures = await self._supervise()
+            assert self._round is not None and self._workers is not None
+            observation, failures = await supervise(
+                self._workers, self._group, self._round, self._events, self._restarts_left
+            )
             decision = decide(observation, self._restarts_left)
             stopped_at = time.monotonic()
             action = decision.action
@@ -259,13 +263,9 @@ class ElasticAgent:
         store, group_rank = info.store, info.rank
         mine = AgentRecord(spec.role, spec.local_world_size, self._handler.node)
         if group_rank == 0:
-            mine = AgentRecord(
-                spec.role,
-                spec.local_world_size,
-                self._handler.node,
-                master_addr=spec.master_addr or spec.local_addr or self._handler.node.addr,
-                master_port=spec.master_port or self._port.reserve(),
-            )
+            addr = spec.master_addr or spec.local_addr or self._handler.node.addr
+            port = spec.master_port or self._port.reserve()
+            mine = replace(mine, master_addr=addr, master_port=port)
         self._round = RoundGroup(self._handler, store)
         timeout = self._handler.settings.join_timeout
         exchange = exchange_ranks(store, group_rank, info.world_size, mine, timeout)
@@ -327,13 +327,6 @@ class ElasticAgent:
             recovery=None if stopped_at is None else now - stopped_at,
         )
 
-    async def _supervise(self) -> tuple[Observation, dict[int, ProcessFailure]]:
-        """Wait for the first thing that calls for action; what it was and who failed."""
-        assert self._round is not None and self._workers is not None
-        return await supervise(
-            self._workers, self._group, self._round, self._events, self._restarts_left
-        )
-
     async def _stop_workers(self, state: WorkerState) -> None:
         workers, self._workers = self._workers, None
         if workers is None:
@@ -390,11 +383,8 @@ class ElasticAgent:
                 succeeded = result is not None and result.state is WorkerState.SUCCEEDED
                 await quietly(self._handler.leave(finished=succeeded), "leave the rendezvous")
         finally:
-            for path in (
-                self._scratch,
-                self._own_log_root if logs_disposable(self._spec) else None,
-            ):
-                if path is not None:
+            for path in (self._scratch, logs_disposable(self._spec) and self._own_log_root):
+                if path:
                     shutil.rmtree(path, ignore_errors=True)
             self._scratch = None
             reason = "cancelled or error" if result is None else result.state.value
@@ -406,8 +396,4 @@ class ElasticAgent:
 
 
 def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
+    return asyncio._get_running_loop() is not None
