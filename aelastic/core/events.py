@@ -25,7 +25,7 @@ import contextvars
 import dataclasses
 import enum
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from typing import Any, ClassVar
@@ -206,14 +206,23 @@ def report(event: Event) -> None:
             log.exception("an event reporter failed on %s", event.kind.value)
 
 
-@contextlib.contextmanager
-def reporting(reporter: Callable[[Event], None]) -> Iterator[None]:
-    """Make ``reporter`` receive what :func:`report` is given in this context."""
-    token = _reporter.set(reporter)
-    try:
-        yield
-    finally:
-        _reporter.reset(token)
+class reporting:
+    """Make ``reporter`` receive what :func:`report` is given in this context (a context
+    manager; a class rather than a generator: it wraps every backend call)."""
+
+    __slots__ = ("_reporter", "_token")
+
+    def __init__(self, reporter: Callable[[Event], None] | None) -> None:
+        self._reporter = reporter
+        self._token: contextvars.Token[Callable[[Event], None] | None] | None = None
+
+    def __enter__(self) -> None:
+        self._token = _reporter.set(self._reporter)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None:
+            _reporter.reset(self._token)
+            self._token = None
 
 
 # -- subscribers ---------------------------------------------------------------------------

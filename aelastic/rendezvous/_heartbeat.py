@@ -7,8 +7,11 @@ oldest heartbeat of the run expires, by the backend's clock; the task asks the b
 prune at that moment (plus a little spread), so a dead member is seen within the heartbeat
 window, and skips the check when news came first (another survivor pruned). A backend that
 holds keep-alives (HTTP) answers when the status moves or the next beat is due, so the
-beats also bring the news. An answer that no longer knows this node (pruned, removed) ends
-the task and tells the handler. Time and sleeps come only from the handler's clock.
+beats also bring the news: :attr:`Heartbeats.holding` tells a watcher whether a held beat
+is out (then it need not ask the backend itself), and ``holding_changed`` when that
+changes (before the first beat, after a failed one). An answer that no longer knows this
+node (pruned, removed) ends the task and tells the handler. Time and sleeps come only from
+the handler's clock.
 """
 
 from __future__ import annotations
@@ -62,11 +65,25 @@ class Heartbeats:
         self._holds = holds
         self._name = name
         self._task: asyncio.Task[None] | None = None
+        self._holding = False
+        #: Set whenever :attr:`holding` changes (a watcher clears it before it looks).
+        self.holding_changed = asyncio.Event()
 
     @property
     def running(self) -> bool:
         """Whether the task runs."""
         return self._task is not None and not self._task.done()
+
+    @property
+    def holding(self) -> bool:
+        """Whether a held keep-alive is out (or the next one goes at once): its answer will
+        bring news of the run, so a watcher need not ask for it."""
+        return self._holding and self.running
+
+    def _hold(self, holding: bool) -> None:
+        if holding is not self._holding:
+            self._holding = holding
+            self.holding_changed.set()
 
     def start(self) -> None:
         """Start beating (on the running loop)."""
@@ -86,6 +103,12 @@ class Heartbeats:
                 task.result()
 
     async def _beat(self) -> None:
+        try:
+            await self._beats()
+        finally:
+            self._hold(False)
+
+    async def _beats(self) -> None:
         interval = self._settings.keep_alive_interval
         window = self._settings.heartbeat_window
         clock = self._clock
@@ -105,6 +128,7 @@ class Heartbeats:
             hold = 0.0
             if self._holds:
                 hold = interval * 0.9 if check_at is None else max(check_at - asked, 0.0)
+            self._hold(hold > 0)
             try:
                 # anyio's deadline, not asyncio.wait_for: on Python 3.11 that can swallow
                 # a cancellation arriving as the beat completes, and the loop never ends.
@@ -113,6 +137,7 @@ class Heartbeats:
             except (RendezvousError, TimeoutError) as exc:
                 log.warning("%s failed to send a heartbeat: %s", self._name, exc)
                 next_beat, check_at = asked + min(interval, 1.0), None
+                self._hold(False)
                 continue
             if not reply.known:  # pruned (silent too long) or removed: the round is lost
                 self._member.lost_membership()
@@ -122,6 +147,8 @@ class Heartbeats:
                 # It was held as long as it could be: the next beat goes at once, and it
                 # carries on watching (an answer brought early by news beats again: rare).
                 next_beat = clock.monotonic()
+            else:
+                self._hold(False)
             oldest = reply.oldest_beat_ms
             if oldest is not None:
                 # The oldest heartbeat's expiry, by the backend's clock, then a little

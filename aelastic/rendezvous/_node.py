@@ -21,7 +21,7 @@ import dataclasses
 import itertools
 import os
 import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,8 @@ __all__ = ["HandlerStats", "NodeRequests"]
 
 _local_ids = itertools.count()
 
+#: Transitions that are not published (a heartbeat, or nothing changed).
+_QUIET = frozenset({Transition.NONE, Transition.KEEP_ALIVE})
 #: Asked again this long after the last call's end by the backend's clock (absorbs drift).
 _LATE = 0.002
 
@@ -163,11 +165,10 @@ class NodeRequests:
             )
         )
 
-    @contextlib.contextmanager
-    def reporting(self) -> Iterator[None]:
-        """Within the block, what the backend reports (retries) is published by this handler."""
-        with reporting(self.publish):
-            yield
+    def reporting(self) -> reporting:
+        """A context manager: within it, what the backend reports (retries) is published by
+        this handler (nothing is installed while nobody listens)."""
+        return reporting(self.publish if self.hub.listened else None)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -189,15 +190,19 @@ class NodeRequests:
             port=port,
             now_ms=round(self._clock.time() * 1000),
         )
-        with self.reporting():
-            try:
+        listened = self.hub.listened
+        try:
+            if listened:
+                with reporting(self.publish):
+                    reply = await self._backend.apply(request, hold)
+            else:  # the common case without an agent: nothing to install
                 reply = await self._backend.apply(request, hold)
-            except RendezvousConnectionError as exc:
-                self._failed(exc)
-                raise
+        except RendezvousConnectionError as exc:
+            self._failed(exc)
+            raise
         self.stats.requests += 1
         self._note(reply.status)
-        if reply.transition not in (Transition.NONE, Transition.KEEP_ALIVE):
+        if listened and reply.transition not in _QUIET:
             self.publish(
                 RendezvousEvent(
                     op=op.value, transition=reply.transition.value, round=reply.status.round
@@ -241,7 +246,8 @@ class NodeRequests:
                 return reply
             if outcome is not Outcome.WAIT:
                 raise self._error(outcome)
-            self._publish_wait(reply.status, deadline)
+            if self.hub.listened:
+                self._publish_wait(reply.status, deadline)
             # Ask again when the status changes, the last call ends, the join times out,
             # or a heartbeat is due (asking is this node's keep-alive): whichever is first.
             due = min(sent + interval, deadline)
@@ -254,8 +260,6 @@ class NodeRequests:
             expired = clock.monotonic() > deadline
 
     def _publish_wait(self, status: Status, deadline: float) -> None:
-        if not self.hub.listened:
-            return
         last_call = None
         if status.deadline_ms is not None and not status.complete:
             last_call = max((status.deadline_ms - status.now_ms) / 1000, 0.0)
@@ -272,12 +276,17 @@ class NodeRequests:
             )
         )
 
-    async def _wait_change(self, token: str, within: float, news: bool = False) -> None:
+    async def _wait_change(
+        self, token: str, within: float, news: bool = False, until: asyncio.Event | None = None
+    ) -> None:
         """Until the status's token moves or ``within`` seconds pass (or, with ``news``, this
-        node's own requests bring news)."""
+        node's own requests bring news; or ``until`` is set)."""
         backend = self._backend
-        if isinstance(self._clock, SystemClock) and not news:
-            with self.reporting():
+        if isinstance(self._clock, SystemClock) and not news and until is None:
+            if self.hub.listened:
+                with reporting(self.publish):
+                    status = await backend.wait_for_change(token, within)
+            else:
                 status = await backend.wait_for_change(token, within)
         else:  # the timeout runs on the clock (a test's), the change on the backend
 
@@ -291,15 +300,14 @@ class NodeRequests:
             ]
             if news:
                 calls.append(self._news.wait)
+            if until is not None:
+                calls.append(until.wait)
             index, status = await first_of(*calls)
             status = status if index == 0 else None
         if status is not None:
             if not news:
                 self.stats.wakeups += 1
             self._note(status)
-
-    async def _news_within(self, seconds: float) -> None:
-        await first_of(self._news.wait, lambda: self._clock.sleep(seconds))
 
     def _error(self, outcome: Outcome) -> RendezvousError:
         run_id = self._settings.run_id

@@ -24,6 +24,7 @@ from ..core.errors import RendezvousClosedError, RendezvousError
 from ..core.events import RendezvousEvent
 from ..core.params import RendezvousInfo, RendezvousSettings, RendezvousStoreInfo
 from ..core.protocol import RendezvousBackend
+from ..core.race import first_of
 from ..core.state import NodeDesc, Op
 from ..core.store import Store
 from ..core.view import MembershipView, view_of
@@ -229,10 +230,17 @@ class DynamicRendezvousHandler(NodeRequests):
             self._news.clear()
             status = self._status
             token = "" if status is None else status.token
-            if self._holds and self._heartbeats.running:  # the held heartbeats bring the news
-                await self._news_within(_MAX_WAIT)
-            else:
-                await self._wait_change(token, _MAX_WAIT, news=True)
+            beats = self._heartbeats
+            beats.holding_changed.clear()
+            if self._holds and beats.holding:  # the held heartbeats bring the news
+                await first_of(
+                    self._news.wait,
+                    beats.holding_changed.wait,
+                    lambda: self._clock.sleep(_MAX_WAIT),
+                )
+            else:  # ask the backend, until a held beat is out (if the backend holds them)
+                until = beats.holding_changed if self._holds else None
+                await self._wait_change(token, _MAX_WAIT, news=True, until=until)
             self.stats.wakeups += 1
             delay = woke_at + min_interval - self._clock.monotonic()
             if delay > 0:

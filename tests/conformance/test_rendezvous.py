@@ -264,3 +264,14 @@ def test_invalid_endpoints_fail_at_once_with_torchs_messages(
 
     with pytest.raises(ValueError, match=message):
         create_handler(RendezvousParameters(backend_name, endpoint, "run", 1, 1))
+
+
+async def test_a_departure_is_seen_before_the_first_heartbeat(make_params: MakeParams) -> None:
+    # Heartbeats a minute apart: the members' first beats are seconds away, and a backend
+    # whose beats bring the news (HTTP holds them) must not leave the watcher blind till then.
+    async with handlers(make_params, 2, 2, 2, keep_alive_interval=60.0) as (stays, goes):
+        await join_all([stays, goes])
+        await goes.leave()
+        with anyio.fail_after(PROMPT):
+            seen = await stays.watch()
+        assert seen.lost_count == 1 and not seen.removed
