@@ -9,7 +9,8 @@ import pytest
 from aelastic import RendezvousParameters
 from aelastic.agent.api import WorkerState
 from aelastic.agent.env import inherited_env
-from aelastic.agent.events import AgentEvent, EventBus, EventKind
+from aelastic.agent.events import AgentEvent, AgentMetrics, Finished, MembershipChanged, Restart
+from aelastic.core.events import EventHub
 from aelastic.core.redact import (
     SECRET_ENV,
     is_secret_key,
@@ -130,28 +131,27 @@ def test_backend_reprs_hide_the_password() -> None:
 
 
 def test_event_data_is_redacted_for_every_subscriber() -> None:
-    bus = EventBus()
+    hub = EventHub()
     seen: list[AgentEvent] = []
-    bus.add_listener(seen.append)
+    hub.add_listener(seen.append)
     reason = f"rendezvous failed: Redis at redis://u:{SECRET}@h:1/0 is gone (password={SECRET})"
-    event = AgentEvent(
-        kind=EventKind.RESTART,
+    event = Restart(
         at=time.time(),
         role="default",
         run_id="job",
-        attempt=0,
-        restart_count=0,
         state=WorkerState.HEALTHY,
-        data={"reason": reason, "spent": False, "details": [f"http://a:{SECRET}@b"]},
+        reason=reason,
+        spent=False,
     )
-    bus.emit(event)
-    assert len(seen) == 1
-    assert SECRET not in repr(seen[0])
+    hub.emit(event)
+    hub.emit(MembershipChanged(run_id="job", lost=(f"http://a:{SECRET}@b",), lost_count=1))
+    assert len(seen) == 2
+    assert SECRET not in repr(seen)
     assert seen[0].data["reason"].startswith("rendezvous failed: Redis at redis://u:***@h:1/0")
-    assert bus.metrics.rescales == 1  # metrics still see the event
-    plain = AgentEvent(EventKind.FINISHED, 0.0, "default", "job", 0, 0, WorkerState.SUCCEEDED)
-    bus.emit(plain)
-    assert seen[1] is plain  # nothing to hide: the same object
+    assert AgentMetrics().updated(seen[0]).rescales == 1  # metrics still see the event
+    plain = Finished(run_id="job", role="default", state=WorkerState.SUCCEEDED)
+    hub.emit(plain)
+    assert seen[2] is plain  # nothing to hide: the same object
 
 
 def test_workers_inherit_no_credential() -> None:

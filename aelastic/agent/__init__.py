@@ -17,7 +17,21 @@ from .api import (
     WorkerSpec,
     WorkerState,
 )
-from .events import AgentEvent, AgentMetrics, EventKind, EventStream
+from .events import (
+    AgentEvent,
+    AgentMetrics,
+    EventKind,
+    EventStream,
+    ExitBarrier,
+    Finished,
+    MembershipChanged,
+    RendezvousCompleted,
+    Restart,
+    StandbysReady,
+    StateChanged,
+    WorkerExited,
+    WorkersStarted,
+)
 
 __all__ = [
     "DEFAULT_ROLE",
@@ -26,11 +40,20 @@ __all__ = [
     "ElasticAgent",
     "EventKind",
     "EventStream",
+    "ExitBarrier",
+    "Finished",
+    "MembershipChanged",
     "ProcessFailure",
+    "RendezvousCompleted",
+    "Restart",
     "RunResult",
+    "StandbysReady",
+    "StateChanged",
     "Std",
     "Worker",
+    "WorkerExited",
     "WorkerGroup",
     "WorkerSpec",
     "WorkerState",
+    "WorkersStarted",
 ]

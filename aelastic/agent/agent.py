@@ -21,18 +21,18 @@ import asyncio
 import contextlib
 import logging
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any
 
 from ..core.errors import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
-from ..core.view import MembershipView
-from ._aio import cancel_and_wait, quietly, uncancellable
+from ..core.events import Event
+from ._aio import quietly, uncancellable
+from ._publish import AgentPublisher
 from ._signals import sigint_interrupts
+from ._supervise import supervise
 from .api import (
     DEFAULT_ROLE,
     ProcessFailure,
@@ -40,15 +40,23 @@ from .api import (
     WorkerGroup,
     WorkerSpec,
     WorkerState,
-    std_map,
 )
-from .errors import NOT_KEPT, format_failures
-from .events import AgentEvent, AgentMetrics, EventBus, EventKind, EventStream
+from .errors import format_failures, kept_failures, logs_disposable
+from .events import (
+    AgentMetrics,
+    EventKind,
+    EventStream,
+    ExitBarrier,
+    Finished,
+    RendezvousCompleted,
+    Restart,
+    StandbysReady,
+    WorkersStarted,
+)
 from .logs import run_log_dir
 from .membership import GroupChanged, RoundGroup
-from .policy import Action, Decision, Observation, Trigger, decide
-from .process import WorkerProcess
-from .ranks import AgentRecord, exchange_ranks
+from .policy import Action, Decision, decide
+from .ranks import AgentRecord, ReservedPort, exchange_ranks
 from .standby import StandbyPool
 from .workers import WorkerSet
 
@@ -71,15 +79,15 @@ class ElasticAgent:
         self._spec = spec
         self._handler = spec.rdzv_handler
         self._group = WorkerGroup(spec)
-        self._bus = EventBus()
+        self._events = AgentPublisher(self._handler, self._group, spec.role)
         self._restarts_left = spec.max_restarts
         self._attempt = -1
         self._workers: WorkerSet | None = None
         self._standbys = StandbyPool(
-            spec, lambda pids: self._emit(EventKind.STANDBYS_READY, pids=pids)
+            spec, lambda pids: self._events.publish(StandbysReady, pids=MappingProxyType(pids))
         )
         self._round: RoundGroup | None = None
-        self._reserved: socket.socket | None = None
+        self._port = ReservedPort()
         self._run_dir: str | None = None
         self._scratch: str | None = None
         self._own_log_root: str | None = None
@@ -97,7 +105,7 @@ class ElasticAgent:
     @property
     def metrics(self) -> AgentMetrics:
         """Counters and durations so far (a snapshot)."""
-        return self._bus.metrics
+        return self._events.metrics
 
     @property
     def restart_count(self) -> int:
@@ -108,13 +116,18 @@ class ElasticAgent:
         """The current worker group (torch's accessor; ``role`` is accepted and ignored)."""
         return self._group
 
-    def add_listener(self, callback: Callable[[AgentEvent], object]) -> Callable[[], None]:
-        """Call ``callback(event)`` on the agent's loop for every event; returns an unsubscriber."""
-        return self._bus.add_listener(callback)
+    def add_listener(self, callback: Callable[[Event], object]) -> Callable[[], None]:
+        """Call ``callback(event)`` on the agent's loop for every event of the agent and of its
+        rendezvous handler (one typed model, :mod:`aelastic.core.events`).
+
+        Returns:
+            A function that unsubscribes ``callback``.
+        """
+        return self._handler.hub.add_listener(callback)
 
     def events(self) -> EventStream:
-        """Subscribe now; iterate the events with ``async for`` until the run ends."""
-        return self._bus.stream()
+        """Subscribe now; iterate the events with ``async for`` until the run's ``Finished``."""
+        return self._handler.hub.stream(until=EventKind.FINISHED)
 
     # -- entry points ---------------------------------------------------------------------
 
@@ -136,7 +149,8 @@ class ElasticAgent:
         self._used = True
         result: RunResult | None = None
         try:
-            result = await self._invoke_run()
+            with self._handler.reporting():  # the store's retries go into the events too
+                result = await self._invoke_run()
             return result
         finally:
             await uncancellable(self._shutdown(result))
@@ -152,11 +166,7 @@ class ElasticAgent:
         Raises:
             RuntimeError: Called from a thread whose event loop is running (use ``await run()``).
         """
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
+        if _loop_running():
             raise RuntimeError("run_sync() called from a running event loop: await run() instead")
 
         async def main() -> RunResult:
@@ -200,7 +210,10 @@ class ElasticAgent:
                 continue
             failures = {}
             await self._start_workers(stopped_at)
-            observation, failures = await self._supervise()
+            assert self._round is not None and self._workers is not None
+            observation, failures = await supervise(
+                self._workers, self._group, self._round, self._events, self._restarts_left
+            )
             decision = decide(observation, self._restarts_left)
             stopped_at = time.monotonic()
             action = decision.action
@@ -217,11 +230,9 @@ class ElasticAgent:
                 )
                 await self._stop_workers(WorkerState.FAILED)
                 self._restarts_left -= 1
-                self._emit(
-                    EventKind.RESTART,
-                    reason=decision.reason,
-                    spent=True,
-                    restarts_left=self._restarts_left,
+                self._events.restart_count = self.restart_count
+                self._events.publish(
+                    Restart, reason=decision.reason, spent=True, restarts_left=self._restarts_left
                 )
                 continue
             await self._act_on_membership(decision)
@@ -231,16 +242,13 @@ class ElasticAgent:
         if decision.action is Action.ABORT:
             raise RendezvousClosedError(f"stopping the workers: {decision.reason}")
         log.info("re-rendezvous without spending a restart: %s", decision.reason)
-        self._emit(
-            EventKind.RESTART,
-            reason=decision.reason,
-            spent=False,
-            restarts_left=self._restarts_left,
+        self._events.publish(
+            Restart, reason=decision.reason, spent=False, restarts_left=self._restarts_left
         )
 
     def _failed(self, failures: dict[int, ProcessFailure], reason: str) -> RunResult:
         result = RunResult(WorkerState.FAILED, failures=self._kept(failures))
-        self._set_state(WorkerState.FAILED)
+        self._events.set_state(WorkerState.FAILED)
         log.error("%s:\n%s", reason, format_failures(result, self._spec.role))
         return result
 
@@ -248,20 +256,16 @@ class ElasticAgent:
 
     async def _rendezvous(self) -> None:
         spec, group = self._spec, self._group
-        self._set_state(WorkerState.INIT)
+        self._events.set_state(WorkerState.INIT)
         started = time.monotonic()
         info = await self._handler.next_rendezvous()
         self._joined = True
         store, group_rank = info.store, info.rank
         mine = AgentRecord(spec.role, spec.local_world_size, self._handler.node)
         if group_rank == 0:
-            mine = AgentRecord(
-                spec.role,
-                spec.local_world_size,
-                self._handler.node,
-                master_addr=spec.master_addr or spec.local_addr or self._handler.node.addr,
-                master_port=spec.master_port or self._reserve_port(),
-            )
+            addr = spec.master_addr or spec.local_addr or self._handler.node.addr
+            port = spec.master_port or self._port.reserve()
+            mine = replace(mine, master_addr=addr, master_port=port)
         self._round = RoundGroup(self._handler, store)
         timeout = self._handler.settings.join_timeout
         exchange = exchange_ranks(store, group_rank, info.world_size, mine, timeout)
@@ -272,7 +276,7 @@ class ElasticAgent:
         group.master_addr = mine_assigned.master_addr
         group.master_port = mine_assigned.master_port
         group.workers = mine_assigned.workers()
-        group.round = self._handler_round()
+        group.round = self._handler.round
         duration = time.monotonic() - started
         log.info(
             "rendezvous round %s complete in %.3f s: group rank %d of %d, world size %d, "
@@ -285,41 +289,19 @@ class ElasticAgent:
             group.master_addr,
             group.master_port,
         )
-        self._emit(
-            EventKind.RENDEZVOUS,
-            round=group.round,
+        self._events.publish(
+            RendezvousCompleted,
             group_rank=group_rank,
             group_world_size=info.world_size,
             world_size=group.workers[0].world_size,
             duration=duration,
         )
 
-    def _handler_round(self) -> int | None:
-        store = self._group.store
-        if store is None or not store.prefix.startswith("r"):
-            return None
-        with contextlib.suppress(ValueError):
-            return int(store.prefix[1:].rstrip("/"))
-        return None
-
-    def _reserve_port(self) -> int:
-        """Bind a free port and keep it bound until the workers start."""
-        self._release_port()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("", 0))
-        self._reserved = sock
-        port: int = sock.getsockname()[1]
-        return port
-
-    def _release_port(self) -> None:
-        sock, self._reserved = self._reserved, None
-        if sock is not None:
-            sock.close()
-
     # -- workers --------------------------------------------------------------------------
 
     async def _start_workers(self, stopped_at: float | None) -> None:
         self._attempt += 1
+        self._events.attempt = self._attempt
         workers = self._workers = WorkerSet(
             self._group,
             self._attempt,
@@ -331,69 +313,18 @@ class ElasticAgent:
         started = time.monotonic()
         standbys = await self._standbys.take()
         try:
-            await workers.start(before_spawn=self._release_port, standbys=standbys)
+            await workers.start(before_spawn=self._port.release, standbys=standbys)
         finally:
             used = {id(p) for p in workers.processes + workers.discarded}
             await self._standbys.discard(s for s in standbys.values() if id(s.process) not in used)
         self._standbys.schedule()
-        self._set_state(WorkerState.HEALTHY)
-        data: dict[str, Any] = {
-            "pids": {p.local_rank: p.pid for p in workers.processes},
-            "duration": time.monotonic() - started,
-        }
-        if stopped_at is not None:
-            data["recovery"] = time.monotonic() - stopped_at
-        self._emit(EventKind.WORKERS_STARTED, **data)
-
-    async def _supervise(self) -> tuple[Observation, dict[int, ProcessFailure]]:
-        """Wait for the first thing that calls for action; what it was and who failed."""
-        assert self._round is not None and self._workers is not None
-        workers = self._workers
-        exits = {asyncio.ensure_future(p.wait()): p for p in workers.processes}
-        since: MembershipView | None = None
-        watch = self._round.watch(None)
-        try:
-            while True:
-                await asyncio.wait({watch, *exits}, return_when=asyncio.FIRST_COMPLETED)
-                for task in [t for t in exits if t.done()]:
-                    self._on_exit(exits.pop(task))
-                failed = [p for p in workers.processes if p.returncode not in (None, 0)]
-                if failed:
-                    self._set_state(WorkerState.FAILED)
-                    return Observation(Trigger.WORKER_FAILED), workers.failures(failed)
-                if not exits:
-                    self._set_state(WorkerState.SUCCEEDED)
-                    return Observation(Trigger.WORKERS_SUCCEEDED), {}
-                if watch.done():
-                    since = watch.result()
-                    observation = await self._round.observe(since)
-                    decision = decide(observation, self._restarts_left)
-                    self._emit_membership(since, decision)
-                    if decision.action is not Action.CONTINUE:
-                        return observation, {}
-                    watch = self._round.watch(since)
-        finally:
-            await cancel_and_wait(watch)
-            for task in exits:
-                await cancel_and_wait(task)
-
-    def _on_exit(self, proc: WorkerProcess) -> None:
-        worker = self._group.workers[proc.local_rank]
-        code = proc.returncode
-        log.log(
-            logging.INFO if code == 0 else logging.WARNING,
-            "worker local_rank %d (rank %d, pid %d) exited with %s",
-            proc.local_rank,
-            worker.global_rank,
-            proc.pid,
-            code,
-        )
-        self._emit(
-            EventKind.WORKER_EXITED,
-            local_rank=proc.local_rank,
-            global_rank=worker.global_rank,
-            pid=proc.pid,
-            exitcode=code,
+        self._events.set_state(WorkerState.HEALTHY)
+        now = time.monotonic()
+        self._events.publish(
+            WorkersStarted,
+            pids=MappingProxyType({p.local_rank: p.pid for p in workers.processes}),
+            duration=now - started,
+            recovery=None if stopped_at is None else now - stopped_at,
         )
 
     async def _stop_workers(self, state: WorkerState) -> None:
@@ -404,7 +335,7 @@ class ElasticAgent:
         # Shielded: a cancellation waits for the stop to finish, then goes on.
         await uncancellable(workers.stop(self._spec.stop_grace_period))
         if running and state is WorkerState.STOPPED:
-            self._set_state(WorkerState.STOPPED)
+            self._events.set_state(WorkerState.STOPPED)
 
     # -- the end --------------------------------------------------------------------------
 
@@ -435,7 +366,7 @@ class ElasticAgent:
         duration = time.monotonic() - started
         if not complete:
             log.warning("exit barrier incomplete after %.3f s; leaving anyway", duration)
-        self._emit(EventKind.EXIT_BARRIER, duration=duration, complete=complete)
+        self._events.publish(ExitBarrier, duration=duration, complete=complete)
         return complete
 
     async def _shutdown(self, result: RunResult | None) -> None:
@@ -443,7 +374,7 @@ class ElasticAgent:
         try:
             await self._standbys.aclose()
             await self._stop_workers(WorkerState.STOPPED)
-            self._release_port()
+            self._port.release()
             if self._joined:
                 self._joined = False
                 failed = result is not None and result.is_failed()
@@ -452,62 +383,17 @@ class ElasticAgent:
                 succeeded = result is not None and result.state is WorkerState.SUCCEEDED
                 await quietly(self._handler.leave(finished=succeeded), "leave the rendezvous")
         finally:
-            for path in (self._scratch, self._own_log_root if self._logs_disposable() else None):
-                if path is not None:
+            for path in (self._scratch, logs_disposable(self._spec) and self._own_log_root):
+                if path:
                     shutil.rmtree(path, ignore_errors=True)
             self._scratch = None
             reason = "cancelled or error" if result is None else result.state.value
-            self._emit(EventKind.FINISHED, reason=reason)
-            self._bus.close()
+            self._events.publish(Finished, reason=reason)
+            self._events.close()
 
     def _kept(self, failures: Mapping[int, ProcessFailure]) -> dict[int, ProcessFailure]:
-        """``failures`` as reported: error files removed with the run are named so, not by a
-        path that will not exist (their content stays in ``error_file_data``)."""
-        if self._own_log_root is None or not self._logs_disposable():
-            return dict(failures)
-        return {
-            rank: f if f.error_file in ("", "<N/A>") else replace(f, error_file=NOT_KEPT)
-            for rank, f in failures.items()
-        }
+        return kept_failures(self._spec, self._own_log_root, failures)
 
-    def _logs_disposable(self) -> bool:
-        """A log root the agent made holds only error files (already read) unless redirected."""
-        spec = self._spec
-        n = spec.local_world_size
-        redirected = [*std_map(spec.redirects, n).values(), *std_map(spec.tee, n).values()]
-        return not any(redirected)
 
-    # -- events ---------------------------------------------------------------------------
-
-    def _set_state(self, state: WorkerState) -> None:
-        previous = self._group.state
-        self._group.state = state
-        if previous is not state:
-            self._emit(EventKind.STATE_CHANGED, previous=previous.value)
-
-    def _emit_membership(self, view: MembershipView, decision: Decision) -> None:
-        log.info("rendezvous group changed (%s): %s", decision.reason, decision.action.value)
-        self._emit(
-            EventKind.MEMBERSHIP_CHANGED,
-            lost=sorted(str(n) for n in view.lost),
-            lost_count=view.lost_count,
-            finished=view.finished,
-            waiting=view.waiting,
-            removed=view.removed,
-            closed=view.closed,
-            ignored=decision.action is Action.CONTINUE,
-        )
-
-    def _emit(self, kind: EventKind, **data: Any) -> None:
-        self._bus.emit(
-            AgentEvent(
-                kind=kind,
-                at=time.time(),
-                role=self._spec.role,
-                run_id=self._handler.get_run_id(),
-                attempt=max(self._attempt, 0),
-                restart_count=self.restart_count,
-                state=self._group.state,
-                data=MappingProxyType(data),
-            )
-        )
+def _loop_running() -> bool:
+    return asyncio._get_running_loop() is not None

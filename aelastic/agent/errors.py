@@ -18,11 +18,20 @@ import os
 import signal
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from .api import ProcessFailure, RunResult
+from .api import ProcessFailure, RunResult, WorkerSpec, std_map
 
-__all__ = ["NOT_KEPT", "error_details", "format_failures", "make_failure", "read_error_file"]
+__all__ = [
+    "NOT_KEPT",
+    "error_details",
+    "format_failures",
+    "kept_failures",
+    "logs_disposable",
+    "make_failure",
+    "read_error_file",
+]
 
 _NOT_AVAILABLE = "<N/A>"
 #: ``ProcessFailure.error_file`` of an error file removed with the agent's temporary logs.
@@ -143,3 +152,24 @@ def _describe(index: int, failure: ProcessFailure) -> str:
         f"  error_file: {failure.error_file}\n"
         f"  traceback : {message}"
     )
+
+
+def logs_disposable(spec: WorkerSpec) -> bool:
+    """Whether a log root the agent made holds only error files (already read): nothing of
+    the workers' output was redirected into it."""
+    n = spec.local_world_size
+    redirected = [*std_map(spec.redirects, n).values(), *std_map(spec.tee, n).values()]
+    return not any(redirected)
+
+
+def kept_failures(
+    spec: WorkerSpec, own_log_root: str | None, failures: Mapping[int, ProcessFailure]
+) -> dict[int, ProcessFailure]:
+    """``failures`` as reported: error files removed with the run are named so, not by a
+    path that will not exist (their content stays in ``error_file_data``)."""
+    if own_log_root is None or not logs_disposable(spec):
+        return dict(failures)
+    return {
+        rank: f if f.error_file in ("", "<N/A>") else replace(f, error_file=NOT_KEPT)
+        for rank, f in failures.items()
+    }

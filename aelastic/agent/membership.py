@@ -1,7 +1,9 @@
 """The group of one rendezvous round, as one agent sees it: changes, finished members, barrier.
 
 How it works: ``handler.watch()`` returns when the round's group changes (the backend wakes
-it; nothing polls). :meth:`RoundGroup.observe` turns a change into a policy
+it; nothing polls). A step of the agent that must not outlive a change calling for action
+(the rank exchange, the exit barrier) races it with :func:`~aelastic.core.race.first_of`:
+one anyio task group, the loser cancelled. :meth:`RoundGroup.observe` turns a change into a policy
 :class:`~aelastic.agent.policy.Observation`, telling apart members that are gone after their
 workers succeeded (the rendezvous counts members that left finished; one that died after
 marking ``agent/done/<node>`` in the round's store counts too) from members that are lost.
@@ -14,17 +16,18 @@ configured timeout.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import anyio
 
 from ..core.errors import RendezvousError
+from ..core.race import first_of
 from ..core.state import NodeDesc
 from ..core.store import Store
 from ..core.view import MembershipView
 from ..rendezvous.handler import DynamicRendezvousHandler
-from ._aio import cancel_and_wait
 from .policy import Action, Decision, Observation, Trigger, decide
 
 __all__ = ["GroupChanged", "RoundGroup"]
@@ -60,18 +63,15 @@ class RoundGroup:
         self._handler = handler
         self.store = store
 
-    def watch(self, since: MembershipView | None) -> asyncio.Task[MembershipView]:
-        """A task returning the next change of the group that differs from ``since``."""
-        return asyncio.ensure_future(self._watch(since))
-
-    async def _watch(self, since: MembershipView | None) -> MembershipView:
+    async def next_change(self, since: MembershipView | None) -> MembershipView:
+        """The next change of the group that differs from ``since`` (an unreachable backend
+        is looked at again later: the workers keep running meanwhile)."""
         while True:
             try:
                 return await self._handler.watch(0.0, since)
             except RendezvousError as exc:
-                # The backend is unreachable for now: workers keep running, look again later.
                 log.warning("watching the rendezvous failed (retrying): %s", exc)
-                await asyncio.sleep(self._handler.settings.keep_alive_interval)
+                await anyio.sleep(self._handler.settings.keep_alive_interval)
 
     async def observe(self, view: MembershipView) -> Observation:
         """What ``view`` means for the policy (members that left after succeeding, or died
@@ -94,35 +94,32 @@ class RoundGroup:
             peers_finished=peers_finished,
         )
 
-    async def unless_changed(self, work: Coroutine[Any, Any, _T], restarts_left: int) -> _T:
+    async def unless_changed(self, work: Awaitable[_T], restarts_left: int) -> _T:
         """Await ``work``, unless the group changes in a way that calls for action first.
 
         Raises:
             GroupChanged: The group changed first (``work`` is cancelled).
         """
-        task = asyncio.ensure_future(work)
-        since: MembershipView | None = None
-        try:
+
+        async def calling_for_action() -> Decision:
+            since: MembershipView | None = None
             while True:
-                watch = self.watch(since)
-                try:
-                    await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    await cancel_and_wait(watch)
-                if task.done():
-                    return task.result()
-                since = watch.result()
+                since = await self.next_change(since)
                 decision = decide(await self.observe(since), restarts_left)
                 if decision.action is not Action.CONTINUE:
-                    raise GroupChanged(decision)
-        finally:
-            await cancel_and_wait(task)
+                    return decision
 
-    async def exit_barrier(self, node: NodeDesc, world_size: int, timeout: float) -> bool:
+        index, value = await first_of(lambda: work, calling_for_action)
+        if index == 1:
+            raise GroupChanged(value)
+        result: _T = value
+        return result
+
+    async def exit_barrier(self, node: NodeDesc, world_size: int, limit: float) -> bool:
         """Mark this node done, then wait for every member; whether all of them were done.
 
         Returns early (``False``) when a member is lost without being done, this node was
-        removed, or the run closed before everybody was done.
+        removed, or the run closed before everybody was done, and after ``limit`` seconds.
 
         Raises:
             RendezvousError: The store failed.
@@ -131,20 +128,24 @@ class RoundGroup:
         if await self.store.add(_FINISHED_KEY, 1) >= world_size:
             await self.store.set(_ALL_DONE_KEY, b"1")
         keys = [_ALL_DONE_KEY]
-        waiting = asyncio.ensure_future(self.store.wait(keys, timeout))
-        since: MembershipView | None = None
-        try:
+
+        async def all_done() -> bool:
+            try:
+                await self.store.wait(keys, limit + 1.0)  # the deadline below comes first
+            except Exception:  # the store failed: not everybody is known to be done
+                return False
+            return True
+
+        async def cannot_complete() -> None:
+            since: MembershipView | None = None
             while True:
-                watch = self.watch(since)
-                try:
-                    await asyncio.wait({waiting, watch}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    await cancel_and_wait(watch)
-                if waiting.done():
-                    return waiting.exception() is None
-                since = watch.result()
+                since = await self.next_change(since)
                 observation = await self.observe(since)
                 if observation.closed or observation.removed or observation.lost:
-                    return await self.store.check(keys)  # unless it already is complete
-        finally:
-            await cancel_and_wait(waiting)
+                    return
+
+        with anyio.move_on_after(limit):
+            index, done = await first_of(all_done, cannot_complete)
+            if index == 0:
+                return bool(done)
+        return await self.store.check(keys)  # unless it already is complete

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from .api import Worker
 __all__ = [
     "AgentRecord",
     "Assignment",
+    "ReservedPort",
     "assign_ranks",
     "assignment_key",
     "assignments",
@@ -222,3 +224,26 @@ async def exchange_ranks(
         *(store.set(assignment_key(rank), a.encode()) for rank, a in enumerate(assigned) if rank)
     )
     return assigned[0]
+
+
+class ReservedPort:
+    """A free port that group rank 0 keeps bound from the rank exchange until its workers
+    start (so that nothing else takes MASTER_PORT meanwhile)."""
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+
+    def reserve(self) -> int:
+        """Bind a free port (releasing the one held before); its number."""
+        self.release()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("", 0))
+        self._sock = sock
+        port: int = sock.getsockname()[1]
+        return port
+
+    def release(self) -> None:
+        """Let the port go (harmless when none is held)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()

@@ -97,9 +97,12 @@ def _wake(waiters: set[_Waiter]) -> None:
         here = None
     for waiter in woken:
         waiters.discard(waiter)
+        # Resolved by the loop a step later, as a waker in another thread would see it
+        # (callers rely on that order); on the waiter's own loop without the self-pipe
+        # write ``call_soon_threadsafe`` costs.
         if waiter.loop is here:
-            _resolve(waiter.future)  # its callbacks run later, by the loop: no re-entry
-        else:  # another thread's loop (the sync facade): through its self-pipe
+            here.call_soon(_resolve, waiter.future)
+        else:  # another thread's loop (the sync facade)
             waiter.loop.call_soon_threadsafe(_resolve, waiter.future)
 
 

@@ -22,7 +22,8 @@ from typing import Any, TextIO
 
 from ..agent.api import ProcessFailure, RunResult
 from ..agent.errors import error_details
-from ..agent.events import AgentEvent, EventKind
+from ..agent.events import EventKind
+from ..core.events import Event
 from ..core.redact import redact
 
 __all__ = ["Console", "describe_exit", "summarize_failure"]
@@ -127,14 +128,14 @@ class Console:
             logging.getLogger("aelastic.agent").setLevel(logging.ERROR)
         return handler
 
-    def __call__(self, event: AgentEvent) -> None:
+    def __call__(self, event: Event) -> None:
         """The agent listener: print the line for ``event``, if it deserves one."""
         text = self.describe(event)
         if text:
             self.line(text)
 
     @staticmethod
-    def describe(event: AgentEvent) -> str | None:
+    def describe(event: Event) -> str | None:
         """The line for ``event`` (``None``: nothing worth a line)."""
         data: Mapping[str, Any] = event.data
         kind = event.kind

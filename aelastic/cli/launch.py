@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 
 from ..agent import ElasticAgent, RunResult, WorkerSpec
+from ..agent.prometheus import AgentCollector, serve_metrics
 from ..core.redact import redact_endpoint
 from ..rendezvous import (
     RendezvousClosedError,
@@ -32,7 +33,9 @@ from ..rendezvous import (
     create_handler,
 )
 from .console import Console
+from .event_log import EventLog
 from .options import LaunchConfig
+from .progress import Progress
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "entrypoint_name", "launch"]
 
@@ -212,17 +215,64 @@ async def _launch(
         console.line(f"error: {exc}", always=True)
         return EXIT_FAILED
     try:
-        console.line(_banner(config, name))
-        agent = ElasticAgent(spec)
-        agent.add_listener(console)
-        task = asyncio.get_running_loop().create_task(agent.run(), name="aelastic-agent")
-        running.append(task)  # a signal received from now on (or before) cancels it
-        if received:
-            task.cancel()
-        return await _outcome(task, console, received, name, agent, config)
+        async with contextlib.AsyncExitStack() as observers:
+            console.line(_banner(config, name))
+            agent = ElasticAgent(spec)
+            agent.add_listener(console)
+            agent.add_listener(Progress(console.line))
+            failed = await _observe(config, agent, console, observers)
+            if failed is not None:
+                return failed
+            task = asyncio.get_running_loop().create_task(agent.run(), name="aelastic-agent")
+            running.append(task)  # a signal received from now on (or before) cancels it
+            if received:
+                task.cancel()
+            return await _outcome(task, console, received, name, agent, config)
     finally:
         with contextlib.suppress(Exception):
             await spec.rdzv_handler.aclose()
+
+
+async def _observe(
+    config: LaunchConfig,
+    agent: ElasticAgent,
+    console: Console,
+    stack: contextlib.AsyncExitStack,
+) -> int | None:
+    """Subscribe the event log and serve the metrics, if asked; an exit code if it failed."""
+    if config.event_log:
+        try:
+            event_log = EventLog(config.event_log, lambda text: console.line(text, always=True))
+        except OSError as exc:
+            console.line(
+                f"error: cannot write the event log {config.event_log}: {exc}", always=True
+            )
+            return EXIT_USAGE
+        stack.callback(event_log.close)
+        stack.callback(agent.add_listener(event_log))
+    if config.metrics_port:
+        handler = agent.spec.rdzv_handler
+        try:
+            collector = AgentCollector(
+                handler.get_run_id(), str(handler.node), config.role, handler.get_backend()
+            )
+            runner = await serve_metrics(collector, config.metrics_port)
+        except ImportError as exc:
+            console.line(f"error: {exc}", always=True)
+            return EXIT_FAILED
+        except OSError as exc:
+            console.line(f"error: cannot serve metrics: {exc.strerror or exc}", always=True)
+            return EXIT_USAGE
+        stack.push_async_callback(runner.cleanup)
+        stack.callback(agent.add_listener(collector))
+        console.line(f"metrics at http://{_hostname()}:{config.metrics_port}/metrics")
+    return None
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
 
 
 async def _outcome(

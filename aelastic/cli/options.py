@@ -191,6 +191,22 @@ def build_parser(prog: str = "aelastic run") -> argparse.ArgumentParser:
         help="Start restarted workers cold instead of from pre-started interpreters (aelastic).",
     )
     _flag(p, ["-q", "--quiet"], help="No progress lines from the launcher (aelastic).")
+    _add(
+        p, ["--event-log"], help="Write the events as JSON lines to PATH, - for stderr (aelastic)."
+    )
+    _add(
+        p,
+        ["--event-log-handler"],
+        default="null",
+        help="torchrun's: console (--event-log -), null.",
+    )
+    _add(
+        p,
+        ["--metrics-port"],
+        default=0,
+        kind=int,
+        help="Serve GET /metrics on PORT, 0: off (aelastic).",
+    )
     _flag(p, ["-v", "--verbose"], help="Also show aelastic's info logs (or set LOGLEVEL).")
     p.add_argument("training_script", help="The script (or module, or command) to run.")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
@@ -229,6 +245,8 @@ class LaunchConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     quiet: bool = False
     verbose: bool = False
+    event_log: str | None = None
+    metrics_port: int = 0
     nproc_device: str = ""
     warnings: tuple[str, ...] = ()
 
@@ -427,6 +445,7 @@ def config_from_args(
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"
     entrypoint, script_args = _entrypoint(args)
+    event_log, metrics_port = _observability(args)
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -455,10 +474,24 @@ def config_from_args(
         env=env,
         quiet=bool(args.quiet),
         verbose=bool(args.verbose),
+        event_log=event_log,
+        metrics_port=metrics_port,
         entrypoint=entrypoint,
         args=script_args,
         warnings=tuple(warnings),
     )
+
+
+def _observability(args: argparse.Namespace) -> tuple[str | None, int]:
+    """``--event-log`` (torch's ``--event-log-handler console`` means stderr) and
+    ``--metrics-port``, checked."""
+    handler = str(args.event_log_handler).strip()
+    if handler not in ("console", "null"):
+        raise UsageError(f"--event-log-handler must be console or null, not {handler!r}")
+    event_log = args.event_log or ("-" if handler == "console" else None)
+    if not 0 <= args.metrics_port <= 65535:
+        raise UsageError(f"--metrics-port must be 0 (off) to 65535, not {args.metrics_port}")
+    return event_log, int(args.metrics_port)
 
 
 def parse_config(argv: Sequence[str], prog: str = "aelastic run") -> LaunchConfig:

@@ -13,6 +13,7 @@ from .errors import (
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
+from .events import Event, EventHub, EventKind, EventStream
 from .params import (
     RendezvousInfo,
     RendezvousParameters,
@@ -27,6 +28,10 @@ from .store import Store
 __all__ = [
     "SYSTEM_CLOCK",
     "Clock",
+    "Event",
+    "EventHub",
+    "EventKind",
+    "EventStream",
     "KeyValueBackend",
     "ManualClock",
     "NodeDesc",

@@ -19,6 +19,7 @@ from ..core.errors import (
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
+from ..core.events import BackendError, BackendRetry, RendezvousWaiting
 from ..core.params import (
     RendezvousInfo,
     RendezvousParameters,
@@ -30,6 +31,8 @@ from ..core.view import MembershipView
 from .handler import DynamicRendezvousHandler, HandlerStats, RendezvousEvent
 
 __all__ = [
+    "BackendError",
+    "BackendRetry",
     "Clock",
     "DynamicRendezvousHandler",
     "HandlerStats",
@@ -47,6 +50,7 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousStoreInfo",
     "RendezvousTimeoutError",
+    "RendezvousWaiting",
     "StoreTimeoutError",
     "create_handler",
 ]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from aelastic.agent import ElasticAgent, EventKind, WorkerState, standby
+from aelastic.agent import AgentEvent, ElasticAgent, EventKind, WorkerState, standby
 from aelastic.agent.errors import NOT_KEPT, error_details, format_failures
 
 from .helpers import WorkerHub, make_handler, not_running, reaped, running, worker_spec
@@ -320,6 +320,7 @@ async def test_events_and_metrics(run_id: str) -> None:
             await task
         streamed = await asyncio.wait_for(collector, 30)
     assert streamed == seen
+    seen = [e for e in seen if isinstance(e, AgentEvent)]  # the agent's, not the handler's
     kinds = [e.kind for e in seen]
     assert kinds[0] is EventKind.RENDEZVOUS
     assert kinds.count(EventKind.RENDEZVOUS) == 2
@@ -330,7 +331,9 @@ async def test_events_and_metrics(run_id: str) -> None:
     restart = next(e for e in seen if e.kind is EventKind.RESTART)
     assert restart.data["spent"] is True and restart.data["restarts_left"] == 0
     started = [e for e in seen if e.kind is EventKind.WORKERS_STARTED]
-    assert "recovery" not in started[0].data and started[1].data["recovery"] >= 0
+    assert started[0].recovery is None and started[1].data["recovery"] >= 0
+    assert [e.round for e in started] == [e.round for e in seen if e.kind is EventKind.RENDEZVOUS]
+    assert started[1].round == started[0].round + 1 and started[0].node == str(handler.node)
     assert started[1].restart_count == 1 and started[1].attempt == 1
     states = [e.state for e in seen if e.kind is EventKind.STATE_CHANGED]
     assert states == [

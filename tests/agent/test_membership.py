@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 from aelastic.agent import ElasticAgent, EventKind, WorkerState
-from aelastic.rendezvous import RendezvousClosedError
+from aelastic.rendezvous import BackendRetry, RendezvousClosedError
 
 from .._http_server import HttpServer
 from ..cli._proc import sigint_as
@@ -255,31 +254,23 @@ async def test_workers_run_on_through_a_backend_outage(run_id: str, tmp_path: Pa
         async with WorkerHub() as hub:
             agent = ElasticAgent(worker_spec(handler, hub, nproc=1))
             noticed = asyncio.Event()
-            watcher = _OnLog("watching the rendezvous failed", noticed)
-            logging.getLogger("aelastic.agent").addHandler(watcher)
-            try:
-                async with running(agent) as task:
-                    hello = await hub.next()
-                    server.stop()  # the backend goes away while the worker runs
-                    await asyncio.wait_for(noticed.wait(), 30)
-                    server.start()
-                    hub.release(hello["pid"])
-                    result = await task
-            finally:
-                logging.getLogger("aelastic.agent").removeHandler(watcher)
+            retries: list[BackendRetry] = []
+
+            def on_retry(event: object) -> None:
+                if isinstance(event, BackendRetry):
+                    retries.append(event)
+                    noticed.set()
+
+            agent.add_listener(on_retry)
+            async with running(agent) as task:
+                hello = await hub.next()
+                server.stop()  # the backend goes away while the worker runs
+                await asyncio.wait_for(noticed.wait(), 30)  # the node keeps trying
+                server.start()
+                hub.release(hello["pid"])
+                result = await task
             assert hub.pending() == 0  # never restarted
         await handler.aclose()
+    assert retries[0].backend == "http" and retries[0].round == 0
     assert result.state is WorkerState.SUCCEEDED
     assert agent.metrics.restarts == 0 and agent.metrics.rescales == 0
-
-
-class _OnLog(logging.Handler):
-    """Sets an event when a log message contains some text."""
-
-    def __init__(self, text: str, event: asyncio.Event) -> None:
-        super().__init__()
-        self.text, self.event = text, event
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.text in record.getMessage():
-            self.event.set()

@@ -9,13 +9,22 @@ from typing import Any
 
 import pytest
 
+from aelastic.agent import events as agent_events
 from aelastic.agent.api import ProcessFailure, RunResult, WorkerState
 from aelastic.agent.events import AgentEvent, EventKind
 from aelastic.cli.console import Console, describe_exit, summarize_failure
 
+_CLASSES = {
+    cls.kind: cls
+    for cls in vars(agent_events).values()
+    if isinstance(cls, type) and issubclass(cls, AgentEvent) and cls is not AgentEvent
+}
+
 
 def _event(kind: EventKind, **data: Any) -> AgentEvent:
-    return AgentEvent(kind, 0.0, "default", "job", 0, 0, WorkerState.HEALTHY, data)
+    if "lost" in data:
+        data["lost"] = tuple(data["lost"])
+    return _CLASSES[kind](run_id="job", role="default", state=WorkerState.HEALTHY, **data)
 
 
 @pytest.mark.parametrize(

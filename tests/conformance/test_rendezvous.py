@@ -87,7 +87,7 @@ async def test_redundant_node_waits_silently_and_exits_gracefully(make_params: M
         async with extra.events() as events:
             extra_join = asyncio.ensure_future(extra.next_rendezvous())
             with anyio.fail_after(PROMPT):
-                while (await events.get()).transition != "add_to_redundancy_list":
+                while getattr(await events.get(), "transition", "") != "add_to_redundancy_list":
                     pass
         assert await first.num_nodes_waiting() == 0
         await first.set_closed()
@@ -129,7 +129,7 @@ async def test_cancelled_join_leaves_the_state_clean(make_params: MakeParams) ->
         async with node.events() as events:
             join = asyncio.ensure_future(node.next_rendezvous())
             with anyio.fail_after(PROMPT):
-                while (await events.get()).transition != "add_to_participants":
+                while getattr(await events.get(), "transition", "") != "add_to_participants":
                     pass
         assert (await stored(node)).knows(node.node)
         join.cancel()
@@ -156,7 +156,7 @@ async def test_dead_member_is_pruned_and_survivor_reforms(make_params: MakeParam
     conf = {"keep_alive_interval": 0.2, "keep_alive_max_attempt": 2, "last_call_timeout": 0.1}
     async with handlers(make_params, 2, 1, 2, **conf) as (survivor, victim):
         await join_all([survivor, victim])
-        await victim._stop_heartbeats()  # dies: silent, never leaves
+        await victim._heartbeats.stop()  # dies: silent, never leaves
         start = anyio.current_time()
         with anyio.fail_after(PROMPT):
             seen = await survivor.watch()
@@ -209,7 +209,7 @@ async def test_a_member_needs_nothing_of_rank_0_once_the_round_is_complete(
             infos = await asyncio.gather(*joins)
         rank0 = first if infos[0].rank == 0 else second
         other_info = infos[1] if rank0 is first else infos[0]
-        await rank0._stop_heartbeats()  # silent from now on
+        await rank0._heartbeats.stop()  # silent from now on
         boot = other_info.bootstrap_store_info
         assert boot is not None and boot.master_addr == "127.0.0.1" and boot.master_port > 0
         assert {i.bootstrap_store_info.master_port for i in infos if i.bootstrap_store_info} == {
@@ -264,3 +264,14 @@ def test_invalid_endpoints_fail_at_once_with_torchs_messages(
 
     with pytest.raises(ValueError, match=message):
         create_handler(RendezvousParameters(backend_name, endpoint, "run", 1, 1))
+
+
+async def test_a_departure_is_seen_before_the_first_heartbeat(make_params: MakeParams) -> None:
+    # Heartbeats a minute apart: the members' first beats are seconds away, and a backend
+    # whose beats bring the news (HTTP holds them) must not leave the watcher blind till then.
+    async with handlers(make_params, 2, 2, 2, keep_alive_interval=60.0) as (stays, goes):
+        await join_all([stays, goes])
+        await goes.leave()
+        with anyio.fail_after(PROMPT):
+            seen = await stays.watch()
+        assert seen.lost_count == 1 and not seen.removed

@@ -30,6 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
+from ...core.events import BackendRetry, report
 from .. import _shared
 from .._watch import RunWatch
 from . import _scripts as lua
@@ -153,6 +154,16 @@ class RedisCalls:
                         f"Redis at {self.endpoint} could not be reached within "
                         f"{self._read_timeout:g} s ({what}): {exc or type(exc).__name__}"
                     ) from None
+                error = str(exc) or type(exc).__name__
+                report(
+                    BackendRetry(
+                        backend="redis",
+                        endpoint=self.endpoint,
+                        what=what,
+                        error=error,
+                        retry_for=remaining,
+                    )
+                )
             await asyncio.sleep(min(delay, remaining))
             delay = min(delay * 2, 1.0)
 

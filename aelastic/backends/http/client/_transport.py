@@ -22,6 +22,7 @@ import aiohttp
 from yarl import URL
 
 from ....core.errors import RendezvousConnectionError
+from ....core.events import BackendRetry, report
 from ..wire import TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -123,6 +124,16 @@ class Connection:
                 )
             if give_up_at is not None and now >= give_up_at:
                 return None
+            retry_for = first_failure + read_timeout - now
+            report(
+                BackendRetry(
+                    backend="http",
+                    endpoint=self.endpoint,
+                    what=f"{method} {path}",
+                    error=problem,
+                    retry_for=retry_for,
+                )
+            )
             delay = min(backoff, first_failure + read_timeout - now)
             if give_up_at is not None:
                 delay = min(delay, max(give_up_at - now, 0.0))

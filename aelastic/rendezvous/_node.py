@@ -1,0 +1,328 @@
+"""A node's requests to its backend: join until the round completes, and what it publishes.
+
+How it works: :class:`NodeRequests` holds what one node knows of its run (its identity, the
+last status, its round) and sends its requests: each is applied by the backend with the
+state machine's semantics and answered with a constant-size reply, whose status it keeps
+(setting ``_news`` when a field that watchers act on changed). Joining is a loop: ask; the
+answer is *finished*, an error, or *wait*: then wait until the run's status changes (the
+backend wakes the waiter), the last call ends, or a keep-alive is due, and ask again. The
+waits race the backend's notification against the clock (:func:`~aelastic.core.race.first_of`),
+so a test's clock drives them. Every transition, every wait (with counts and deadlines) and
+every failed call is published as a typed event (:mod:`aelastic.core.events`) into
+:attr:`NodeRequests.hub`; calls into the backend run under :meth:`NodeRequests.reporting`,
+so the backend's own retries reach the same hub with this run, node and round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from ..core.clock import SYSTEM_CLOCK, Clock, SystemClock
+from ..core.errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+from ..core.events import (
+    BackendError,
+    Event,
+    EventHub,
+    EventStream,
+    RendezvousEvent,
+    RendezvousWaiting,
+    reporting,
+)
+from ..core.params import RendezvousSettings
+from ..core.protocol import RendezvousBackend
+from ..core.race import first_of
+from ..core.state import NodeDesc, Op, Outcome, Reply, Request, Status, Transition
+from ._heartbeat import Heartbeats
+
+__all__ = ["HandlerStats", "NodeRequests"]
+
+_local_ids = itertools.count()
+
+#: Transitions that are not published (a heartbeat, or nothing changed).
+_QUIET = frozenset({Transition.NONE, Transition.KEEP_ALIVE})
+#: Asked again this long after the last call's end by the backend's clock (absorbs drift).
+_LATE = 0.002
+
+
+@dataclass
+class HandlerStats:
+    """What this handler asked of its backend, and how often it was woken."""
+
+    requests: int = 0
+    wakeups: int = 0
+
+
+@dataclass(frozen=True)
+class _Round:
+    number: int
+    rank: int
+    world: int
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class NodeRequests:
+    """One node of a run: its requests, its join loop, its events (the handler's base).
+
+    Args:
+        backend: Where the run's state lives.
+        settings: Node bounds and timeouts.
+        local_addr: This node's address (default: the FQDN).
+        clock: Source of time (tests inject a :class:`~aelastic.core.clock.ManualClock`).
+        backend_name: Name reported by ``get_backend`` (default: the backend's).
+    """
+
+    def __init__(
+        self,
+        backend: RendezvousBackend,
+        settings: RendezvousSettings,
+        *,
+        local_addr: str | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        backend_name: str | None = None,
+    ) -> None:
+        self._backend = backend
+        self._settings = settings
+        self._rules = settings.rules
+        self._clock = clock
+        self._backend_name = backend_name or backend.name
+        # A backend that holds keep-alives (HTTP) brings news with each heartbeat's answer:
+        # the node needs no separate long-poll to watch its round.
+        self._holds = bool(getattr(backend, "holds_keep_alive", False))
+        self._node = NodeDesc(local_addr or socket.getfqdn(), os.getpid(), next(_local_ids))
+        self._status: Status | None = None
+        self._round: _Round | None = None
+        self._joined = False
+        self._removed = False
+        self._news = asyncio.Event()
+        self._heartbeats = Heartbeats(
+            self, settings, clock, self._holds, f"aelastic-heartbeat-{self._node}"
+        )
+        #: Where this handler, its backend and an agent driving it publish their events.
+        self.hub = EventHub()
+        self._released = False
+        self._shut_down = False
+        self.stats = HandlerStats()
+
+    @property
+    def round(self) -> int | None:
+        """The number of this node's current round (``None`` outside a completed round)."""
+        return None if self._round is None else self._round.number
+
+    @property
+    def status(self) -> Status | None:
+        """The run's status as this node last learned it."""
+        return self._status
+
+    def add_listener(self, callback: Callable[[Event], object]) -> Callable[[], None]:
+        """Call ``callback(event)`` for every event of this handler (see :attr:`hub`).
+
+        Returns:
+            A function that unsubscribes ``callback``.
+        """
+        return self.hub.add_listener(callback)
+
+    def events(self) -> EventStream:
+        """Subscribe now to this handler's events: ``async with handler.events() as events``
+        then ``await events.get()`` (or ``async for``)."""
+        return self.hub.stream()
+
+    def publish(self, event: Event) -> None:
+        """Publish ``event`` with this run, node, round and the clock's time filled in."""
+        if not self.hub.listened:
+            return
+        round_ = event.round
+        if round_ is None:
+            round_ = self.round if self._status is None else self._status.round
+        self.hub.emit(
+            dataclasses.replace(
+                event,
+                at=event.at or self._clock.time(),
+                run_id=self._settings.run_id,
+                node=str(self._node),
+                round=round_,
+            )
+        )
+
+    def reporting(self) -> reporting:
+        """A context manager: within it, what the backend reports (retries) is published by
+        this handler (nothing is installed while nobody listens)."""
+        return reporting(self.publish if self.hub.listened else None)
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def _request(
+        self,
+        op: Op,
+        *,
+        expired: bool = False,
+        finished: bool = False,
+        port: int = 0,
+        hold: float = 0.0,
+    ) -> Reply:
+        request = Request(
+            op,
+            self._node,
+            self._rules,
+            expired=expired,
+            finished=finished,
+            port=port,
+            now_ms=round(self._clock.time() * 1000),
+        )
+        listened = self.hub.listened
+        try:
+            if listened:
+                with reporting(self.publish):
+                    reply = await self._backend.apply(request, hold)
+            else:  # the common case without an agent: nothing to install
+                reply = await self._backend.apply(request, hold)
+        except RendezvousConnectionError as exc:
+            self._failed(exc)
+            raise
+        self.stats.requests += 1
+        self._note(reply.status)
+        if listened and reply.transition not in _QUIET:
+            self.publish(
+                RendezvousEvent(
+                    op=op.value, transition=reply.transition.value, round=reply.status.round
+                )
+            )
+        return reply
+
+    def _failed(self, exc: RendezvousError) -> None:
+        error = f"{type(exc).__name__}: {exc}"
+        self.publish(BackendError(backend=self._backend_name, error=error))
+
+    async def keep_alive(self, hold: float) -> Reply:
+        """Send this node's keep-alive (the heartbeat task's request)."""
+        return await self._request(Op.KEEP_ALIVE, hold=hold)
+
+    def lost_membership(self) -> None:
+        """The heartbeat learned that this node is no longer a member."""
+        self._removed = True
+        self._news.set()
+
+    def _note(self, status: Status) -> None:
+        old = self._status
+        self._status = status
+        if old is None or old.signature() != status.signature():
+            self._news.set()
+
+    async def _join(self, deadline: float) -> Reply:
+        """Ask to join until the round completes; ``deadline`` is on the monotonic clock."""
+        port = _free_port()
+        expired = False
+        interval = self._settings.keep_alive_interval
+        clock = self._clock
+        while True:
+            sent = clock.monotonic()
+            hold = max(min(interval, deadline - sent), 0.0)
+            reply = await self._request(Op.JOIN, expired=expired, port=port, hold=hold)
+            if reply.restart_deadline:
+                deadline = clock.monotonic() + self._settings.join_timeout
+            outcome = reply.outcome
+            if outcome is Outcome.FINISH:
+                return reply
+            if outcome is not Outcome.WAIT:
+                raise self._error(outcome)
+            if self.hub.listened:
+                self._publish_wait(reply.status, deadline)
+            # Ask again when the status changes, the last call ends, the join times out,
+            # or a heartbeat is due (asking is this node's keep-alive): whichever is first.
+            due = min(sent + interval, deadline)
+            if reply.wake_at_ms is not None:
+                until = (reply.wake_at_ms - reply.status.now_ms) / 1000 + _LATE
+                due = min(due, clock.monotonic() + until)
+            wake = due - clock.monotonic()
+            if wake > 0:
+                await self._wait_change(reply.status.token, wake)
+            expired = clock.monotonic() > deadline
+
+    def _publish_wait(self, status: Status, deadline: float) -> None:
+        last_call = None
+        if status.deadline_ms is not None and not status.complete:
+            last_call = max((status.deadline_ms - status.now_ms) / 1000, 0.0)
+        rules = self._rules
+        self.publish(
+            RendezvousWaiting(
+                round=status.round,
+                participants=status.waiting if status.complete else status.participants,
+                min_nodes=rules.min_nodes,
+                max_nodes=rules.max_nodes,
+                waiting=status.complete,
+                join_timeout_in=max(deadline - self._clock.monotonic(), 0.0),
+                last_call_in=last_call,
+            )
+        )
+
+    async def _wait_change(
+        self, token: str, within: float, news: bool = False, until: asyncio.Event | None = None
+    ) -> None:
+        """Until the status's token moves or ``within`` seconds pass (or, with ``news``, this
+        node's own requests bring news; or ``until`` is set)."""
+        backend = self._backend
+        if isinstance(self._clock, SystemClock) and not news and until is None:
+            if self.hub.listened:
+                with reporting(self.publish):
+                    status = await backend.wait_for_change(token, within)
+            else:
+                status = await backend.wait_for_change(token, within)
+        else:  # the timeout runs on the clock (a test's), the change on the backend
+
+            async def change() -> Status | None:
+                with self.reporting():
+                    return await backend.wait_for_change(token, None)
+
+            calls: list[Callable[[], Awaitable[Any]]] = [
+                change,
+                lambda: self._clock.sleep(within),
+            ]
+            if news:
+                calls.append(self._news.wait)
+            if until is not None:
+                calls.append(until.wait)
+            index, status = await first_of(*calls)
+            status = status if index == 0 else None
+        if status is not None:
+            if not news:
+                self.stats.wakeups += 1
+            self._note(status)
+
+    def _error(self, outcome: Outcome) -> RendezvousError:
+        run_id = self._settings.run_id
+        if outcome is Outcome.ERROR_CLOSED:
+            return RendezvousClosedError(f"The rendezvous '{run_id}' is closed.")
+        if outcome is Outcome.GRACEFUL_EXIT:
+            return RendezvousGracefulExitError(
+                f"The rendezvous '{run_id}' is closed, terminating pending rendezvous."
+            )
+        return RendezvousTimeoutError(
+            f"The rendezvous '{run_id}' did not complete on time for node {self._node}."
+        )
+
+    async def _leave_quietly(self) -> None:
+        """Leave what a cancelled or failed join joined; never raises, never hangs."""
+        timeout = self._settings.close_timeout
+        with contextlib.suppress(Exception), anyio.move_on_after(timeout, shield=True):
+            await self._request(Op.LEAVE)
