@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
+import anyio
+
 from ..core.errors import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
 from ..core.events import Event
 from ._aio import quietly, uncancellable
@@ -345,7 +347,7 @@ class ElasticAgent:
         await self._stop_workers(WorkerState.SUCCEEDED)  # reaped already; sweeps leftovers
         complete = await self._exit_barrier()
         if complete:
-            with contextlib.suppress(RendezvousError):
+            with anyio.move_on_after(self._last_word()), contextlib.suppress(RendezvousError):
                 await self._handler.set_closed()
         log.info("workers of role '%s' succeeded", self._spec.role)
         return RunResult(WorkerState.SUCCEEDED, return_values=values)
@@ -381,7 +383,8 @@ class ElasticAgent:
                 if failed and self._spec.close_on_failure:
                     await quietly(self._handler.set_closed(), "close the rendezvous")
                 succeeded = result is not None and result.state is WorkerState.SUCCEEDED
-                await quietly(self._handler.leave(finished=succeeded), "leave the rendezvous")
+                with anyio.move_on_after(self._last_word()):
+                    await quietly(self._handler.leave(finished=succeeded), "leave the rendezvous")
         finally:
             for path in (self._scratch, logs_disposable(self._spec) and self._own_log_root):
                 if path:
@@ -390,6 +393,13 @@ class ElasticAgent:
             reason = "cancelled or error" if result is None else result.state.value
             self._events.publish(Finished, reason=reason)
             self._events.close()
+
+    def _last_word(self) -> float:
+        """How long the last requests (close, leave) may take once the work is over: one
+        heartbeat's timeout, not the backend's whole retry period (a store gone at the end
+        of a job must not hold the launcher for minutes)."""
+        settings = getattr(self._handler, "settings", None)
+        return max(float(getattr(settings, "heartbeat_timeout", 5.0)), 1.0)
 
     def _kept(self, failures: Mapping[int, ProcessFailure]) -> dict[int, ProcessFailure]:
         return kept_failures(self._spec, self._own_log_root, failures)

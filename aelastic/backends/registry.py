@@ -118,6 +118,24 @@ BUILTINS: tuple[BackendInfo, ...] = (
         torchrun_alias="aelastic-http",
         config_keys=("token",),
     ),
+    BackendInfo(
+        "c10d",
+        "aelastic.backends.c10d",
+        "http",
+        "host[:port] (port 29400): the agent on that host serves it, as torch's c10d",
+        multi_node=True,
+        torchrun_alias="aelastic-c10d",
+        config_keys=("token",),
+    ),
+    BackendInfo(
+        "static",
+        "aelastic.backends.static",
+        "http",
+        "master_addr:master_port: node rank 0 serves it, as torch's static",
+        multi_node=True,
+        torchrun_alias="aelastic-static",
+        config_keys=("token", "rank"),
+    ),
 )
 
 _BY_NAME = {info.name: info for info in BUILTINS}

@@ -29,6 +29,7 @@ from ..backends.registry import BUILTINS, backend_info
 from ..core.redact import redact
 from .conf_keys import unknown_key_warnings
 from .devices import determine_local_world_size
+from .torch_flags import torchrun_only_flags
 
 __all__ = ["BACKEND_ALIASES", "LaunchConfig", "UsageError", "build_parser", "config_from_args"]
 
@@ -39,8 +40,6 @@ BACKEND_ALIASES = {
 }
 
 _TORCH_ONLY = {
-    "c10d": "use --rdzv-backend http with `aelastic serve` running at the endpoint, "
-    "or --rdzv-backend redis",
     "etcd": "use --rdzv-backend redis or http (`aelastic serve`)",
     "etcd-v2": "use --rdzv-backend redis or http (`aelastic serve`)",
 }
@@ -135,7 +134,7 @@ def build_parser(prog: str = "aelastic run") -> argparse.ArgumentParser:
     p = _Parser(
         prog=prog,
         description="Launch an elastic distributed job (torchrun's flags and defaults).",
-        allow_abbrev=False,
+        allow_abbrev=True,  # torchrun's argparse allows abbreviations of long flags
     )
     _add(p, ["--nnodes"], default="1:1", help="Number of nodes, or MIN:MAX (default 1:1).")
     _add(p, ["--nproc-per-node"], default="1", help="Workers per node: N, auto, cpu or gpu.")
@@ -200,6 +199,14 @@ def build_parser(prog: str = "aelastic run") -> argparse.ArgumentParser:
         default="null",
         help="torchrun's: console (--event-log -), null.",
     )
+    _add(p, ["--logs-specs"], help="torchrun's LogsSpecs entry point (torchrun.logs_specs).")
+    _add(
+        p,
+        ["--numa-binding"],
+        help="torchrun's: node, socket, exclusive or core-complex (CPUs near the GPUs).",
+    )
+    _add(p, ["--duplicate-stdout-filters"], default="", help="torchrun's (comma-separated).")
+    _add(p, ["--duplicate-stderr-filters"], default="", help="torchrun's (comma-separated).")
     _add(
         p,
         ["--metrics-port"],
@@ -344,11 +351,8 @@ def _backend(
     warnings: list[str] = []
     standalone = bool(args.standalone)
     if not standalone and name == "static":
-        if args.rdzv_endpoint or max_nodes > 1:
-            raise UsageError(
-                "static rendezvous across nodes is not supported: use --rdzv-backend redis, "
-                "or http with `aelastic serve` (or --standalone on one node)"
-            )
+        if max_nodes > 1:
+            return _static(args, min_nodes, max_nodes)
         standalone = True
     if standalone:
         if min_nodes > 1:
@@ -383,6 +387,24 @@ def _backend(
     if args.node_rank != 0:
         warnings.append("--node-rank is only used by a static rendezvous; ignored")
     return backend, args.rdzv_endpoint, args.rdzv_id, False, warnings
+
+
+def _static(
+    args: argparse.Namespace, min_nodes: int, max_nodes: int
+) -> tuple[str, str, str, bool, list[str]]:
+    """torchrun's multi-node static rendezvous: node rank 0 hosts it at the master address."""
+    if min_nodes != max_nodes:
+        raise UsageError(
+            f"--nnodes {args.nnodes}: a static rendezvous needs a fixed number of nodes "
+            "(use --rdzv-backend c10d, redis or http for an elastic job)"
+        )
+    if not 0 <= args.node_rank < max_nodes:
+        raise UsageError(f"--node-rank {args.node_rank} is not in [0, {max_nodes})")
+    endpoint = args.rdzv_endpoint
+    if not endpoint:
+        port = 29500 if args.master_port is None else args.master_port
+        endpoint = f"{args.master_addr or '127.0.0.1'}:{port}"
+    return "static", endpoint, args.rdzv_id, False, []
 
 
 def _entrypoint(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
@@ -428,6 +450,12 @@ def config_from_args(
     if not run_id.strip():
         raise UsageError("--rdzv-id must not be empty")
     conf = parse_rdzv_conf(args.rdzv_conf)
+    master_port = args.master_port
+    if backend == "static":
+        # torchrun's rule: the node rank is the static rendezvous' rank. The master port
+        # serves the rendezvous: the workers' own store gets a free port on node rank 0.
+        conf["rank"] = str(args.node_rank)
+        master_port = None
     warnings.extend(unknown_key_warnings(conf, backend))
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise UsageError(f"--master-port {args.master_port} is not a port number")
@@ -446,6 +474,7 @@ def config_from_args(
         env["OMP_NUM_THREADS"] = "1"
     entrypoint, script_args = _entrypoint(args)
     event_log, metrics_port = _observability(args)
+    warnings.extend(torchrun_only_flags(args))
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -461,7 +490,7 @@ def config_from_args(
         monitor_interval=args.monitor_interval,
         local_addr=args.local_addr,
         master_addr=args.master_addr,
-        master_port=args.master_port,
+        master_port=master_port,
         log_dir=args.log_dir,
         redirects=_std(args.redirects, "--redirects"),
         tee=_std(args.tee, "--tee"),

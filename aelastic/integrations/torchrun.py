@@ -38,10 +38,12 @@ from ..core.view import MembershipView
 
 __all__ = [
     "BACKENDS",
+    "c10d_handler",
     "create_handler",
     "http_handler",
     "memory_handler",
     "redis_handler",
+    "static_handler",
 ]
 
 #: torchrun backend name -> aelastic backend name (from the backend registry's rows).
@@ -66,6 +68,16 @@ def redis_handler() -> Creator:
 
 def http_handler() -> Creator:
     """Entry point ``aelastic-http``: ``--rdzv-endpoint host:port`` of ``aelastic serve``."""
+    return create_handler
+
+
+def c10d_handler() -> Creator:
+    """Entry point ``aelastic-c10d``: ``--rdzv-endpoint host[:port]``, hosted by a node."""
+    return create_handler
+
+
+def static_handler() -> Creator:
+    """Entry point ``aelastic-static``: ``master_addr:master_port``, hosted by node rank 0."""
     return create_handler
 
 

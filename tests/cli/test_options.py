@@ -216,11 +216,12 @@ def test_script_arguments_are_not_parsed() -> None:
         (["--max-restarts", "-1", "x.py"], "max-restarts"),
         (["--max-restarts", "many", "x.py"], "invalid int"),
         (["--monitor-interval", "0", "x.py"], "monitor-interval"),
-        (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--nnodes", "2", "x.py"], "torch"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--nnodes", "2", "x.py"], "torch"),
         (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "x.py"], "torch"),
         (["--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h:1", "x.py"], "unknown"),
         (["--rdzv-backend", "redis", "x.py"], "needs --rdzv-endpoint"),
-        (["--nnodes", "2", "x.py"], "static rendezvous across nodes"),
+        (["--nnodes", "2:3", "x.py"], "static rendezvous needs a fixed number"),
+        (["--nnodes", "2", "--node-rank", "2", "x.py"], "not in"),
         (["--nnodes", "2", "--rdzv-backend", "memory", "x.py"], "cannot wait for other nodes"),
         (["--rdzv-conf", "a=1,b", "--standalone", "x.py"], "must have a value"),
         (["--rdzv-conf", "=1", "--standalone", "x.py"], "key1=value1"),
@@ -270,3 +271,40 @@ def test_warm_standby_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -
     assert _config("--no-warm-standby", "train.py").warm_standby is False
     monkeypatch.setenv("PET_NO_WARM_STANDBY", "1")
     assert _config("train.py").warm_standby is False
+
+
+def test_fixed_nodes_with_a_master_is_torchruns_static_rendezvous() -> None:
+    argv = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", "--master-port", "1234"]
+    config = parse_config([*argv, "x.py"])
+    assert (config.rdzv_backend, config.rdzv_endpoint) == ("static", "h:1234")
+    assert dict(config.rdzv_configs)["rank"] == "1"
+    # The master port serves the rendezvous: the workers' store gets another port.
+    assert config.master_addr == "h" and config.master_port is None
+    assert not config.standalone
+
+
+def test_c10d_is_accepted_as_torchs() -> None:
+    argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "--nnodes", "1:4", "x.py"]
+    config = parse_config(argv)
+    assert (config.rdzv_backend, config.rdzv_endpoint) == ("c10d", "h:29400")
+    assert (config.min_nodes, config.max_nodes) == (1, 4)
+
+
+def test_every_torchrun_flag_is_accepted() -> None:
+    torch_run = pytest.importorskip("torch.distributed.run")
+    ours = {o for a in build_parser()._actions for o in a.option_strings}
+    theirs = {o for a in torch_run.get_args_parser()._actions for o in a.option_strings}
+    assert theirs <= ours, sorted(theirs - ours)
+
+
+def test_torchrun_only_flags_are_checked_and_explained() -> None:
+    config = parse_config(["--logs-specs", "default", "--numa-binding", "node", "x.py"])
+    assert any("--numa-binding node" in w for w in config.warnings)
+    with pytest.raises(UsageError, match=r"torchrun\.logs_specs"):
+        parse_config(["--logs-specs", "nope", "x.py"])
+    with pytest.raises(UsageError, match="numa-binding must be one of"):
+        parse_config(["--numa-binding", "nope", "x.py"])
+
+
+def test_long_flags_abbreviate_as_torchruns() -> None:
+    assert parse_config(["--max-rest", "3", "--monitor-int", "0.5", "x.py"]).max_restarts == 3

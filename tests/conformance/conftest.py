@@ -15,7 +15,10 @@ from aelastic import RendezvousParameters
 from aelastic.backends import BUILTINS, backend_info
 
 #: Every built-in backend (the registry's rows).
-BACKENDS = [info.name for info in BUILTINS]
+#: static and c10d are hosted by one of the nodes: closing that node's handler stops the
+#: server (torch's single point of failure), which these tests do freely. Their own tests
+#: are in tests/cli/test_kubeflow.py.
+BACKENDS = [info.name for info in BUILTINS if info.name not in ("static", "c10d")]
 
 MakeParams = Callable[..., RendezvousParameters]
 

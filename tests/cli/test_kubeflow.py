@@ -1,0 +1,177 @@
+"""Kubeflow-shaped jobs: nodes started with only ``PET_*`` variables and the script.
+
+A non-elastic PyTorchJob gives each pod ``PET_NNODES``, ``PET_NPROC_PER_NODE``,
+``PET_NODE_RANK``, ``PET_MASTER_ADDR`` and ``PET_MASTER_PORT`` (torch's static rendezvous);
+an elastic one ``PET_RDZV_BACKEND=c10d`` and ``PET_RDZV_ENDPOINT`` (torch's c10d). Both run
+here as two real ``aelastic run`` processes whose workers do a gloo all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ._proc import Cli, alive
+
+pytest.importorskip("torch")
+
+ALL_REDUCE = """
+import datetime, os, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+print(f"rank={dist.get_rank()} world={dist.get_world_size()} sum={value.item()} "
+      f"group={os.environ['GROUP_RANK']}", flush=True)
+dist.destroy_process_group()
+"""
+
+# Prints its world; exits 0 once the world has the size given as argument, else waits.
+WAITER = """
+import os, sys, time
+print(f"worker pid={os.getpid()} world={os.environ['WORLD_SIZE']}", flush=True)
+if int(os.environ["WORLD_SIZE"]) != int(sys.argv[1]):
+    time.sleep(120)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _pod(tmp_path: Path, env: dict[str, str], *args: str) -> Cli:
+    return Cli([*args], tmp_path, env={"PET_NPROC_PER_NODE": "1", **env})
+
+
+def _script(tmp_path: Path, name: str, text: str) -> str:
+    (tmp_path / name).write_text(textwrap.dedent(text))
+    return name
+
+
+def test_static_job_from_pet_variables(tmp_path: Path) -> None:
+    script = _script(tmp_path, "train.py", ALL_REDUCE)
+    master = {"PET_NNODES": "2", "PET_MASTER_ADDR": "127.0.0.1"}
+    master["PET_MASTER_PORT"] = str(_free_port())
+    # The worker pod comes first: it waits for the master's rendezvous to appear.
+    with (
+        _pod(tmp_path, {**master, "PET_NODE_RANK": "1"}, "run", script) as one,
+        _pod(tmp_path, {**master, "PET_NODE_RANK": "0"}, "run", script) as zero,
+    ):
+        assert zero.wait(120) == 0, zero.output
+        assert one.wait(120) == 0, one.output
+    # Ranks follow the node ranks, as torch's static rendezvous gives them.
+    assert "rank=0 world=2 sum=3.0 group=0" in zero.output, zero.output
+    assert "rank=1 world=2 sum=3.0 group=1" in one.output, one.output
+
+
+def test_c10d_job_from_pet_variables(tmp_path: Path) -> None:
+    script = _script(tmp_path, "train.py", ALL_REDUCE)
+    env = {
+        "PET_NNODES": "2",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}",
+        "PET_RDZV_ID": "kubeflow-job",
+    }
+    with _pod(tmp_path, env, "run", script) as a, _pod(tmp_path, env, "run", script) as b:
+        assert a.wait(120) == 0, a.output
+        assert b.wait(120) == 0, b.output
+    outputs = a.output + b.output
+    assert "world=2 sum=3.0" in a.output and "world=2 sum=3.0" in b.output, outputs
+    assert "rank=0 " in outputs and "rank=1 " in outputs
+
+
+def test_elastic_c10d_survivor_reforms_alone(tmp_path: Path) -> None:
+    script = _script(tmp_path, "worker.py", WAITER)
+    env = {
+        "PET_NNODES": "1:2",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}",
+        "PET_RDZV_ID": "kubeflow-elastic",
+        "PET_RDZV_CONF": "last_call_timeout=3,keep_alive_interval=0.3,keep_alive_max_attempt=3",
+        "PET_MAX_RESTARTS": "3",
+    }
+    port = int(env["PET_RDZV_ENDPOINT"].rsplit(":", 1)[1])
+    with _pod(tmp_path, env, "run", script, "1") as host:
+        _wait_listening(port)  # the first node hosts the rendezvous
+        with _pod(tmp_path, env, "run", script, "1") as guest:
+            # Within the last call (3 s): one round of two, whose workers wait.
+            host.wait_for(lambda lines: any("world=2" in x for x in lines), 60)
+            guest.wait_for(lambda lines: any("world=2" in x for x in lines), 60)
+            children = _children(guest.proc.pid)
+            for pid in [guest.proc.pid, *children]:  # the guest's pod is deleted
+                os.kill(pid, signal.SIGKILL)
+            guest.wait(30)
+        assert host.wait(60) == 0, host.output
+    assert "world=1" in host.output.split("world=2", 1)[1], host.output
+    assert not [pid for pid in children if alive(pid)]
+
+
+def test_static_node_whose_master_never_comes_fails_naming_it(tmp_path: Path) -> None:
+    script = _script(tmp_path, "train.py", ALL_REDUCE)
+    port = _free_port()
+    env = {
+        "PET_NNODES": "2",
+        "PET_NODE_RANK": "1",
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(port),
+        "PET_RDZV_CONF": "join_timeout=2",
+    }
+    with _pod(tmp_path, env, "run", script) as one:
+        assert one.wait(60) == 1, one.output
+    errors = [line for line in one.output.splitlines() if "could not be reached" in line]
+    assert errors and f"127.0.0.1:{port}" in errors[0], one.output
+    assert "Traceback" not in one.output
+
+
+def test_two_static_nodes_with_one_node_rank_are_told(tmp_path: Path) -> None:
+    script = _script(tmp_path, "train.py", ALL_REDUCE)
+    env = {
+        "PET_NNODES": "3",
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(_free_port()),
+        "PET_RDZV_CONF": "join_timeout=30",
+    }
+    with _pod(tmp_path, {**env, "PET_NODE_RANK": "0"}, "run", script) as zero:
+        zero.wait_for(lambda lines: any("launching" in x for x in lines))
+        # A second node rank 0 cannot host: the master's port is taken.
+        with _pod(tmp_path, {**env, "PET_NODE_RANK": "0"}, "run", script) as again:
+            assert again.wait(60) == 1, again.output
+        assert "cannot host the static rendezvous" in again.output, again.output
+        # Two nodes rank 1: the round completes with three nodes, one of them is told.
+        with (
+            _pod(tmp_path, {**env, "PET_NODE_RANK": "1"}, "run", script) as a,
+            _pod(tmp_path, {**env, "PET_NODE_RANK": "1"}, "run", script) as b,
+        ):
+            told = "two nodes were started with node rank 1"
+            deadline = time.monotonic() + 60
+            while told not in a.output + b.output and time.monotonic() < deadline:
+                for pod in (a, b):
+                    with contextlib.suppress(AssertionError):
+                        pod.wait_for(lambda lines: any(told in x for x in lines), 0.5)
+            assert told in a.output + b.output, a.output + b.output
+
+
+def _wait_listening(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fp:
+            return [int(p) for p in fp.read().split()]
+    except OSError:
+        return []
