@@ -51,7 +51,6 @@ from ._endpoint import (
 from ._scripts import RunKeys
 
 __all__ = [
-    "CONFIG_KEYS",
     "ENV_PASSWORD",
     "ENV_SENTINEL_PASSWORD",
     "ENV_USERNAME",
@@ -61,24 +60,6 @@ __all__ = [
     "create_backend",
     "parse_endpoint",
 ]
-
-#: The ``--rdzv-conf`` keys of this backend (the rendezvous settings aside).
-CONFIG_KEYS = (
-    "username",
-    "password",
-    "sentinel_username",
-    "sentinel_password",
-    "wait_replicas",
-    "key_ttl",
-    "recheck_interval",
-    "max_connections",
-    "key_prefix",
-    "tls",
-    "ssl_ca_certs",
-    "ssl_certfile",
-    "ssl_keyfile",
-    "ssl_cert_reqs",
-)
 
 
 def create_backend(params: RendezvousParameters) -> RedisBackend:

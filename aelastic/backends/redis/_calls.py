@@ -143,6 +143,7 @@ class RedisCalls:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._read_timeout
         delay = 0.05
+        cause: Exception | None = None  # the last failure that was not a timeout
         while True:
             try:
                 return await attempt(max(deadline - loop.time(), 0.001))
@@ -170,8 +171,13 @@ class RedisCalls:
                     raise RendezvousConnectionError(f"{permanent} ({what})") from None
                 if not _transient(exc):
                     raise
+                if not isinstance(exc, asyncio.TimeoutError):
+                    cause = exc
                 remaining = deadline - loop.time()
                 if remaining <= 0:
+                    # The last attempt often had only what was left of the time: a timeout
+                    # says less than the failure before it.
+                    exc = cause if isinstance(exc, asyncio.TimeoutError) and cause else exc
                     said = server.describe(exc) if server is not None else str(exc)
                     raise RendezvousConnectionError(
                         f"Redis at {self.endpoint} could not be reached within "

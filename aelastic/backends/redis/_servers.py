@@ -282,6 +282,11 @@ class Cluster(Standalone):
             return f"none of the nodes {self.endpoint.addresses} answered"
         if isinstance(exc, ClusterDownError):
             return f"the cluster is down ({exc})"
+        if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
+            return (
+                "the node serving the run's slot does not answer and no replica took its "
+                f"place: the cluster is down for this run ({exc or type(exc).__name__})"
+            )
         return super().describe(exc)
 
     async def aclose(self) -> None:
