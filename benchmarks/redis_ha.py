@@ -12,8 +12,10 @@ max = N + 1, so all N + 1 nodes complete a round at once.
   so the group must re-form without it: the time from the kill until the last of the N
   survivors completed the re-formed round (last call ``last_call_timeout`` = 0.5 s
   included). Standalone: the server is started again at once, empty (what a supervisor
-  restarting a crashed Redis without persistence gives); Sentinel: a replica is promoted.
-  Also shown: when the sentinels had promoted the replica (or the server was back).
+  restarting a crashed Redis without persistence gives); Sentinel: a replica is promoted;
+  Cluster (3 primaries with a replica each, ``cluster-node-timeout`` 2 s): the primary of the
+  run's slot is killed and its replica takes over. Also shown: when the replica had been
+  promoted (or the server was back).
 
 Sentinel runs with the backend's default ``wait_replicas=1`` (``sentinel``) and without
 waiting for replicas (``sentinel-nowait``, ``wait_replicas=0``): after the failover the new
@@ -48,6 +50,7 @@ CONFIG = {
     "read_timeout": 120,
     "share_connections": 0,
 }
+STORES = ("standalone", "sentinel", "sentinel-nowait", "cluster")
 _SERVER_ARGS = ("--maxclients", "19000", "--tcp-backlog", "4096")
 _TIMEOUT = 180.0
 
@@ -125,7 +128,8 @@ class Workers:
 
 async def job(store: str, nodes: int, procs: int) -> dict[str, Any]:
     """One measured job: formation, then a failover (see the module docstring)."""
-    from tests._redis_ha import SentinelGroup
+    from aelastic.backends.redis import RunKeys
+    from tests._redis_ha import RedisCluster, SentinelGroup
     from tests._redis_server import RedisServer
 
     server: Any
@@ -133,14 +137,18 @@ async def job(store: str, nodes: int, procs: int) -> dict[str, Any]:
     if store.startswith("sentinel"):
         server = SentinelGroup(extra_args=_SERVER_ARGS).start()
         endpoint = server.endpoint
+    elif store == "cluster":
+        server = RedisCluster(extra_args=_SERVER_ARGS).start()
+        endpoint = server.endpoint
     else:
         server = RedisServer(extra_args=_SERVER_ARGS).start()
         endpoint = server.url
     workers = Workers()
     try:
+        run_id = f"ha-{uuid.uuid4().hex[:8]}"
         spec = {
             "endpoint": endpoint,
-            "run_id": f"ha-{uuid.uuid4().hex[:8]}",
+            "run_id": run_id,
             "min": nodes,
             "max": nodes + 1,
             "config": config,
@@ -161,6 +169,9 @@ async def job(store: str, nodes: int, procs: int) -> dict[str, Any]:
         if store.startswith("sentinel"):
             workers.send(leaver, cmd="leave")
             await asyncio.to_thread(server.kill_primary)
+        elif store == "cluster":
+            workers.send(leaver, cmd="leave")
+            await asyncio.to_thread(server.kill_primary_of, RunKeys("aelastic", run_id).state)
         else:
             server.kill()
             workers.send(leaver, cmd="leave")
@@ -199,7 +210,7 @@ def report(rows: list[dict[str, Any]]) -> str:
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for nodes in args.sizes:
-        for store in ("standalone", "sentinel", "sentinel-nowait"):
+        for store in args.stores:
             row = await job(store, nodes, max(1, min(args.procs, nodes)))
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -209,6 +220,7 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[16, 256])
+    parser.add_argument("--stores", nargs="+", default=list(STORES), choices=STORES)
     parser.add_argument("--procs", type=int, default=4, help="worker processes per job")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()

@@ -13,6 +13,7 @@ Usage::
     with RedisCluster() as cluster:          # 3 primaries with 1 replica each, slots covered
         cluster.endpoint                     # "redis+cluster://127.0.0.1:P1,..."
         cluster.fail_over("some-key")        # CLUSTER FAILOVER on the replica of its primary
+        cluster.kill_primary_of("some-key")  # SIGKILL; returns once its replica took over
 
 Every process listens on 127.0.0.1 only, keeps nothing on disk (``--save ""``), and is
 killed at the end of the ``with``. Sentinels decide a primary is down after 1 s and run a
@@ -285,19 +286,21 @@ class SentinelGroup:
 class RedisCluster:
     """A Redis Cluster of ``primaries`` primaries with ``replicas`` replicas each."""
 
-    def __init__(self, primaries: int = 3, replicas: int = 1) -> None:
+    def __init__(
+        self, primaries: int = 3, replicas: int = 1, extra_args: tuple[str, ...] = ()
+    ) -> None:
         cli = shutil.which("redis-cli")
         if cli is None:
             pytest.skip("redis-cli is not on PATH")
         self.cli = cli
         self.primaries, self.replicas = primaries, replicas
-        self.servers = [self._node() for _ in range(primaries * (1 + replicas))]
+        self.servers = [self._node(extra_args) for _ in range(primaries * (1 + replicas))]
 
     @staticmethod
-    def _node() -> RedisServer:
+    def _node(extra_args: tuple[str, ...]) -> RedisServer:
         args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
         args += ("--cluster-node-timeout", "2000", "--cluster-port", str(free_port()))
-        return RedisServer(extra_args=args)
+        return RedisServer(extra_args=(*args, *extra_args))
 
     @property
     def endpoint(self) -> str:
@@ -333,8 +336,9 @@ class RedisCluster:
         return True
 
     def node_of(self, key: str) -> RedisServer:
-        """The primary serving ``key``'s slot."""
-        with self.servers[0].client(socket_timeout=5.0) as client:
+        """The primary serving ``key``'s slot (as a running node says)."""
+        asked = next(s for s in self.servers if s.running)
+        with asked.client(socket_timeout=5.0) as client:
             slot = client.cluster("KEYSLOT", key)
             for start, end, primary, *_ in client.cluster("SLOTS"):
                 if start <= slot <= end:
@@ -357,6 +361,14 @@ class RedisCluster:
             client.execute_command("CLUSTER", "FAILOVER")
         wait_until(lambda: self.node_of(key) is new and self._healthy(), "the failover ended")
         return old, new
+
+    def kill_primary_of(self, key: str, timeout: float = 60.0) -> RedisServer:
+        """SIGKILL the primary of ``key``'s slot; returns it once its replica serves the
+        slot and the cluster is ok again."""
+        old = self.node_of(key)
+        old.kill()
+        wait_until(lambda: self.node_of(key) is not old and self._healthy(), "promoted", timeout)
+        return old
 
     def close(self) -> None:
         """Kill every node and remove their directories."""

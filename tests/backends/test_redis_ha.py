@@ -138,13 +138,18 @@ async def test_sentinel_waiting_node_follows_the_new_primary_without_missing_a_j
             assert _client(second).subscribed_at == new
 
 
+def _acknowledged_by_replicas(caplog: pytest.LogCaptureFixture) -> bool:
+    """No client said that a replica failed to acknowledge a write (``wait_replicas``)."""
+    return not [r for r in caplog.records if "acknowledged a round transition" in r.message]
+
+
 def _members(ha: SentinelGroup, run_id: str) -> int:
     with ha.client() as client:
         return sum(int(client.zcard(key)) for key in client.keys(f"*{run_id}*:p"))
 
 
 async def test_sentinel_store_writes_wait_for_the_replica_and_survive_a_failover(
-    run_id: str,
+    run_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     with SentinelGroup() as ha:
         async with handler_group("redis", ha.endpoint, run_id, 2, 2, 2) as handlers:
@@ -153,6 +158,7 @@ async def test_sentinel_store_writes_wait_for_the_replica_and_survive_a_failover
             store = infos[0].store
             await store.set("weights", b"v1")
             await store.add("counter", 5)
+            assert _acknowledged_by_replicas(caplog)
             await anyio.to_thread.run_sync(ha.kill_primary)
             # Acknowledged by the replica before the reply: nothing was lost.
             with anyio.fail_after(3 * PROMPT):
@@ -205,13 +211,16 @@ async def test_wrong_data_password_is_a_one_line_error(guarded: SentinelGroup, r
 # -- Cluster --------------------------------------------------------------------------------
 
 
-async def test_cluster_run_forms_and_goes_on_after_a_failover(run_id: str) -> None:
+async def test_cluster_run_forms_and_goes_on_after_a_failover(
+    run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
     with RedisCluster() as cluster:
         conf = {"last_call_timeout": 0.5}
         async with handler_group("redis", cluster.endpoint, run_id, 2, 2, 3, **conf) as handlers:
             infos = await join_all(handlers, 3 * PROMPT)
             assert_one_group(infos, 2)
             await infos[0].store.set("weights", b"v1")
+            assert _acknowledged_by_replicas(caplog)  # wait_replicas=1 by default
             backend = handlers[0].backend
             assert isinstance(backend, RedisBackend)
             old, new = await anyio.to_thread.run_sync(cluster.fail_over, backend.keys.state)

@@ -16,9 +16,10 @@ or the environment (``AELASTIC_REDIS_USERNAME``, ``AELASTIC_REDIS_PASSWORD``); t
 sentinels from ``sentinel_username``/``sentinel_password`` or
 ``AELASTIC_REDIS_SENTINEL_PASSWORD``. Other config keys (seconds unless said):
 
-* ``wait_replicas`` (1 with Sentinel, else 0): replicas that must hold a membership change
-  or a store write before its reply is given (``WAIT``, up to 1 s; when they do not answer
-  in time, the backend stops waiting for a while rather than stalling); 0 never waits;
+* ``wait_replicas`` (1 with Sentinel or Cluster, 0 standalone): replicas that must hold a
+  membership change or a store write before its reply is given (``WAIT``, up to 1 s; when
+  they do not answer in time, the backend stops waiting for a while rather than stalling);
+  0 never waits;
 
 * ``read_timeout`` (60): how long a call keeps retrying before ``RendezvousConnectionError``;
 * ``key_ttl`` (86400): the run's keys expire this long after their last write;
@@ -44,7 +45,7 @@ from ._endpoint import (
     ENV_PASSWORD,
     ENV_SENTINEL_PASSWORD,
     ENV_USERNAME,
-    SENTINEL,
+    STANDALONE,
     RedisEndpoint,
     parse_endpoint,
 )
@@ -80,7 +81,7 @@ def create_backend(params: RendezvousParameters) -> RedisBackend:
     key_ttl = params.get_as_float("key_ttl", 24 * 3600.0)
     recheck = params.get_as_float("recheck_interval", 5.0)
     max_connections = params.get_as_int("max_connections", 16)
-    wait_replicas = params.get_as_int("wait_replicas", 1 if endpoint.kind == SENTINEL else 0)
+    wait_replicas = params.get_as_int("wait_replicas", 0 if endpoint.kind == STANDALONE else 1)
     assert read_timeout is not None and key_ttl is not None and recheck is not None
     assert max_connections is not None and wait_replicas is not None
     return RedisBackend(

@@ -39,8 +39,8 @@ from .. import _shared
 from .._watch import RunWatch
 from . import _scripts as lua
 from ._client import RedisClient
+from ._cluster import is_retryable
 from ._endpoint import RedisEndpoint
-from ._servers import is_retryable
 
 __all__ = ["RedisCalls"]
 

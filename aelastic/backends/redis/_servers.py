@@ -12,10 +12,8 @@ discovery of our own):
   reaches the new primary once Sentinel has promoted one. The listener asks the sentinels
   too, each time it (re)connects: it subscribes on the current primary (and Sentinel kills
   the pub/sub clients of a demoted one, so it moves on a manual failover as well).
-* :class:`Cluster`: ``RedisCluster``, which routes each script by the run's hash tag (every
-  key of a run is in one slot), follows ``MOVED``/``ASK``, and refreshes its slot map after a
-  failover. A classic ``PUBLISH`` reaches the subscribers of every node of a cluster, so the
-  listener subscribes on any node and moves to the next node it knows when that one fails.
+* :class:`~._cluster.Cluster` (in :mod:`._cluster`): ``RedisCluster``, routing by the run's
+  hash tag; the listener subscribes on any node.
 
 :meth:`execute` runs a batch of commands in one round trip (a pipeline) and, when asked,
 ends it with ``WAIT <replicas> <ms>`` on the same connection, so the reply comes only once
@@ -31,31 +29,22 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     AuthenticationError,
-    ClusterDownError,
-    RedisClusterException,
     RedisError,
     ResponseError,
-    SlotNotCoveredError,
 )
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._endpoint import CLUSTER, SENTINEL, RedisEndpoint
 
-__all__ = ["Batch", "Cluster", "SentinelPrimary", "Standalone", "make_server"]
+__all__ = ["Batch", "SentinelPrimary", "Standalone", "make_server"]
 
 #: Seconds to open a connection (TCP, TLS, AUTH) before that attempt counts as failed.
 CONNECT_TIMEOUT = 10.0
-
-#: Errors after which a cluster's slot map is read again.
-_CLUSTER_REFRESH = (RedisConnectionError, RedisTimeoutError, ClusterDownError, SlotNotCoveredError)
 
 
 class Batch(NamedTuple):
@@ -105,7 +94,7 @@ class Standalone:
             replies: list[Any] = await pipe.execute(raise_on_error=False)
         if not waiting:
             return replies, -1
-        return replies[:-1], _acked(replies[-1])
+        return replies[:-1], acked(replies[-1])
 
     async def load_scripts(self, scripts: Iterable[str]) -> None:
         """Load ``scripts`` into the script cache of the server(s) holding the keys."""
@@ -213,107 +202,18 @@ class SentinelPrimary(Standalone):
         await self.sentinel.aclose()
 
 
-class Cluster(Standalone):
-    """A Redis Cluster. See the module docstring."""
-
-    def _command_client(self, max_connections: int) -> Any:
-        kwargs = {k: v for k, v in self.kwargs.items() if k in _cluster_options()}
-        kwargs["ssl"] = self.endpoint.tls
-        self._turn = 0
-        return RedisCluster(
-            startup_nodes=[ClusterNode(host, port) for host, port in self.endpoint.hosts],
-            max_connections=max_connections,
-            **kwargs,
-        )
-
-    async def execute(self, batch: Batch, wait: tuple[int, int] | None) -> tuple[list[Any], int]:
-        cluster = self.redis
-        try:
-            await cluster.initialize()
-            pipe = cluster.pipeline()
-            for args, route in zip(batch.commands, batch.routes, strict=True):
-                if route is None:
-                    pipe.execute_command(*args)
-                else:
-                    pipe.execute_command(*args, target_nodes=cluster.get_node_from_key(route))
-            nodes = {}
-            if wait is not None:
-                for key in batch.durable:
-                    node = cluster.get_node_from_key(key)
-                    nodes[node.name] = node
-                for node in nodes.values():
-                    pipe.execute_command("WAIT", *wait, target_nodes=node)
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
-        except _CLUSTER_REFRESH:
-            await cluster.aclose()  # the next call reads the slot map again
-            raise
-        if any(isinstance(reply, _CLUSTER_REFRESH) for reply in replies):
-            await cluster.aclose()
-        count = len(batch.commands)
-        if not nodes:
-            return replies, -1
-        return replies[:count], min(_acked(reply) for reply in replies[count:])
-
-    async def load_scripts(self, scripts: Iterable[str]) -> None:
-        await self.redis.initialize()
-        for src in scripts:
-            await self.redis.script_load(src)  # on every primary
-
-    async def pubsub_address(self) -> tuple[str, int]:
-        """The next node of the cluster (the nodes given when none is known)."""
-        addresses: list[tuple[str, int]] = []
-        try:
-            await self.redis.initialize()
-            addresses = [(str(n.host), int(n.port)) for n in self.redis.get_nodes()]
-        except (RedisError, RedisClusterException, OSError):
-            pass
-        addresses = sorted(addresses) or list(self.endpoint.hosts)
-        self._turn += 1
-        return addresses[self._turn % len(addresses)]
-
-    async def explain(self, exc: BaseException) -> str | None:
-        if isinstance(exc, RedisClusterException) and not _unreachable(exc):
-            said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            return f"Redis Cluster at {self.endpoint.display} cannot be used: {said}"
-        return await super().explain(exc)
-
-    def describe(self, exc: BaseException) -> str:
-        if isinstance(exc, RedisClusterException) and _unreachable(exc):
-            return f"none of the nodes {self.endpoint.addresses} answered"
-        if isinstance(exc, ClusterDownError):
-            return f"the cluster is down ({exc})"
-        if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
-            return (
-                "the node serving the run's slot does not answer and no replica took its "
-                f"place: the cluster is down for this run ({exc or type(exc).__name__})"
-            )
-        return super().describe(exc)
-
-    async def aclose(self) -> None:
-        await self.redis.aclose()
-
-
 def make_server(endpoint: RedisEndpoint, max_connections: int) -> Standalone:
     """The server object of ``endpoint``'s kind."""
     if endpoint.kind == SENTINEL:
         return SentinelPrimary(endpoint, max_connections)
     if endpoint.kind == CLUSTER:
+        from ._cluster import Cluster  # (it builds on Standalone)
+
         return Cluster(endpoint, max_connections)
     return Standalone(endpoint, max_connections)
 
 
-def is_retryable(exc: BaseException) -> bool:
-    """Cluster errors that a moment later may be gone (no node reachable, slots moving)."""
-    return isinstance(exc, SlotNotCoveredError) or (
-        isinstance(exc, RedisClusterException) and _unreachable(exc)
-    )
-
-
-def _unreachable(exc: BaseException) -> bool:
-    return isinstance(exc, SlotNotCoveredError) or "cannot be connected" in str(exc)
-
-
-def _acked(reply: Any) -> int:
+def acked(reply: Any) -> int:
     return reply if isinstance(reply, int) else 0
 
 
@@ -321,7 +221,7 @@ class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     """Sentinel's pool, waiting for a free connection instead of failing (as standalone)."""
 
 
-def _accepted(*classes: type) -> set[str]:
+def accepted(*classes: type) -> set[str]:
     """Keyword arguments the ``__init__`` of ``classes`` (and their bases) take."""
     names: set[str] = set()
     for cls in classes:
@@ -332,18 +232,14 @@ def _accepted(*classes: type) -> set[str]:
     return names
 
 
-def _cluster_options() -> set[str]:
-    return _accepted(RedisCluster) - {"host", "port", "startup_nodes", "db", "self"}
-
-
 def _quiet_handshake() -> dict[str, Any]:
     """Options that spare a new connection's optional round trips, where redis-py has them."""
     # The options are taken by a base class's __init__ (Connection's own takes **kwargs).
-    accepted = _accepted(Connection)
+    options = accepted(Connection)
     quiet: dict[str, Any] = {}
-    if "driver_info" in accepted:  # no CLIENT SETINFO lib-name/lib-ver
+    if "driver_info" in options:  # no CLIENT SETINFO lib-name/lib-ver
         quiet["driver_info"] = None
-    if "maint_notifications_config" in accepted:
+    if "maint_notifications_config" in options:
         from redis.maint_notifications import MaintNotificationsConfig
 
         quiet["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
@@ -380,8 +276,8 @@ def connection_kwargs(endpoint: RedisEndpoint) -> dict[str, Any]:
 
 def _sentinel_kwargs(endpoint: RedisEndpoint, data: dict[str, Any]) -> dict[str, Any]:
     """Options of the clients of the sentinels: their own login, the data nodes' TLS."""
-    accepted = _accepted(Redis)
-    kwargs = {k: v for k, v in data.items() if k in accepted and k not in ("db", "retry")}
+    options = accepted(Redis)
+    kwargs = {k: v for k, v in data.items() if k in options and k not in ("db", "retry")}
     kwargs.pop("connection_class", None)
     kwargs.update(username=endpoint.sentinel_username, password=endpoint.sentinel_password)
     kwargs["retry"] = Retry(NoBackoff(), 0)
