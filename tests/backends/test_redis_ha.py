@@ -17,6 +17,7 @@ import pytest
 from aelastic import RendezvousConnectionError, RendezvousParameters
 from aelastic.backends.redis import RedisBackend, create_backend, parse_endpoint
 from aelastic.backends.redis._client import RedisClient
+from aelastic.core.state import Op, Request
 from aelastic.rendezvous import DynamicRendezvousHandler
 from tests._redis_ha import SERVICE, RedisCluster, SentinelGroup, wait_until
 from tests._redis_server import RedisServer, free_port
@@ -206,6 +207,38 @@ async def test_wrong_data_password_is_a_one_line_error(guarded: SentinelGroup, r
         guarded.endpoint, run_id, password="wrong-one", sentinel_password=SENTINEL_PASSWORD
     )
     assert "password" in message.lower() or "login" in message.lower(), message
+
+
+async def test_a_state_written_under_another_primary_takes_a_new_epoch(run_id: str) -> None:
+    """What a promoted replica serves: the state it holds was written under the old
+    primary's replication id (here the id is rewritten instead of promoting a replica). The
+    first request moves it to a new epoch, once, and publishes it: who waits on a token of
+    the old epoch wakes and re-reads; the round itself is kept."""
+    with RedisServer() as server:
+        async with handler_group("redis", server.url, run_id, 2, 2, 2, **QUIET) as handlers:
+            assert_one_group(await join_all(handlers, 3 * PROMPT), 2)
+            backend = handlers[0].backend
+            assert isinstance(backend, RedisBackend)
+            before = await backend.snapshot()
+            assert before is not None
+            with server.client(socket_timeout=5.0) as client:
+                client.hset(backend.keys.state, "replid", "f" * 40)
+            waiting = asyncio.ensure_future(backend.wait_for_change(before.status.token, 60))
+            await asyncio.sleep(0)
+            node = handlers[1]
+            await node.backend.apply(Request(Op.KEEP_ALIVE, node.node, node.settings.rules))
+            with anyio.fail_after(PROMPT):
+                moved = await waiting
+            assert moved is not None
+            assert moved.token.split(".")[0] != before.status.token.split(".")[0]
+            assert (moved.round, moved.complete) == (before.status.round, True)
+            after = await backend.snapshot()
+            assert after is not None and len(after.participants) == 2
+            # Once only: the state now carries this primary's id.
+            await node.backend.apply(Request(Op.KEEP_ALIVE, node.node, node.settings.rules))
+            again = await backend.snapshot()
+            assert again is not None
+            assert again.status.token.split(".")[0] == moved.token.split(".")[0]
 
 
 # -- Cluster --------------------------------------------------------------------------------
