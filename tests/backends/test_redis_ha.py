@@ -56,7 +56,11 @@ def _client(handler: DynamicRendezvousHandler) -> RedisClient:
     return backend._client
 
 
-async def _one_line_error(endpoint: str, run_id: str, **conf: Any) -> str:
+async def _one_line_error(
+    caplog: pytest.LogCaptureFixture, endpoint: str, run_id: str, **conf: Any
+) -> str:
+    """The message of the connection error, checked to be one line without secrets; the
+    warnings logged meanwhile are short lines too (no pages of redis-py reprs)."""
     backend = create_backend(_params(endpoint, run_id, **conf))
     try:
         with anyio.fail_after(3 * PROMPT), pytest.raises(RendezvousConnectionError) as info:
@@ -67,6 +71,9 @@ async def _one_line_error(endpoint: str, run_id: str, **conf: Any) -> str:
     assert "\n" not in message, message
     for secret in (PASSWORD, SENTINEL_PASSWORD, "wrong-one"):
         assert secret not in message
+    for record in caplog.records:
+        said = record.getMessage()
+        assert "\n" not in said and "<redis." not in said and len(said) < 500, said
     return message
 
 
@@ -178,33 +185,37 @@ async def test_status_through_sentinel_needs_no_primary_address(
         assert snap is not None and snap.status.complete and len(snap.participants) == 2
 
 
-async def test_no_sentinel_reachable_is_a_one_line_error(run_id: str) -> None:
+async def test_no_sentinel_reachable_is_a_one_line_error(
+    run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
     endpoint = f"redis+sentinel://127.0.0.1:{free_port()},127.0.0.1:{free_port()}/{SERVICE}"
-    message = await _one_line_error(endpoint, run_id, read_timeout=1)
+    message = await _one_line_error(caplog, endpoint, run_id, read_timeout=1)
     assert "no sentinel at 127.0.0.1:" in message and "could not be reached within 1 s" in message
 
 
 async def test_unknown_service_name_is_a_one_line_error(
-    guarded: SentinelGroup, run_id: str
+    guarded: SentinelGroup, run_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     endpoint = guarded.endpoint.replace(f"/{SERVICE}", "/no-such-service")
-    message = await _one_line_error(endpoint, run_id, sentinel_password=SENTINEL_PASSWORD)
+    message = await _one_line_error(caplog, endpoint, run_id, sentinel_password=SENTINEL_PASSWORD)
     assert "watch no primary named 'no-such-service'" in message
     assert f"they watch: {SERVICE}" in message
 
 
 async def test_wrong_sentinel_password_is_a_one_line_error(
-    guarded: SentinelGroup, run_id: str
+    guarded: SentinelGroup, run_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     message = await _one_line_error(
-        guarded.endpoint, run_id, password=PASSWORD, sentinel_password="wrong-one"
+        caplog, guarded.endpoint, run_id, password=PASSWORD, sentinel_password="wrong-one"
     )
     assert "refused aelastic's login" in message and "sentinel_password" in message
 
 
-async def test_wrong_data_password_is_a_one_line_error(guarded: SentinelGroup, run_id: str) -> None:
+async def test_wrong_data_password_is_a_one_line_error(
+    guarded: SentinelGroup, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
     message = await _one_line_error(
-        guarded.endpoint, run_id, password="wrong-one", sentinel_password=SENTINEL_PASSWORD
+        caplog, guarded.endpoint, run_id, password="wrong-one", sentinel_password=SENTINEL_PASSWORD
     )
     assert "password" in message.lower() or "login" in message.lower(), message
 

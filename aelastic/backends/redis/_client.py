@@ -285,7 +285,7 @@ class RedisClient:
                         "pub/sub at %s failed (%s); waiters re-read on the safety-net period "
                         "until it is back",
                         self.endpoint.display,
-                        exc,
+                        self.server.describe(exc),  # (redis-py's Sentinel errors: a page)
                     )
                 self.listener_failing = True
             finally:
