@@ -125,9 +125,11 @@ def test_bad_sentinel_and_cluster_endpoints(text: str, why: str) -> None:
 async def test_sentinel_waiting_node_follows_the_new_primary_without_missing_a_join(
     run_id: str,
 ) -> None:
-    """A node waits for a second one; the primary dies; the second joins while the first
-    re-subscribes on the new primary. The first learns of the join (it re-reads the status
-    once subscribed again) and both form one round."""
+    """A node waits for a second one; the primary dies. The second joins, completing the
+    round, while the first's listener is not subscribed yet (held back until then): that
+    publication is lost to the first, which has no other way to learn of it (no re-checks,
+    no heartbeat within the test). Once subscribed on the new primary it re-reads the status
+    and completes the round."""
     with SentinelGroup() as ha:
         async with handler_group(
             "redis", ha.endpoint, run_id, 2, 2, 2, share_connections=False, **QUIET
@@ -136,13 +138,39 @@ async def test_sentinel_waiting_node_follows_the_new_primary_without_missing_a_j
             await anyio.to_thread.run_sync(
                 lambda: wait_until(lambda: _members(ha, run_id) == 1, "the first node joined")
             )
+            client = _client(first)
+            backend = first.backend
+            assert isinstance(backend, RedisBackend) and backend._watch is not None
+            watch = backend._watch
+            assert watch.live
+            asked, gate = asyncio.Event(), asyncio.Event()
+            find_primary = client.server.pubsub_address
+
+            async def after_the_join() -> tuple[str, int]:
+                asked.set()  # the listener lost its subscription
+                await gate.wait()
+                return await find_primary()
+
+            client.server.pubsub_address = after_the_join  # type: ignore[method-assign]
             await anyio.to_thread.run_sync(ha.kill_primary)
+
+            async def waits_again_unsubscribed() -> bool:
+                # Woken when the subscription was lost, it read the status again (from the
+                # new primary: the old one was dead by then) and waits again.
+                read = asked.is_set() and watch.latest is not None
+                return read and watch.waiting and not watch.live
+
+            await eventually(waits_again_unsubscribed, 3 * PROMPT)
             with anyio.fail_after(3 * PROMPT):
                 joined = await second.next_rendezvous()
+            await asyncio.sleep(0.5)  # (room for a wrong wake-up to show)
+            assert not waiting.done()
+            gate.set()
+            with anyio.fail_after(PROMPT):
                 infos = [await waiting, joined]
             assert_one_group(infos, 2)
             new = ("127.0.0.1", ha.primary_port())
-            assert _client(first).subscribed_at == new
+            assert client.subscribed_at == new
             assert _client(second).subscribed_at == new
 
 
