@@ -284,7 +284,13 @@ class SentinelGroup:
 
 
 class RedisCluster:
-    """A Redis Cluster of ``primaries`` primaries with ``replicas`` replicas each."""
+    """A Redis Cluster of ``primaries`` primaries with ``replicas`` replicas each.
+
+    Args:
+        primaries: Primaries (the slots are spread over them).
+        replicas: Replicas of each primary.
+        extra_args: More ``redis-server`` arguments for every node.
+    """
 
     def __init__(
         self, primaries: int = 3, replicas: int = 1, extra_args: tuple[str, ...] = ()
