@@ -280,6 +280,30 @@ async def test_a_state_written_under_another_primary_takes_a_new_epoch(run_id: s
             assert again.status.token.split(".")[0] == moved.token.split(".")[0]
 
 
+async def test_a_join_lost_in_a_failover_makes_the_round_form_again(run_id: str) -> None:
+    """What a promoted replica that missed the last join serves (made here by rewriting the
+    state: the second node's join gone, the round not complete, another primary's id): the
+    members of the completed round both learn that it is gone, and form one again."""
+    with RedisServer() as server:
+        async with handler_group("redis", server.url, run_id, 2, 2, 2, **QUIET) as handlers:
+            assert_one_group(await join_all(handlers, 3 * PROMPT), 2)
+            first, second = handlers
+            backend = first.backend
+            assert isinstance(backend, RedisBackend)
+            watches = [asyncio.ensure_future(h.watch()) for h in handlers]
+            await asyncio.sleep(0.2)  # both watching
+            keys = backend.keys.rendezvous
+            with server.client(socket_timeout=5.0) as client:
+                client.zrem(keys[1], str(second.node))
+                client.hset(keys[0], mapping={"complete": "0", "replid": "f" * 40})
+            # The first request the "promoted" server serves moves the run to a new epoch.
+            await first.backend.apply(Request(Op.KEEP_ALIVE, first.node, first.settings.rules))
+            with anyio.fail_after(PROMPT):
+                views = await asyncio.gather(*watches)
+            assert all(view.removed for view in views)
+            assert_one_group(await join_all(handlers, 3 * PROMPT), 2)
+
+
 # -- Cluster --------------------------------------------------------------------------------
 
 
