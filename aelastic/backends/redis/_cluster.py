@@ -121,6 +121,11 @@ class Cluster(Standalone):
 
     async def aclose(self) -> None:
         await self.redis.aclose()
+        # redis-py's aclose() closes nothing once an error has marked the client for
+        # re-initialization: every node's connections are closed here.
+        manager = self.redis.nodes_manager
+        await manager.aclose()
+        await manager.aclose("startup_nodes")
 
 
 def is_retryable(exc: BaseException) -> bool:
