@@ -8,13 +8,16 @@ PY="${PYTHON:-python3}"
 "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 
-if ! command -v redis-server >/dev/null 2>&1; then
+# The Redis tests start their own redis-server, and redis-sentinel for failover (Debian ships
+# it as a package of its own).
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-sentinel >/dev/null 2>&1; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
-    # The tests start their own redis-server; the packaged service is not needed.
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-sentinel >/dev/null
+    # The tests start their own servers; the packaged services are not needed.
     $SUDO service redis-server stop >/dev/null 2>&1 || true
+    $SUDO service redis-sentinel stop >/dev/null 2>&1 || true
 fi
 
 "$PY" -m ruff check aelastic tests benchmarks examples

@@ -129,19 +129,26 @@ class HostedBackend:
 
         if self._hosting is None and not _is_local(self._host):
             return
-        app = create_app(token=self._token or "")
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
         try:
-            await web.TCPSite(runner, None, self._port, reuse_address=True).start()
+            # One listening socket, made here: agents of one machine racing for the port
+            # either listen on it or fail whole (a site binding several sockets could be
+            # left half-listening by a lost race, answering for an app it shut down).
+            sock = _listen(self._port)
         except OSError as exc:
-            await runner.cleanup()
             if self._hosting is None and exc.errno == errno.EADDRINUSE:
                 return  # another agent of this machine hosts it
             raise RendezvousConnectionError(
                 f"cannot host the {self.name} rendezvous on port {self._port}: "
                 f"{exc.strerror or exc}"
             ) from None
+        runner = web.AppRunner(create_app(token=self._token or ""), access_log=None)
+        await runner.setup()
+        try:
+            await web.SockSite(runner, sock).start()
+        except BaseException:
+            sock.close()
+            await runner.cleanup()
+            raise
         self._runner = runner
         log.info("hosting the %s rendezvous on port %d", self.name, self._port)
 
@@ -241,6 +248,13 @@ class HostedBackend:
                 log.info("still hosting the rendezvous until the other nodes are done")
                 waited = True
             await asyncio.sleep(0.2)
+
+
+def _listen(port: int) -> socket.socket:
+    """A socket listening on ``port`` of every address (both IP versions where possible)."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", port))
 
 
 def _bracket(host: str) -> str:

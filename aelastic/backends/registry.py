@@ -92,12 +92,17 @@ BUILTINS: tuple[BackendInfo, ...] = (
         "redis",
         "aelastic.backends.redis",
         "redis",
-        "redis://[user[:password]@]host[:port][/db], rediss://... or host[:port]",
+        "redis://[user[:password]@]host[:port][/db], rediss://..., host[:port], "
+        "redis+sentinel://[user[:password]@]host:port[,host:port...]/service[/db] or "
+        "redis+cluster://[user[:password]@]host:port[,host:port...] (rediss+... for TLS)",
         multi_node=True,
         torchrun_alias="aelastic-redis",
         config_keys=(
             "username",
             "password",
+            "sentinel_username",
+            "sentinel_password",
+            "wait_replicas",
             "key_ttl",
             "recheck_interval",
             "max_connections",

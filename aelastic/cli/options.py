@@ -469,7 +469,8 @@ def config_from_args(
             raise UsageError("TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a number") from None
     if grace < 0 or args.exit_barrier_timeout < 0:
         raise UsageError("--shutdown-timeout and --exit-barrier-timeout must be >= 0")
-    env: dict[str, str] = {}
+    # torchrun tells the workers which signals the launcher handles.
+    env: dict[str, str] = {"TORCHELASTIC_SIGNALS_TO_HANDLE": str(args.signals_to_handle)}
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"
     entrypoint, script_args = _entrypoint(args)

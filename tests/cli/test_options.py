@@ -48,7 +48,7 @@ def test_defaults_are_torchruns() -> None:
     assert config.signals == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     assert config.entrypoint == sys.executable
     assert config.args == ("-u", "train.py")
-    assert config.env == {}
+    assert dict(config.env).keys() == {"TORCHELASTIC_SIGNALS_TO_HANDLE"}
 
 
 def test_torch_parser_agrees_on_the_shared_defaults() -> None:
@@ -147,7 +147,7 @@ def test_every_flag() -> None:
     assert config.stop_grace_period == 5.0 and config.exit_barrier_timeout == 60.0
     assert config.signals == (signal.SIGTERM, signal.SIGUSR1)
     assert config.args == ("-u", "-m", "pkg.train", "--lr", "0.1")
-    assert config.env == {"OMP_NUM_THREADS": "1"}
+    assert dict(config.env).keys() == {"OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
 
 
 def test_pet_environment_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,7 +168,7 @@ def test_pet_environment_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     assert config.max_restarts == 2
     assert (config.entrypoint, config.args) == ("/bin/echo", ("hi",))
-    assert config.env == {}  # OMP_NUM_THREADS set by the user is left alone
+    assert "OMP_NUM_THREADS" not in config.env  # set by the user: left alone
 
 
 def test_command_line_wins_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -308,3 +308,11 @@ def test_torchrun_only_flags_are_checked_and_explained() -> None:
 
 def test_long_flags_abbreviate_as_torchruns() -> None:
     assert parse_config(["--max-rest", "3", "--monitor-int", "0.5", "x.py"]).max_restarts == 3
+
+
+def test_workers_are_told_the_signals_handled_as_torchruns() -> None:
+    config = parse_config(["--signals-to-handle", "SIGTERM,SIGUSR1", "x.py"])
+    assert dict(config.env)["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1"
+    assert dict(parse_config(["x.py"]).env)["TORCHELASTIC_SIGNALS_TO_HANDLE"] == (
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    )

@@ -1,7 +1,9 @@
 """The backends every conformance test runs on: memory, a real redis-server, a real HTTP server.
 
 Servers are started once per session on free loopback ports; each test uses its own run id,
-so tests never see each other's state.
+so tests never see each other's state. Redis runs three ways: a standalone server, a primary
+found through Sentinel (``redis+sentinel``: a primary, a replica, three sentinels) and a
+Redis Cluster (``redis+cluster``: three primaries with a replica each).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from aelastic.backends import BUILTINS, backend_info
 #: server (torch's single point of failure), which these tests do freely. Their own tests
 #: are in tests/cli/test_kubeflow.py.
 BACKENDS = [info.name for info in BUILTINS if info.name not in ("static", "c10d")]
+#: Ways to deploy a backend's server that the suite runs on too, beside the plain one.
+DEPLOYMENTS = {"redis": ["redis+sentinel", "redis+cluster"]}
 
 MakeParams = Callable[..., RendezvousParameters]
 
@@ -32,6 +36,22 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def redis_sentinel_url() -> Iterator[str]:
+    from tests._redis_ha import SentinelGroup
+
+    with SentinelGroup() as group:
+        yield group.endpoint
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    from tests._redis_ha import RedisCluster
+
+    with RedisCluster() as cluster:
+        yield cluster.endpoint
+
+
+@pytest.fixture(scope="session")
 def http_url() -> Iterator[str]:
     from tests._http_server import HttpServer
 
@@ -39,18 +59,24 @@ def http_url() -> Iterator[str]:
         yield server.url
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
+@pytest.fixture(params=[d for name in BACKENDS for d in [name, *DEPLOYMENTS.get(name, [])]])
+def deployment(request: pytest.FixtureRequest) -> str:
+    """A backend name, or ``name+kind`` for another way to run its server."""
     name: str = request.param
     return name
 
 
 @pytest.fixture
-def endpoint(backend: str, request: pytest.FixtureRequest) -> str:
+def backend(deployment: str) -> str:
+    return deployment.partition("+")[0]
+
+
+@pytest.fixture
+def endpoint(backend: str, deployment: str, request: pytest.FixtureRequest) -> str:
     info = backend_info(backend)
     if info is not None and not info.multi_node:
         return "conformance"
-    url: str = request.getfixturevalue(f"{backend}_url")
+    url: str = request.getfixturevalue(f"{deployment.replace('+', '_')}_url")
     return url
 
 

@@ -2,12 +2,16 @@
 
 How it works: a request is one Lua script (:mod:`._lua`, the state machine's port) that
 applies it to the run's keys atomically, answers with a constant-size reply, and publishes
-the run's status when a round transition changed it. Waiting for a change uses the
+the run's status when a round transition changed it (or when a failover may have lost
+versions of the state: it then takes a new epoch). Waiting for a change uses the
 process's pub/sub listener (:mod:`._client`) through the run's
 :class:`~aelastic.backends._watch.RunWatch`: a waiter sleeps until a message says the
 status moved, and asks the server only when it cannot tell. The members' store is one
-string per key, written by scripts that refresh the expiry and publish the key's name. See
-:mod:`._calls` for connections, retries and errors.
+string per key, written by scripts that refresh the expiry and publish the key's name.
+Requests that change membership (join, leave, close) and store writes are *durable*: with
+``wait_replicas`` their replies come once that many replicas hold them (``WAIT``), so a
+failover right after does not lose them; heartbeats are not (a lost one is sent again).
+See :mod:`._calls` for connections, retries and errors.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
-from ...core.state import FORMAT_VERSION, Reply, Request, Snapshot, Status
+from ...core.state import FORMAT_VERSION, Op, Reply, Request, Snapshot, Status
 from ...core.token import Token, new_epoch
 from ...core.wire import (
     WireError,
@@ -38,6 +42,9 @@ __all__ = ["RedisBackend"]
 
 #: How long the result of a ``kv_add`` is kept so that a retried add does not count twice.
 _OP_TTL_MS = 10 * 60 * 1000
+
+#: Requests whose replies replicas should hold before they are given (``wait_replicas``).
+_DURABLE = frozenset({Op.JOIN, Op.LEAVE, Op.CLOSE})
 
 
 class RedisBackend(RedisCalls):
@@ -57,6 +64,8 @@ class RedisBackend(RedisCalls):
         max_connections: Size of the command pool of the shared client.
         key_prefix: Namespace of the keys.
         share_connections: Share the loop's client with the other backends of the endpoint.
+        wait_replicas: Replicas that must hold a membership change or a store write before
+            its reply is given (``WAIT``); 0 waits for none.
     """
 
     name = "redis"
@@ -72,7 +81,13 @@ class RedisBackend(RedisCalls):
         max_connections: int = 16,
         key_prefix: str = "aelastic",
         share_connections: bool = True,
+        wait_replicas: int = 0,
     ) -> None:
+        if not 0 <= wait_replicas <= 16:
+            raise ValueError(
+                f"The Redis backend option 'wait_replicas' ({wait_replicas}) must be between 0 "
+                "and 16 (0: do not wait for replicas)."
+            )
         for what, value in (
             ("read_timeout", read_timeout),
             ("key_ttl", key_ttl),
@@ -93,6 +108,7 @@ class RedisBackend(RedisCalls):
             read_timeout=read_timeout,
             max_connections=max_connections,
             share_connections=share_connections,
+            wait_replicas=wait_replicas,
         )
         self._ttl_ms = str(max(1, round(key_ttl * 1000)))
         self._recheck = float(recheck_interval)
@@ -158,8 +174,15 @@ class RedisBackend(RedisCalls):
             new_epoch(),
             self._ttl_ms,
             self._keys.channel,
+            "1",  # a new epoch after a failover
         ]
-        raw = await self._script(request.op.value, lua.OP, self._keys.rendezvous, args)
+        raw = await self._script(
+            request.op.value,
+            lua.OP,
+            self._keys.rendezvous,
+            args,
+            durable=request.op in _DURABLE,
+        )
         try:
             reply = reply_from_json(self._decode(raw, request.op.value))
         except WireError as exc:
@@ -203,12 +226,13 @@ class RedisBackend(RedisCalls):
         """Delete every key of the run (state, store, records); whether there were any."""
         client, _ = await self._bind()
         pattern = _glob_escape(self._keys.base) + ":*"
+        state = self._keys.state  # a cluster scans the node holding the run's slot
 
         async def scan(within: float) -> int:
             count, cursor = 0, b"0"
             while True:
                 cursor, found = await client.command(
-                    "SCAN", cursor, "MATCH", pattern, "COUNT", 1000, within=within
+                    "SCAN", cursor, "MATCH", pattern, "COUNT", 1000, within=within, route=state
                 )
                 if found:
                     count += await client.command("UNLINK", *found, within=within)
@@ -217,7 +241,9 @@ class RedisBackend(RedisCalls):
             # Waiting nodes learn that the run is gone (an empty status: a new epoch next).
             empty = json.dumps(status_to_json(Status()), separators=(",", ":")).encode()
             with contextlib.suppress(ResponseError):  # a user without the channel: no news
-                await client.command("PUBLISH", self._keys.channel, b"s" + empty, within=within)
+                await client.command(
+                    "PUBLISH", self._keys.channel, b"s" + empty, within=within, route=state
+                )
             return count
 
         deleted = await self._call("reset", scan)
@@ -229,7 +255,7 @@ class RedisBackend(RedisCalls):
         """Set ``key`` to ``value`` (and refresh its expiry)."""
         full = self._keys.kv(key)
         args = [value, self._ttl_ms, self._keys.channel, b"k" + key.encode()]
-        self._check(await self._script("kv_set", lua.KV_SET, [full], args), full)
+        self._check(await self._script("kv_set", lua.KV_SET, [full], args, durable=True), full)
 
     async def kv_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of ``keys`` in order, ``None`` for each missing key."""
@@ -255,7 +281,7 @@ class RedisBackend(RedisCalls):
             min(_OP_TTL_MS, int(self._ttl_ms)),
         ]
         try:
-            reply = await self._script("kv_add", lua.KV_ADD, [full, op], args)
+            reply = await self._script("kv_add", lua.KV_ADD, [full, op], args, durable=True)
         except RendezvousConnectionError as exc:
             if "overflow" in str(exc) or "not an integer" in str(exc):
                 raise ValueError(f"Adding {amount} to key {key!r} overflows.") from None
@@ -280,7 +306,8 @@ class RedisBackend(RedisCalls):
             b"k" + key.encode(),
         ]
         reply = self._check(
-            await self._script("kv_compare_set", lua.KV_COMPARE_SET, [full], args), full
+            await self._script("kv_compare_set", lua.KV_COMPARE_SET, [full], args, durable=True),
+            full,
         )
         return bytes(reply[1])
 
@@ -288,7 +315,9 @@ class RedisBackend(RedisCalls):
         """Delete ``key``; whether it existed."""
         full = self._keys.kv(key)
         args = [self._keys.channel, b"k" + key.encode()]
-        reply = self._check(await self._script("kv_delete", lua.KV_DELETE, [full], args), full)
+        reply = self._check(
+            await self._script("kv_delete", lua.KV_DELETE, [full], args, durable=True), full
+        )
         return bool(reply[1])
 
     async def kv_wait(self, keys: Sequence[str], timeout: float) -> bool:

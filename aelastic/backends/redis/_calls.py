@@ -4,8 +4,12 @@ How it works: on first use a backend takes the event loop's :class:`~._client.Re
 for its endpoint (or a private one with ``share_connections=false``) and the watch of its
 run's channel. Every call is retried with backoff on connection trouble until
 ``read_timeout`` runs out, then fails with ``RendezvousConnectionError`` naming the
-endpoint (never the password). A refused login or a server that does not speak Redis fails
-at once. Scripts run by their SHA; a server that lost them (restarted) gets them again.
+endpoint (never the password). Trouble includes what a failover looks like from outside:
+a primary gone, sentinels naming no primary yet, a demoted primary (``READONLY``), a
+cluster down or its slots moving, a primary refusing writes without enough replicas
+(``NOREPLICAS``). A refused login, a server that does not speak Redis, a service name the
+sentinels do not know fail at once. Scripts run by their SHA; a server that lost them (a
+restart, a replica promoted) gets them again.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import anyio
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
+    ClusterDownError,
     InvalidResponse,
     NoPermissionError,
     NoScriptError,
@@ -35,6 +40,7 @@ from .. import _shared
 from .._watch import RunWatch
 from . import _scripts as lua
 from ._client import RedisClient
+from ._cluster import is_retryable
 from ._endpoint import RedisEndpoint
 
 __all__ = ["RedisCalls"]
@@ -51,9 +57,18 @@ _TRANSIENT = (
     BusyLoadingError,
     ReadOnlyError,
     TryAgainError,
+    ClusterDownError,
     asyncio.TimeoutError,
     OSError,
 )
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, _TRANSIENT) or is_retryable(exc):
+        return True
+    # A primary with min-replicas-to-write refuses writes while too few replicas follow.
+    return isinstance(exc, ResponseError) and str(exc).startswith("NOREPLICAS")
+
 
 #: Longest idle time of the pub/sub connection before the listener checks it with a PING.
 HEALTH_INTERVAL = 30.0
@@ -73,13 +88,15 @@ class RedisCalls:
         read_timeout: float,
         max_connections: int,
         share_connections: bool,
+        wait_replicas: int = 0,
     ) -> None:
         self._run_id = run_id
         self._endpoint = endpoint
         self._keys = keys
         self._read_timeout = float(read_timeout)
         self._max_connections = int(max_connections)
-        key: Any = endpoint.identity
+        self._wait_replicas = int(wait_replicas)
+        key: Any = (endpoint.identity, self._wait_replicas)
         self._share_key = ("redis", key if share_connections else (key, next(_private)))
         self._client: RedisClient | None = None
         self._watch: RunWatch | None = None
@@ -105,9 +122,9 @@ class RedisCalls:
             self._bind_lock = asyncio.Lock()
         async with self._bind_lock:
             if self._client is None:
-                endpoint, size = self._endpoint, self._max_connections
+                endpoint, size, wait = self._endpoint, self._max_connections, self._wait_replicas
                 client = _shared.acquire(
-                    self._share_key, lambda: RedisClient(endpoint, size, HEALTH_INTERVAL)
+                    self._share_key, lambda: RedisClient(endpoint, size, HEALTH_INTERVAL, wait)
                 )
                 self._loop, self._client = loop, client
                 self._watch = await client.watch(self._keys.channel)
@@ -127,6 +144,7 @@ class RedisCalls:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._read_timeout
         delay = 0.05
+        cause: Exception | None = None  # the last failure that was not a timeout
         while True:
             try:
                 return await attempt(max(deadline - loop.time(), 0.001))
@@ -147,12 +165,24 @@ class RedisCalls:
                     f"answered {what} with {said}): is it a Redis server? Check the host and "
                     "port."
                 ) from None
-            except _TRANSIENT as exc:
+            except Exception as exc:
+                server = self._client.server if self._client is not None else None
+                permanent = None if server is None else await server.explain(exc)
+                if permanent is not None:
+                    raise RendezvousConnectionError(f"{permanent} ({what})") from None
+                if not _transient(exc):
+                    raise
+                if not isinstance(exc, asyncio.TimeoutError):
+                    cause = exc
                 remaining = deadline - loop.time()
                 if remaining <= 0:
+                    # The last attempt often had only what was left of the time: a timeout
+                    # says less than the failure before it.
+                    exc = cause if isinstance(exc, asyncio.TimeoutError) and cause else exc
+                    said = server.describe(exc) if server is not None else str(exc)
                     raise RendezvousConnectionError(
                         f"Redis at {self.endpoint} could not be reached within "
-                        f"{self._read_timeout:g} s ({what}): {exc or type(exc).__name__}"
+                        f"{self._read_timeout:g} s ({what}): {said or type(exc).__name__}"
                     ) from None
                 error = str(exc) or type(exc).__name__
                 report(
@@ -174,18 +204,21 @@ class RedisCalls:
         keys: Sequence[str],
         args: Sequence[Any],
         client: RedisClient | None = None,
+        durable: bool = False,
     ) -> Any:
         shared = client or (await self._bind())[0]
         command = ("EVALSHA", _SHA[src], len(keys), *keys, *args)
-        shareable = src in _READ_ONLY
+        options: dict[str, Any] = {"shareable": src in _READ_ONLY}
+        if durable:
+            options["durable"] = keys[0]
 
         async def run(within: float) -> Any:
             try:
-                return await shared.command(*command, within=within, shareable=shareable)
+                return await shared.command(*command, within=within, **options)
             except NoScriptError:  # a new or restarted server: load them all, then run
                 with anyio.fail_after(within):
                     await shared.load_scripts(lua.SCRIPTS.values())
-                return await shared.command(*command, within=within, shareable=shareable)
+                return await shared.command(*command, within=within, **options)
 
         try:
             return await self._call(what, run)

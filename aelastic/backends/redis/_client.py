@@ -1,44 +1,54 @@
 """The Redis client of one event loop and endpoint: commands, and notifications of runs.
 
 How it works: the backends of one ``(event loop, endpoint)`` share a :class:`RedisClient`
-(see :mod:`aelastic.backends._shared`): a bounded pool for commands and one pub/sub
-connection. Commands issued in the same loop iteration go out as one pipeline (identical
-reads run once). The listener task subscribes to the channel of every run in use and feeds
-each run's :class:`~aelastic.backends._watch.RunWatch`: ``s<status JSON>`` messages become
-status news, ``k<key>`` messages wake the waiters of a store key. So a round transition costs
-one message per process however many nodes wait, and a heartbeat costs none. The listener
-pings the server when idle, reconnects with backoff, resubscribes, and tells every watch
-when notifications were lost (their waiters re-check with the server).
+(see :mod:`aelastic.backends._shared`): at most ``max_connections`` commands connections
+and one pub/sub connection, to a standalone server, a Sentinel-managed primary or a Cluster
+(:mod:`._servers`). Commands issued in the same loop iteration go out as one pipeline
+(identical reads run once); a batch with writes that replicas should hold (``wait_replicas``)
+ends with one ``WAIT``. The listener task subscribes to the channel of every run in use and
+feeds each run's :class:`~aelastic.backends._watch.RunWatch`: ``s<status JSON>`` messages
+become status news, ``k<key>`` messages wake the waiters of a store key. So a round
+transition costs one message per process however many nodes wait, and a heartbeat costs
+none. The listener pings the server when idle, reconnects with backoff (to the primary the
+sentinels name now, or to another cluster node), resubscribes, and tells every watch when
+notifications were lost (their waiters re-check with the server once resubscribed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.connection import Connection, SSLConnection
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.asyncio.connection import Connection
+from redis.exceptions import RedisClusterException, RedisError
 
 from ...core.state import Status
 from ...core.wire import WireError, status_from_json
 from .._watch import RunWatch
 from ._endpoint import RedisEndpoint
+from ._servers import CONNECT_TIMEOUT, Batch, make_server, new_pubsub_connection
 
-__all__ = ["RedisClient"]
+__all__ = ["CONNECT_TIMEOUT", "RedisClient"]
 
 log = logging.getLogger("aelastic.backends.redis")
 
-#: Seconds to open a connection (TCP, TLS, AUTH) before that attempt counts as failed.
-CONNECT_TIMEOUT = 10.0
+#: How long ``WAIT`` waits for the replicas (ms); when they do not all answer in time,
+#: batches stop waiting for :data:`WAIT_PAUSE` seconds (the store stays available).
+WAIT_TIMEOUT_MS = 1000
+WAIT_PAUSE = 10.0
+
+
+class _Pending(NamedTuple):
+    args: tuple[Any, ...]
+    shareable: bool
+    route: str | None
+    durable: str | None
+    future: asyncio.Future[Any]
 
 
 class RedisClient:
@@ -48,16 +58,27 @@ class RedisClient:
         endpoint: Where Redis is.
         max_connections: Size of the command pool (config key ``max_connections``).
         health_interval: Idle seconds after which the listener pings the server.
+        wait_replicas: Replicas that must acknowledge a batch's durable writes before its
+            replies are given (``WAIT``; 0: none).
     """
 
-    def __init__(self, endpoint: RedisEndpoint, max_connections: int, health_interval: float):
+    def __init__(
+        self,
+        endpoint: RedisEndpoint,
+        max_connections: int,
+        health_interval: float,
+        wait_replicas: int = 0,
+    ):
         self.endpoint = endpoint
         self._health_interval = health_interval
-        self._connection_kwargs = _connection_kwargs(endpoint)
-        self.pool = BlockingConnectionPool(
-            max_connections=max_connections, timeout=None, **self._connection_kwargs
-        )
-        self.redis = Redis(connection_pool=self.pool)
+        self.server = make_server(endpoint, max_connections)
+        self._connection_kwargs = self.server.kwargs
+        self._slots = asyncio.Semaphore(max_connections)
+        self.wait_replicas = wait_replicas
+        self._wait_paused_until = 0.0
+        self._replicas_short = False
+        #: Where the listener is subscribed (host, port), while it is.
+        self.subscribed_at: tuple[str, int] | None = None
         self._watches: dict[bytes, tuple[RunWatch, int]] = {}
         self._listener: asyncio.Task[None] | None = None
         self._conn: Connection | None = None
@@ -66,25 +87,35 @@ class RedisClient:
         self._send_lock = asyncio.Lock()
         self.listener_failing = False
         self._loading: asyncio.Future[None] | None = None
-        self._pending: list[tuple[tuple[Any, ...], bool, asyncio.Future[Any]]] = []
+        self._pending: list[_Pending] = []
         self._batches: set[asyncio.Task[None]] = set()
 
     # -- commands -------------------------------------------------------------------------
 
-    async def command(self, *args: Any, within: float, shareable: bool = False) -> Any:
+    async def command(
+        self,
+        *args: Any,
+        within: float,
+        shareable: bool = False,
+        route: str | None = None,
+        durable: str | None = None,
+    ) -> Any:
         """Run one command, pipelined with the others issued in the same loop iteration.
 
         Args:
             *args: The command and its arguments.
             within: Seconds to wait for the reply (``asyncio.TimeoutError`` after).
             shareable: The command only reads: identical ones of one batch run once.
+            route: A key whose cluster node runs the command (for commands without keys).
+            durable: The command writes this key, and the reply should come once the
+                replicas hold the write (``wait_replicas``).
 
         Returns:
             Its reply. A reply that is an error is raised; so is a connection failure.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((args, shareable, future))
+        self._pending.append(_Pending(args, shareable, route, durable, future))
         if len(self._pending) == 1:
             loop.call_soon(self._flush)
         timer = loop.call_later(within, _time_out, future)
@@ -99,20 +130,21 @@ class RedisClient:
         self._batches.add(task)
         task.add_done_callback(self._batches.discard)
 
-    async def _run_batch(
-        self, batch: list[tuple[tuple[Any, ...], bool, asyncio.Future[Any]]]
-    ) -> None:
+    async def _run_batch(self, batch: list[_Pending]) -> None:
         groups: dict[Any, list[asyncio.Future[Any]]] = {}
-        commands: list[tuple[Any, ...]] = []
-        for args, shareable, future in batch:
-            if future.done():  # its caller gave up
+        commands = Batch([], [], [])
+        for item in batch:
+            if item.future.done():  # its caller gave up
                 continue
-            key: Any = args if shareable else future
+            key: Any = (item.args, item.route) if item.shareable else item.future
             if key not in groups:
                 groups[key] = []
-                commands.append(args)
-            groups[key].append(future)
-        if not commands:
+                commands.commands.append(item.args)
+                commands.routes.append(item.route)
+                if item.durable is not None:
+                    commands.durable.append(item.durable)
+            groups[key].append(item.future)
+        if not commands.commands:
             return
         try:
             replies = await self._execute(commands)
@@ -137,18 +169,37 @@ class RedisClient:
                 else:
                     future.set_result(reply)
 
-    async def _execute(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Replies (or reply errors) of ``commands``, in one round trip."""
-        if len(commands) == 1:
-            try:
-                return [await self.redis.execute_command(*commands[0])]  # type: ignore[no-untyped-call]
-            except ResponseError as exc:
-                return [exc]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for args in commands:
-                pipe.execute_command(*args)
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
-            return replies
+    async def _execute(self, batch: Batch) -> list[Any]:
+        """Replies (or reply errors) of ``batch``, in one round trip (``WAIT`` included)."""
+        loop = asyncio.get_running_loop()
+        wait = None
+        if self.wait_replicas > 0 and batch.durable and loop.time() >= self._wait_paused_until:
+            wait = (self.wait_replicas, WAIT_TIMEOUT_MS)
+        async with self._slots:
+            replies, acked = await self.server.execute(batch, wait)
+        if wait is not None:
+            self._replicas_acked(acked, loop.time())
+        return replies
+
+    def _replicas_acked(self, acked: int, now: float) -> None:
+        if acked >= self.wait_replicas:
+            if self._replicas_short:
+                log.info("replicas of %s acknowledge writes again", self.endpoint.display)
+            self._replicas_short = False
+            return
+        self._wait_paused_until = now + WAIT_PAUSE
+        if not self._replicas_short:
+            log.warning(
+                "only %d of %d replica(s) of %s acknowledged a round transition within %d ms: "
+                "a failover now could lose it (the round would then form again); not waiting "
+                "for replicas for %g s",
+                acked,
+                self.wait_replicas,
+                self.endpoint.display,
+                WAIT_TIMEOUT_MS,
+                WAIT_PAUSE,
+            )
+        self._replicas_short = True
 
     async def load_scripts(self, scripts: Iterable[str]) -> None:
         """Load ``scripts`` into the server's script cache (one load at a time per client)."""
@@ -158,10 +209,8 @@ class RedisClient:
         await asyncio.shield(loading)
 
     async def _load(self, scripts: list[str]) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for src in scripts:
-                pipe.script_load(src)
-            await pipe.execute()
+        async with self._slots:
+            await self.server.load_scripts(scripts)
 
     # -- runs -----------------------------------------------------------------------------
 
@@ -206,18 +255,14 @@ class RedisClient:
 
     # -- the listener ---------------------------------------------------------------------
 
-    def _new_connection(self) -> Connection:
-        kwargs = dict(self._connection_kwargs)
-        kwargs["socket_timeout"] = None  # idle reads wait for messages; pings detect loss
-        cls: type[Connection] = kwargs.pop("connection_class")
-        return cls(**kwargs)
-
     async def _listen(self) -> None:
         delay = 0.05
         while True:
-            conn = self._new_connection()
+            conn: Connection | None = None
             try:
                 with anyio.fail_after(CONNECT_TIMEOUT):  # never swallows a cancellation
+                    address = await self.server.pubsub_address()
+                    conn = new_pubsub_connection(self._connection_kwargs, address)
                     await conn.connect()  # type: ignore[no-untyped-call]
                 async with self._send_lock:
                     self._sent = set(self._watches)
@@ -225,32 +270,42 @@ class RedisClient:
                     if self._sent:
                         await conn.send_command("SUBSCRIBE", *self._sent, check_health=False)
                     self._conn = conn
+                    self.subscribed_at = address
                 if self.listener_failing:
-                    log.info("pub/sub at %s is back", self.endpoint.display)
+                    log.info("pub/sub at %s is back", self._where(address))
                 self.listener_failing = False
                 delay = 0.05
                 await self._read(conn)
             except Exception as exc:
-                if not isinstance(exc, RedisError | OSError | asyncio.TimeoutError):
+                trouble = RedisError | RedisClusterException | OSError | asyncio.TimeoutError
+                if not isinstance(exc, trouble):
                     log.exception("pub/sub listener at %s failed", self.endpoint.display)
                 elif not self.listener_failing:
                     log.warning(
                         "pub/sub at %s failed (%s); waiters re-read on the safety-net period "
                         "until it is back",
                         self.endpoint.display,
-                        exc,
+                        self.server.describe(exc),  # (redis-py's Sentinel errors: a page)
                     )
                 self.listener_failing = True
             finally:
                 self._conn = None
+                self.subscribed_at = None
                 self._sent = set()
                 self._unacked = {}
                 for watch, _ in list(self._watches.values()):
                     watch.on_lost()
-                with contextlib.suppress(Exception):
-                    await conn.disconnect(nowait=True)
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        await conn.disconnect(nowait=True)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, 1.0)
+
+    def _where(self, address: tuple[str, int]) -> str:
+        if self.endpoint.kind == "standalone":
+            return self.endpoint.display
+        host = f"[{address[0]}]" if ":" in address[0] else address[0]
+        return f"{self.endpoint.display} (node {host}:{address[1]})"
 
     async def _read(self, conn: Connection) -> None:
         pinged = False
@@ -306,8 +361,7 @@ class RedisClient:
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
-        await self.redis.aclose()
-        await self.pool.disconnect()
+        await self.server.aclose()
 
 
 def _deliver(watch: RunWatch, payload: bytes) -> None:
@@ -327,50 +381,3 @@ def _deliver(watch: RunWatch, payload: bytes) -> None:
 def _time_out(future: asyncio.Future[Any]) -> None:
     if not future.done():
         future.set_exception(asyncio.TimeoutError())
-
-
-def _quiet_handshake() -> dict[str, Any]:
-    """Options that spare a new connection's optional round trips, where redis-py has them."""
-    # The options are taken by a base class's __init__ (Connection's own takes **kwargs).
-    accepted: set[str] = set()
-    for cls in Connection.__mro__:
-        init = cls.__dict__.get("__init__")
-        if init is not None:
-            accepted.update(inspect.signature(init).parameters)
-    quiet: dict[str, Any] = {}
-    if "driver_info" in accepted:  # no CLIENT SETINFO lib-name/lib-ver
-        quiet["driver_info"] = None
-    if "maint_notifications_config" in accepted:
-        from redis.maint_notifications import MaintNotificationsConfig
-
-        quiet["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
-    return quiet
-
-
-_QUIET = _quiet_handshake()
-
-
-def _connection_kwargs(endpoint: RedisEndpoint) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {
-        "host": endpoint.host,
-        "port": endpoint.port,
-        "db": endpoint.db,
-        "username": endpoint.username,
-        "password": endpoint.password,
-        "socket_connect_timeout": CONNECT_TIMEOUT,
-        "socket_timeout": CONNECT_TIMEOUT,
-        "socket_keepalive": True,
-        "retry": Retry(NoBackoff(), 0),
-        "connection_class": Connection,
-        "protocol": 2,  # RESP2: no HELLO round trip on connect
-    }
-    kwargs.update(_QUIET)
-    if endpoint.tls:
-        kwargs.update(
-            connection_class=SSLConnection,
-            ssl_ca_certs=endpoint.ssl_ca_certs,
-            ssl_certfile=endpoint.ssl_certfile,
-            ssl_keyfile=endpoint.ssl_keyfile,
-            ssl_cert_reqs=endpoint.ssl_cert_reqs,
-        )
-    return kwargs

@@ -1,11 +1,23 @@
 """Where the Redis server is and how to log in: endpoint parsing and credentials.
 
-How it works: :func:`parse_endpoint` turns ``redis://[user:password@]host:port/db``,
-``rediss://...`` (TLS) or a bare ``host[:port]`` into a :class:`RedisEndpoint`. Credentials
-come, in order of precedence, from the config keys ``username``/``password``, from the URL,
-or from the environment (``AELASTIC_REDIS_USERNAME``/``AELASTIC_REDIS_PASSWORD``), so they
-never have to appear on a command line. The password never shows: not in ``repr``, not in
-:attr:`RedisEndpoint.display` (which every error message uses).
+How it works: :func:`parse_endpoint` turns one of three kinds of endpoint into a
+:class:`RedisEndpoint`:
+
+* a standalone server (or a proxy): ``redis://[user:password@]host:port/db``,
+  ``rediss://...`` (TLS) or a bare ``host[:port]``;
+* a primary found by Redis Sentinel:
+  ``redis+sentinel://[user:password@]host1:port1[,host2:port2...]/service[/db]`` (the hosts
+  are sentinels, port 26379 by default; ``rediss+sentinel://`` for TLS);
+* a Redis Cluster: ``redis+cluster://[user:password@]host:port[,host:port...]`` (any nodes of
+  it; ``rediss+cluster://`` for TLS).
+
+The credentials of the data nodes come, in order of precedence, from the config keys
+``username``/``password``, from the URL, or from the environment
+(``AELASTIC_REDIS_USERNAME``/``AELASTIC_REDIS_PASSWORD``); those of the sentinels from the
+config keys ``sentinel_username``/``sentinel_password`` or the environment
+(``AELASTIC_REDIS_SENTINEL_PASSWORD``), so none has to appear on a command line. No password
+ever shows: not in ``repr``, not in :attr:`RedisEndpoint.display` (which every error message
+uses).
 """
 
 from __future__ import annotations
@@ -20,20 +32,43 @@ from urllib.parse import unquote, urlsplit
 from ...core.params import parse_rendezvous_endpoint
 
 __all__ = [
+    "CLUSTER",
     "DEFAULT_HOST",
     "DEFAULT_PORT",
+    "DEFAULT_SENTINEL_PORT",
     "ENV_PASSWORD",
+    "ENV_SENTINEL_PASSWORD",
     "ENV_USERNAME",
+    "SENTINEL",
+    "STANDALONE",
     "RedisEndpoint",
     "parse_endpoint",
 ]
 
 DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 6379
+DEFAULT_SENTINEL_PORT = 26379
 ENV_USERNAME = "AELASTIC_REDIS_USERNAME"
 ENV_PASSWORD = "AELASTIC_REDIS_PASSWORD"
+ENV_SENTINEL_PASSWORD = "AELASTIC_REDIS_SENTINEL_PASSWORD"
 
-_SCHEMES = {"redis": False, "rediss": True}
+#: The kinds of endpoint.
+STANDALONE, SENTINEL, CLUSTER = "standalone", "sentinel", "cluster"
+
+#: scheme -> (kind, TLS)
+_SCHEMES = {
+    "redis": (STANDALONE, False),
+    "rediss": (STANDALONE, True),
+    "redis+sentinel": (SENTINEL, False),
+    "rediss+sentinel": (SENTINEL, True),
+    "redis+cluster": (CLUSTER, False),
+    "rediss+cluster": (CLUSTER, True),
+}
+_EXPECTED = (
+    "redis://[user[:password]@]host[:port][/db], rediss://... (TLS), host[:port], "
+    "redis+sentinel://[user[:password]@]host:port[,host:port...]/service[/db] or "
+    "redis+cluster://[user[:password]@]host:port[,host:port...]"
+)
 _CERT_REQS = ("none", "optional", "required")
 
 
@@ -42,16 +77,22 @@ class RedisEndpoint:
     """A parsed Redis endpoint with its credentials and TLS options.
 
     Attributes:
-        host: Server host name or address.
-        port: Server port.
+        host: Server host name or address (the first sentinel or cluster node).
+        port: Server port (likewise).
         db: Database number.
-        tls: Whether to connect with TLS (``rediss://``).
-        username: ACL user name, if any.
-        password: Password, if any (never shown).
+        tls: Whether to connect with TLS (``rediss://``, ``rediss+sentinel://``...).
+        username: ACL user name of the data nodes, if any.
+        password: Password of the data nodes, if any (never shown).
         ssl_ca_certs: CA bundle for TLS (config key ``ssl_ca_certs``).
         ssl_certfile: Client certificate for TLS (config key ``ssl_certfile``).
         ssl_keyfile: Client key for TLS (config key ``ssl_keyfile``).
         ssl_cert_reqs: ``none``, ``optional`` or ``required`` (config key ``ssl_cert_reqs``).
+        kind: ``"standalone"``, ``"sentinel"`` or ``"cluster"``.
+        hosts: Every address given: the sentinels, or the cluster's startup nodes (for a
+            standalone server, its one address).
+        service: The name Sentinel knows the primary by (``kind == "sentinel"``).
+        sentinel_username: ACL user name of the sentinels, if any.
+        sentinel_password: Password of the sentinels, if any (never shown).
     """
 
     host: str
@@ -64,26 +105,47 @@ class RedisEndpoint:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_cert_reqs: str = "required"
+    kind: str = STANDALONE
+    hosts: tuple[tuple[str, int], ...] = ()
+    service: str | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.hosts:
+            object.__setattr__(self, "hosts", ((self.host, self.port),))
+
+    @property
+    def addresses(self) -> str:
+        """``host:port[,host:port...]`` of :attr:`hosts` (IPv6 addresses in brackets)."""
+        return ",".join(_address(host, port) for host, port in self.hosts)
 
     @property
     def display(self) -> str:
         """The endpoint as a URL without the password, for logs and error messages."""
         scheme = "rediss" if self.tls else "redis"
         user = f"{self.username}@" if self.username else ""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{scheme}://{user}{host}:{self.port}/{self.db}"
+        if self.kind == SENTINEL:
+            return f"{scheme}+sentinel://{user}{self.addresses}/{self.service}/{self.db}"
+        if self.kind == CLUSTER:
+            return f"{scheme}+cluster://{user}{self.addresses}"
+        return f"{scheme}://{user}{_address(self.host, self.port)}/{self.db}"
 
     @property
     def identity(self) -> tuple[Any, ...]:
-        """What makes two endpoints share connections (the password only as a digest)."""
+        """What makes two endpoints share connections (passwords only as digests)."""
         secret = hashlib.sha256((self.password or "").encode()).hexdigest()
+        sentinel_secret = hashlib.sha256((self.sentinel_password or "").encode()).hexdigest()
         return (
-            self.host,
-            self.port,
+            self.kind,
+            self.hosts,
+            self.service,
             self.db,
             self.tls,
             self.username,
             secret,
+            self.sentinel_username,
+            sentinel_secret,
             self.ssl_ca_certs,
             self.ssl_certfile,
             self.ssl_keyfile,
@@ -91,10 +153,14 @@ class RedisEndpoint:
         )
 
 
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _bad(endpoint: str, why: str) -> ValueError:
     return ValueError(
         f"The Redis rendezvous endpoint '{_scrub(endpoint)}' is not valid: {why}. Expected "
-        "redis://[user[:password]@]host[:port][/db], rediss://... (TLS) or host[:port]."
+        f"{_EXPECTED}."
     )
 
 
@@ -111,9 +177,9 @@ def _scrub(endpoint: str) -> str:
     return f"{scheme}{dsep}{masked}@{tail}"
 
 
-def _port(endpoint: str, text: str | None) -> int:
+def _port(endpoint: str, text: str | None, default: int = DEFAULT_PORT) -> int:
     if text is None:
-        return DEFAULT_PORT
+        return default
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise _bad(endpoint, f"the port '{text}' is not a number between 1 and 65535")
     return int(text)
@@ -132,8 +198,19 @@ def _host_port(endpoint: str, hostinfo: str) -> tuple[str, str | None]:
     return host, port if colon else None
 
 
-def _split(endpoint: str) -> tuple[bool, str, int, int, str | None, str | None]:
-    """(tls, host, port, db, username, password) of ``endpoint``."""
+@dataclass
+class _Parts:
+    kind: str
+    tls: bool
+    hosts: list[tuple[str, int]]
+    db: int
+    service: str | None
+    username: str | None
+    password: str | None
+
+
+def _split(endpoint: str) -> _Parts:
+    """The parts of ``endpoint`` (a URL of one of the three kinds, or a bare host:port)."""
     if any(c.isspace() for c in endpoint):
         raise _bad(endpoint, "it contains white space")
     try:
@@ -143,22 +220,42 @@ def _split(endpoint: str) -> tuple[bool, str, int, int, str | None, str | None]:
     if "://" not in endpoint:
         if url.path or url.query or url.fragment or "@" in endpoint:
             raise _bad(endpoint, "a bare host:port takes no path, query or credentials")
-        scheme = "redis"
+        kind, tls = STANDALONE, False
     else:
         scheme = url.scheme.lower()
         if scheme not in _SCHEMES:
-            raise _bad(endpoint, f"the scheme '{url.scheme}' is not redis:// or rediss://")
+            raise _bad(endpoint, f"the scheme '{url.scheme}' is not one of {', '.join(_SCHEMES)}")
+        kind, tls = _SCHEMES[scheme]
     if url.query or url.fragment:
         raise _bad(endpoint, "query parameters are not supported (use configuration keys)")
-    host, port_text = _host_port(endpoint, url.netloc.rpartition("@")[2])
-    if not host:
-        raise _bad(endpoint, "the host is missing")
-    path = url.path.strip("/")
-    if path and (not path.isdigit() or "/" in path):
-        raise _bad(endpoint, f"the database '{path}' is not a non-negative integer")
+    default = DEFAULT_SENTINEL_PORT if kind == SENTINEL else DEFAULT_PORT
+    hosts = []
+    for hostinfo in url.netloc.rpartition("@")[2].split(","):
+        host, port_text = _host_port(endpoint, hostinfo)
+        if not host:
+            raise _bad(endpoint, "a host is missing")
+        hosts.append((host, _port(endpoint, port_text, default)))
+    if len(hosts) > 1 and kind == STANDALONE:
+        raise _bad(endpoint, "several hosts need redis+sentinel:// or redis+cluster://")
+    db, service = _path(endpoint, kind, url.path)
     username = unquote(url.username) if url.username else None
     password = unquote(url.password) if url.password is not None else None
-    return _SCHEMES[scheme], host, _port(endpoint, port_text), int(path or 0), username, password
+    return _Parts(kind, tls, hosts, db, service, username, password)
+
+
+def _path(endpoint: str, kind: str, path: str) -> tuple[int, str | None]:
+    """(database, service name) of the URL's path."""
+    segments = path.strip("/").split("/") if path.strip("/") else []
+    service = None
+    if kind == SENTINEL:
+        if not segments or not segments[0]:
+            raise _bad(endpoint, "the Sentinel service name (the primary's name) is missing")
+        service = unquote(segments.pop(0))
+    elif kind == CLUSTER and segments:
+        raise _bad(endpoint, "a cluster takes no path (it has database 0 only)")
+    if len(segments) > 1 or (segments and not segments[0].isdigit()):
+        raise _bad(endpoint, f"the database '{'/'.join(segments)}' is not a non-negative integer")
+    return int(segments[0]) if segments else 0, service
 
 
 def _option(config: Mapping[str, Any], key: str) -> str | None:
@@ -176,12 +273,15 @@ def parse_endpoint(
     """Parse a Redis endpoint and gather its credentials.
 
     Args:
-        endpoint: ``redis://[user[:password]@]host[:port][/db]``, ``rediss://...`` or
-            ``host[:port]``; empty means ``localhost:6379``.
-        config: Rendezvous configuration keys: ``username``, ``password``, ``tls``,
-            ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``.
+        endpoint: ``redis://[user[:password]@]host[:port][/db]``, ``rediss://...``,
+            ``host[:port]``, ``redis+sentinel://[user[:password]@]host:port[,...]/service[/db]``
+            or ``redis+cluster://[user[:password]@]host:port[,...]`` (``rediss+...`` for TLS);
+            empty means ``localhost:6379``.
+        config: Rendezvous configuration keys: ``username``, ``password``,
+            ``sentinel_username``, ``sentinel_password``, ``tls``, ``ssl_ca_certs``,
+            ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``.
         environ: Where to look for ``AELASTIC_REDIS_USERNAME``/``AELASTIC_REDIS_PASSWORD``
-            (default: ``os.environ``).
+            and ``AELASTIC_REDIS_SENTINEL_PASSWORD`` (default: ``os.environ``).
 
     Returns:
         The endpoint. Credentials: config keys win over the URL, the URL over the environment.
@@ -195,9 +295,10 @@ def parse_endpoint(
     if text and "://" not in text and "@" not in text:
         parse_rendezvous_endpoint(text, DEFAULT_PORT)  # a bare host:port: torch's rules
     if text:
-        tls, host, port, db, username, password = _split(text)
+        parts = _split(text)
     else:
-        tls, host, port, db, username, password = False, DEFAULT_HOST, DEFAULT_PORT, 0, None, None
+        parts = _Parts(STANDALONE, False, [(DEFAULT_HOST, DEFAULT_PORT)], 0, None, None, None)
+    tls = parts.tls
     tls_option = _option(config, "tls")
     if tls_option is not None:
         if tls_option.lower() not in ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n"):
@@ -208,15 +309,25 @@ def parse_endpoint(
         raise ValueError(
             f"The rendezvous configuration option 'ssl_cert_reqs' must be one of {_CERT_REQS}."
         )
+    sentinel = parts.kind == SENTINEL
     return RedisEndpoint(
-        host=host,
-        port=port,
-        db=db,
+        host=parts.hosts[0][0],
+        port=parts.hosts[0][1],
+        db=parts.db,
         tls=tls,
-        username=_option(config, "username") or username or environ.get(ENV_USERNAME) or None,
-        password=_option(config, "password") or password or environ.get(ENV_PASSWORD) or None,
+        username=_option(config, "username") or parts.username or environ.get(ENV_USERNAME) or None,
+        password=_option(config, "password") or parts.password or environ.get(ENV_PASSWORD) or None,
         ssl_ca_certs=_option(config, "ssl_ca_certs"),
         ssl_certfile=_option(config, "ssl_certfile"),
         ssl_keyfile=_option(config, "ssl_keyfile"),
         ssl_cert_reqs=cert_reqs,
+        kind=parts.kind,
+        hosts=tuple(parts.hosts),
+        service=parts.service,
+        sentinel_username=_option(config, "sentinel_username") if sentinel else None,
+        sentinel_password=(
+            (_option(config, "sentinel_password") or environ.get(ENV_SENTINEL_PASSWORD) or None)
+            if sentinel
+            else None
+        ),
     )

@@ -12,6 +12,10 @@ both.
 The script answers with the reply's JSON (:mod:`aelastic.core.wire`), writes the header
 back, refreshes the keys' expiry, and publishes ``s<status JSON>`` on the run's channel when
 the status's token changed. Time is the server's (``TIME``) unless a test passes its own.
+Beyond the Python machine, the script keeps the primary's replication id in the header:
+a request that finds another id (a replica was promoted, and may have missed the latest
+writes) moves the state to a new epoch and publishes it, so a version lost in a failover
+never shares a token with a later one, and every waiter re-reads the state.
 A header of another format version, or keys of the wrong Redis type, are answered with an
 error object and left untouched.
 """
@@ -44,12 +48,12 @@ end
 local function load_header(epoch, exists)
   local f = redis.call('HMGET', HS, 'format', 'epoch', 'version', 'round', 'complete',
     'closed', 'deadline', 'seq', 'world', 'lost', 'finished', 'sample', 'master_addr',
-    'master_port', 'data')
+    'master_port', 'data', 'replid')
   if not f[1] and not f[2] and not f[15] then
     if exists then return nil, {error = 'foreign'} end
     return {fresh = true, epoch = epoch, gen = 0, round = 0, complete = false,
             closed = false, deadline = false, seq = 0, world = 0, lost = 0, finished = 0,
-            sample = {}, master_addr = false, master_port = false}
+            sample = {}, master_addr = false, master_port = false, replid = false}
   end
   if f[1] ~= '2' then
     local ok, doc = pcall(cjson.decode, f[15] or '')
@@ -67,7 +71,8 @@ local function load_header(epoch, exists)
           deadline = (f[7] ~= '' and tonumber(f[7])) or false, seq = tonumber(f[8]),
           world = tonumber(f[9]), lost = tonumber(f[10]), finished = tonumber(f[11]),
           sample = sample, master_addr = (f[13] ~= '' and f[13]) or false,
-          master_port = (f[14] ~= '' and tonumber(f[14])) or false}
+          master_port = (f[14] ~= '' and tonumber(f[14])) or false,
+          replid = (f[16] and f[16] ~= '' and f[16]) or false}
 end
 
 local function status_of(h, now)
@@ -89,7 +94,8 @@ end
 
 #: KEYS: header, participants, ports, wait list, redundancy list, beats.
 #: ARGV: op, node, min, max, last call ms, window ms, expired, finished, port, now ms or '',
-#: new epoch, ttl ms, channel. -> reply JSON | error JSON.
+#: new epoch, ttl ms, channel, '1' to follow the primary's replication id (optional).
+#: -> reply JSON | error JSON.
 OP = (
     _HEADER
     + r"""
@@ -108,6 +114,19 @@ if bad then return cjson.encode(bad) end
 local h, err = load_header(ARGV[11], exists)
 if not h then return cjson.encode(err) end
 local now = server_now(ARGV[10])
+
+-- A replica promoted to primary has a new replication id. A state written under another
+-- id may have lost its latest versions in the failover (replication is asynchronous): it
+-- moves to a new epoch, so that no token of a lost version ever names another state.
+local moved = false
+if ARGV[14] == '1' then
+  local info = redis.pcall('INFO', 'replication')
+  local replid = type(info) == 'string' and string.match(info, 'master_replid:(%w+)')
+  if replid and h.replid ~= replid then
+    if not h.fresh then h.epoch, moved = ARGV[11], true end
+    h.replid = replid
+  end
+end
 
 local function signature()
   return table.concat({h.round, tostring(h.complete), tostring(h.closed),
@@ -266,12 +285,15 @@ local fields = {'format', '2', 'epoch', h.epoch, 'version', string.format('%d', 
   'seq', string.format('%d', h.seq), 'world', string.format('%d', h.world),
   'lost', string.format('%d', h.lost), 'finished', string.format('%d', h.finished),
   'sample', table.concat(h.sample, '\n'), 'master_addr', h.master_addr or '',
-  'master_port', h.master_port and string.format('%d', h.master_port) or ''}
+  'master_port', h.master_port and string.format('%d', h.master_port) or '',
+  'replid', h.replid or ''}
 if h.fresh then
   table.insert(fields, 'data')
   table.insert(fields, '{"format":"aelastic.rendezvous.state","version":2}')
 end
-if h.fresh or cjson.encode(h) ~= header_before then redis.call('HSET', HS, unpack(fields)) end
+if h.fresh or moved or cjson.encode(h) ~= header_before then
+  redis.call('HSET', HS, unpack(fields))
+end
 -- Every key's expiry is refreshed when membership changes, and otherwise once half of it
 -- is used up (a heartbeat then costs one PTTL).
 if not light or pruned > 0 or redis.call('PTTL', HS) < tonumber(ttl) / 2 then
@@ -281,7 +303,7 @@ else
 end
 
 local status = status_of(h, now)
-if h.fresh or signature() ~= before then
+if h.fresh or moved or signature() ~= before then
   redis.pcall('PUBLISH', channel, 's' .. cjson.encode(status))
 end
 local reply = {outcome = outcome, status = status, transition = transition,

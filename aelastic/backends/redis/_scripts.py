@@ -5,7 +5,8 @@ Redis Cluster hash tag, so a run lives on one slot and multi-key scripts stay le
 
 * ``...:state``: the header hash (round, complete, closed, last-call deadline, counters,
   ``epoch`` and ``version``: the status token is ``"<epoch>.<version>"``; the epoch is drawn
-  when the state is created, so a state made again never repeats an old token);
+  when the state is created, so a state made again never repeats an old token, and drawn
+  again when the primary's replication id, ``replid``, changed: after a failover);
 * ``...:p`` participants (sorted set: join order, then rank), ``...:ports`` their bootstrap
   ports, ``...:w`` wait list and ``...:r`` redundancy list (sets), ``...:b`` heartbeats
   (sorted set by time): see :mod:`._lua` for the scripts that change them;

@@ -1,0 +1,174 @@
+"""A run's keys on a Redis Cluster (the :mod:`._servers` surface on ``RedisCluster``).
+
+How it works: :class:`Cluster` uses redis-py's ``RedisCluster``, which routes each script by
+the run's hash tag (every key of a run is in one slot), follows ``MOVED``/``ASK``, and reads
+the slot map again after a failover (so does :meth:`Cluster.execute` when a node failed). A
+batch's ``WAIT`` goes to the primary of each slot it wrote. A classic ``PUBLISH`` reaches the
+subscribers of every node of a cluster, so the listener subscribes on any node and moves to
+the next one it knows when that one fails.
+
+One piece is our own, for a measured reason: redis-py reads the server's whole command table
+(``COMMAND``, some hundred kilobytes to parse) each time a client initializes, and again at
+each re-initialization after a failover. With one client per rendezvous node, 256 nodes in a
+few processes spent most of a 6 s formation, and most of a 12 s re-formation after a
+failover, doing that (``benchmarks/redis_ha.py``). :class:`_CommandTable` reads it once per
+process and cluster: 1.0 s and 5.5-6.8 s then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from redis._parsers import AsyncCommandsParser
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import (
+    ClusterDownError,
+    RedisClusterException,
+    RedisError,
+    SlotNotCoveredError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ._servers import Batch, Standalone, accepted, acked
+
+__all__ = ["Cluster", "is_retryable"]
+
+#: Errors after which a cluster's slot map is read again.
+_CLUSTER_REFRESH = (RedisConnectionError, RedisTimeoutError, ClusterDownError, SlotNotCoveredError)
+
+
+class Cluster(Standalone):
+    """A Redis Cluster. See the module docstring."""
+
+    def _command_client(self, max_connections: int) -> Any:
+        kwargs = {k: v for k, v in self.kwargs.items() if k in _cluster_options()}
+        kwargs["ssl"] = self.endpoint.tls
+        self._turn = 0
+        cluster = RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in self.endpoint.hosts],
+            max_connections=max_connections,
+            **kwargs,
+        )
+        cluster.commands_parser = _CommandTable(self.endpoint.hosts)
+        return cluster
+
+    async def execute(self, batch: Batch, wait: tuple[int, int] | None) -> tuple[list[Any], int]:
+        cluster = self.redis
+        try:
+            await cluster.initialize()
+            pipe = cluster.pipeline()
+            for args, route in zip(batch.commands, batch.routes, strict=True):
+                if route is None:
+                    pipe.execute_command(*args)
+                else:
+                    pipe.execute_command(*args, target_nodes=cluster.get_node_from_key(route))
+            nodes = {}
+            if wait is not None:
+                for key in batch.durable:
+                    node = cluster.get_node_from_key(key)
+                    nodes[node.name] = node
+                for node in nodes.values():
+                    pipe.execute_command("WAIT", *wait, target_nodes=node)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+        except _CLUSTER_REFRESH:
+            await cluster.aclose()  # the next call reads the slot map again
+            raise
+        if any(isinstance(reply, _CLUSTER_REFRESH) for reply in replies):
+            await cluster.aclose()
+        count = len(batch.commands)
+        if not nodes:
+            return replies, -1
+        return replies[:count], min(acked(reply) for reply in replies[count:])
+
+    async def load_scripts(self, scripts: Iterable[str]) -> None:
+        await self.redis.initialize()
+        for src in scripts:
+            await self.redis.script_load(src)  # on every primary
+
+    async def pubsub_address(self) -> tuple[str, int]:
+        """The next node of the cluster (the nodes given when none is known)."""
+        addresses: list[tuple[str, int]] = []
+        try:
+            await self.redis.initialize()
+            addresses = [(str(n.host), int(n.port)) for n in self.redis.get_nodes()]
+        except (RedisError, RedisClusterException, OSError):
+            pass
+        addresses = sorted(addresses) or list(self.endpoint.hosts)
+        self._turn += 1
+        return addresses[self._turn % len(addresses)]
+
+    async def explain(self, exc: BaseException) -> str | None:
+        if isinstance(exc, RedisClusterException) and not _unreachable(exc):
+            said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return f"Redis Cluster at {self.endpoint.display} cannot be used: {said}"
+        return await super().explain(exc)
+
+    def describe(self, exc: BaseException) -> str:
+        if isinstance(exc, RedisClusterException) and _unreachable(exc):
+            return f"none of the nodes {self.endpoint.addresses} answered"
+        if isinstance(exc, ClusterDownError):
+            return f"the cluster is down ({exc})"
+        if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
+            return (
+                "the node serving the run's slot does not answer and no replica took its "
+                f"place: the cluster is down for this run ({exc or type(exc).__name__})"
+            )
+        return super().describe(exc)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+        # redis-py's aclose() closes nothing once an error has marked the client for
+        # re-initialization: every node's connections are closed here.
+        manager = self.redis.nodes_manager
+        await manager.aclose()
+        await manager.aclose("startup_nodes")
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Cluster errors that a moment later may be gone (no node reachable, slots moving)."""
+    return isinstance(exc, SlotNotCoveredError) or (
+        isinstance(exc, RedisClusterException) and _unreachable(exc)
+    )
+
+
+def _unreachable(exc: BaseException) -> bool:
+    return isinstance(exc, SlotNotCoveredError) or "cannot be connected" in str(exc)
+
+
+def _cluster_options() -> set[str]:
+    return accepted(RedisCluster) - {"host", "port", "startup_nodes", "db", "self"}
+
+
+#: Command tables read from each cluster (by its startup nodes), shared by its clients.
+_TABLES: dict[Any, dict[str, Any]] = {}
+#: Per event loop, a lock per cluster: one client of the loop reads, the others wait.
+_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, asyncio.Lock]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class _CommandTable(AsyncCommandsParser):
+    """redis-py's command parser, with the command table read once per process and cluster
+    (see the module docstring)."""
+
+    def __init__(self, hosts: Any) -> None:
+        super().__init__()
+        self._hosts = hosts
+
+    async def initialize(self, node: ClusterNode | None = None) -> None:
+        if node:
+            self.node = node
+        table = _TABLES.get(self._hosts)
+        if table is None:
+            locks = _LOCKS.setdefault(asyncio.get_running_loop(), {})
+            async with locks.setdefault(self._hosts, asyncio.Lock()):
+                table = _TABLES.get(self._hosts)
+                if table is None:
+                    commands = await self.node.execute_command("COMMAND")
+                    table = {name.lower(): info for name, info in commands.items()}
+                    _TABLES[self._hosts] = table
+        self.commands = table
