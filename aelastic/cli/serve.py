@@ -4,7 +4,8 @@ How it works: parses the flags and hands over to
 :func:`aelastic.backends.http.server.run_server`, which serves until SIGINT or SIGTERM and
 prints ``aelastic rendezvous server listening on <url>`` once it accepts connections. The
 bearer token is read from ``AELASTIC_HTTP_TOKEN`` (never from the command line, where other
-users of the machine could read it); nodes send the same variable.
+users of the machine could read it); nodes send the same variable. The server has no TLS
+of its own: off a private network, put it behind a TLS-terminating proxy.
 """
 
 from __future__ import annotations
@@ -42,6 +43,30 @@ def build_parser(prog: str = "aelastic serve") -> argparse.ArgumentParser:
     p.add_argument(
         "--max-body", type=int, default=None, help="largest request body in bytes (default 4 MiB)"
     )
+    p.add_argument(
+        "--max-runs",
+        type=int,
+        default=None,
+        help="runs kept at most; a new one past it gets 503 (default 10000; 0: no limit)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections held at most (default 10000, lowered to fit ulimit -n)",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=None,
+        help="seconds a client has to send a request's head, then its body (default 10)",
+    )
+    p.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=None,
+        help="seconds an idle connection stays open between requests (default 30)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log the server's info lines")
     return p
 
@@ -59,6 +84,14 @@ def main(argv: Sequence[str]) -> int:
         raise UsageError("--run-ttl must be >= 0")
     if args.max_body is not None and args.max_body < 1024:
         raise UsageError("--max-body must be at least 1024 bytes")
+    if args.max_runs is not None and args.max_runs < 0:
+        raise UsageError("--max-runs must be >= 0 (0: no limit)")
+    if args.max_connections is not None and args.max_connections < 1:
+        raise UsageError("--max-connections must be at least 1")
+    for flag in ("read_timeout", "keepalive_timeout"):
+        value = getattr(args, flag)
+        if value is not None and not 0 < value < float("inf"):
+            raise UsageError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     try:
         from ..backends.http.server import PersistenceError, resolve_token, run_server
     except ImportError as exc:
@@ -75,9 +108,12 @@ def main(argv: Sequence[str]) -> int:
         resolve_token(None)  # a token that could never match is refused at once
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    kwargs: dict[str, Any] = {} if args.run_ttl is None else {"run_ttl": args.run_ttl}
-    if args.max_body is not None:
-        kwargs["max_body"] = args.max_body
+    names = ("run_ttl", "max_body", "max_runs", "max_connections", "read_timeout")
+    kwargs: dict[str, Any] = {
+        name: getattr(args, name)
+        for name in (*names, "keepalive_timeout")
+        if getattr(args, name) is not None
+    }
     try:
         run_server(args.host, args.port, persist_path=args.persist, **kwargs)
     except PersistenceError as exc:

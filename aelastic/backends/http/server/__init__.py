@@ -37,10 +37,16 @@ in constant time), else ``401``.
 A node of the first state format asking at ``/v1/runs/{run}/state`` gets a state of format
 2 and fails with an error naming both versions. Errors are ``{"error": "..."}`` with ``400``
 (malformed JSON, a body or query that does not fit the schema, unknown fields), ``401``,
-``404``, ``405``, ``413`` (body over ``max_body``), ``503`` (shutting down, or the journal
-could not be written) or ``500``. A rejected request changes nothing. Long-polls answer
-``503`` at once when the server shuts down. Runs nobody changed for ``run_ttl`` (24 h) and
-nobody waits on are forgotten.
+``404``, ``405``, ``408`` (the body came too slowly), ``413`` (body over ``max_body``),
+``503`` (shutting down, the journal could not be written, the limit of runs) or ``500``.
+A rejected request changes nothing. Long-polls answer ``503`` at once when the server shuts
+down. Runs nobody changed for ``run_ttl`` (24 h) and nobody waits on are forgotten.
+
+Limits (:func:`serve`): a request that would make a run past ``max_runs`` gets ``503``
+(the runs already there keep working); a client must send a request's head within
+``read_timeout`` of connecting and its body within ``read_timeout`` after that (``408``),
+else it is dropped; an idle connection is closed after ``keepalive_timeout``; past
+``max_connections`` a new connection is answered ``503`` and closed (:mod:`._guard`).
 """
 
 from __future__ import annotations
@@ -56,11 +62,25 @@ from collections.abc import Callable
 from aiohttp import web
 
 from ..wire import DEFAULT_PORT, MAX_BODY, TOKEN_ENV
-from ._app import DEFAULT_RUN_TTL, create_app, resolve_token
+from ._app import DEFAULT_MAX_RUNS, DEFAULT_RUN_TTL, create_app, resolve_token
+from ._guard import (
+    BACKLOG,
+    DEFAULT_KEEPALIVE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT,
+    ConnectionGuard,
+    connection_limit,
+    quiet_accept_errors,
+    raise_open_file_limit,
+)
 from ._runs import PersistenceError
 
 __all__ = [
+    "DEFAULT_KEEPALIVE_TIMEOUT",
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_RUNS",
     "DEFAULT_PORT",
+    "DEFAULT_READ_TIMEOUT",
     "DEFAULT_RUN_TTL",
     "PersistenceError",
     "create_app",
@@ -94,6 +114,10 @@ async def serve(
     persist_path: str | os.PathLike[str] | None = None,
     max_body: int = MAX_BODY,
     run_ttl: float = DEFAULT_RUN_TTL,
+    max_runs: int = DEFAULT_MAX_RUNS,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    read_timeout: float = DEFAULT_READ_TIMEOUT,
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
     stop: asyncio.Event | None = None,
     ready: Callable[[str], None] | None = None,
 ) -> None:
@@ -102,17 +126,28 @@ async def serve(
     Args:
         host: Address to bind (loopback by default).
         port: Port to bind; ``0`` picks a free one.
-        token, persist_path, max_body, run_ttl: As for :func:`create_app`.
+        token, persist_path, max_body, run_ttl, max_runs: As for :func:`create_app`.
+        max_connections: Open connections held at most (lowered to fit the open-file
+            limit); past it a new connection is answered ``503`` and closed.
+        read_timeout: Seconds a client has to send a request's head (from its connect, or
+            from the first byte of a later request), and then its body.
+        keepalive_timeout: Seconds an idle connection stays open between requests.
         stop: Set it to shut the server down cleanly.
         ready: Called with the server's URL once it accepts connections.
 
     Raises:
         PersistenceError: The persistence file cannot be loaded.
         OSError: The address cannot be bound.
+        ValueError: A limit or timeout is out of range.
     """
     secret = resolve_token(token)
     app = create_app(
-        token=secret or "", persist_path=persist_path, max_body=max_body, run_ttl=run_ttl
+        token=secret or "",
+        persist_path=persist_path,
+        max_body=max_body,
+        run_ttl=run_ttl,
+        max_runs=max_runs,
+        read_timeout=read_timeout,
     )
     if secret is None and not _is_loopback(host):
         log.warning(
@@ -120,19 +155,37 @@ async def serve(
             host,
             TOKEN_ENV,
         )
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
+    guard = ConnectionGuard(
+        max_connections=connection_limit(max_connections),
+        read_timeout=read_timeout,
+        keepalive_timeout=keepalive_timeout,
+    )
+    app.middlewares.insert(0, guard.middleware)  # before runner.setup() freezes them
+    # aiohttp's own keep-alive timer only backs up the guard's (which decides first).
+    backstop = keepalive_timeout + read_timeout + 1.0
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0, keepalive_timeout=backstop)
+    loop = asyncio.get_running_loop()
+    restore = quiet_accept_errors(loop)
+    listener: asyncio.AbstractServer | None = None
     try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = runner.addresses[0]
+        await runner.setup()
+        assert runner.server is not None
+        factory = guard.factory(runner.server)
+        listener = await loop.create_server(
+            factory, host, port, backlog=BACKLOG, reuse_address=True
+        )
+        bound = listener.sockets[0].getsockname()
         url = _url(host, int(bound[1]))
         log.info("aelastic rendezvous server listening on %s", url)
         if ready is not None:
             ready(url)
         await (stop or asyncio.Event()).wait()
     finally:
+        if listener is not None:
+            listener.close()  # accept no more; the open connections end below
         await runner.cleanup()
+        guard.close()
+        restore()
 
 
 def run_server(
@@ -143,11 +196,16 @@ def run_server(
     persist_path: str | os.PathLike[str] | None = None,
     max_body: int = MAX_BODY,
     run_ttl: float = DEFAULT_RUN_TTL,
+    max_runs: int = DEFAULT_MAX_RUNS,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    read_timeout: float = DEFAULT_READ_TIMEOUT,
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
 ) -> None:
     """Run the rendezvous server until SIGINT or SIGTERM (blocking).
 
-    Prints ``aelastic rendezvous server listening on <url>`` on one line of stdout once it
-    accepts connections (the URL is the line's last word).
+    Lifts the process's soft open-file limit to its hard limit first. Prints ``aelastic
+    rendezvous server listening on <url>`` on one line of stdout once it accepts
+    connections (the URL is the line's last word).
 
     Args:
         host: Address to bind (loopback by default).
@@ -156,11 +214,14 @@ def run_server(
         persist_path: JSON file keeping the runs across restarts.
         max_body: Largest request body accepted, in bytes.
         run_ttl: Seconds after which an unchanged, unwatched run is forgotten (0: never).
+        max_runs, max_connections, read_timeout, keepalive_timeout: As for :func:`serve`.
 
     Raises:
         PersistenceError: The persistence file cannot be loaded.
         OSError: The address cannot be bound.
+        ValueError: A limit or timeout is out of range.
     """
+    raise_open_file_limit()
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -179,6 +240,10 @@ def run_server(
             persist_path=persist_path,
             max_body=max_body,
             run_ttl=run_ttl,
+            max_runs=max_runs,
+            max_connections=max_connections,
+            read_timeout=read_timeout,
+            keepalive_timeout=keepalive_timeout,
             stop=stop,
             ready=announce,
         )

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,15 +23,20 @@ from typing import Any
 from aiohttp import web
 
 from ..wire import MAX_BODY, TOKEN_ENV, SchemaError
-from ._routes import REPLAYS, STORE, Replays, add_routes
-from ._runs import PersistenceError, RunStore
+from ._guard import DEFAULT_READ_TIMEOUT, RateLimitedLog
+from ._routes import BODY_TIMEOUT, REPLAYS, STORE, Replays, add_routes
+from ._runs import PersistenceError, RunLimitError, RunStore
 
-__all__ = ["DEFAULT_RUN_TTL", "create_app", "resolve_token"]
+__all__ = ["DEFAULT_MAX_RUNS", "DEFAULT_RUN_TTL", "create_app", "resolve_token"]
 
 log = logging.getLogger("aelastic.backends.http.server")
 
 #: Runs nobody changed for this long (seconds) are forgotten.
 DEFAULT_RUN_TTL = 24 * 3600.0
+#: Runs a server keeps at most; a request that would add one more gets ``503``.
+DEFAULT_MAX_RUNS = 10_000
+#: Seconds between two sweeps for forgotten runs, at most.
+_SWEEP_EVERY = 600.0
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -39,12 +45,29 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-@web.middleware
-async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+def _errors_middleware() -> Any:
+    at_limit = RateLimitedLog("refused %d request(s) for new runs: %s")
+
+    @web.middleware
+    async def errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+        try:
+            return await _answer(request, handler)
+        except RunLimitError as exc:
+            at_limit.note(exc)
+            return _error(503, str(exc))
+
+    return errors
+
+
+async def _answer(request: web.Request, handler: _Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except SchemaError as exc:
         return _error(400, str(exc))
+    except web.HTTPRequestTimeout as exc:
+        response = _error(408, exc.text or "the request body came too slowly")
+        response.force_close()  # what is left of the body is not worth reading
+        return response
     except web.HTTPRequestEntityTooLarge as exc:
         return _error(413, f"the request body is too large ({exc.text})")
     except web.HTTPException as exc:
@@ -102,6 +125,8 @@ def create_app(
     persist_path: str | os.PathLike[str] | None = None,
     max_body: int = MAX_BODY,
     run_ttl: float = DEFAULT_RUN_TTL,
+    max_runs: int = DEFAULT_MAX_RUNS,
+    read_timeout: float = DEFAULT_READ_TIMEOUT,
 ) -> web.Application:
     """Create the rendezvous server's aiohttp application (mountable with ``add_subapp``).
 
@@ -112,26 +137,35 @@ def create_app(
         max_body: Largest request body accepted, in bytes (larger: ``413``).
         run_ttl: Seconds after which a run nobody changed or waits on is forgotten
             (``0``: never).
+        max_runs: Runs kept at most (``0``: no limit); a request that would add one more
+            gets ``503``, the runs already there keep working.
+        read_timeout: Seconds a request's body may take to arrive (else ``408``).
 
     Returns:
         The application; its routes live under ``/v1``.
 
     Raises:
         PersistenceError: ``persist_path`` exists but is not a valid runs file.
-        ValueError: ``max_body`` or ``run_ttl`` is out of range.
+        ValueError: ``max_body``, ``run_ttl``, ``max_runs`` or ``read_timeout`` is out of
+            range.
     """
     if max_body < 1024:
         raise ValueError(f"max_body ({max_body}) must be at least 1024 bytes")
     if not run_ttl >= 0:
         raise ValueError(f"run_ttl ({run_ttl}) must be a non-negative number of seconds")
+    if max_runs < 0:
+        raise ValueError(f"max_runs ({max_runs}) must be a non-negative number (0: no limit)")
+    if not 0 < read_timeout < math.inf:
+        raise ValueError(f"read_timeout ({read_timeout}) must be a positive number of seconds")
     secret = resolve_token(token)
-    middlewares: list[Any] = [_errors]
+    middlewares: list[Any] = [_errors_middleware()]
     if secret is not None:
         middlewares.append(_auth_middleware(secret))
     app = web.Application(client_max_size=max_body, middlewares=middlewares)
-    store = RunStore(persist_path)
+    store = RunStore(persist_path, max_runs=max_runs)
     app[STORE] = store
     app[REPLAYS] = Replays()
+    app[BODY_TIMEOUT] = read_timeout
     add_routes(app)
 
     async def on_shutdown(app: web.Application) -> None:
@@ -156,10 +190,8 @@ def loop_time() -> float:
 
 
 async def _sweep(store: RunStore, ttl: float) -> None:
-    if not ttl:
-        return
     while True:
-        await asyncio.sleep(min(ttl / 4, 600.0))
-        if store.expire(ttl, loop_time()):
+        await asyncio.sleep(min(ttl / 4, _SWEEP_EVERY) if ttl else _SWEEP_EVERY)
+        if store.expire(ttl or math.inf, loop_time()):
             with contextlib.suppress(PersistenceError):
                 await store.durable()

@@ -8,6 +8,8 @@ Rendezvous requests are idempotent by nature (joining twice is joining once); st
 may carry an ``Idempotency-Key`` so that a retried ``kv/add`` counts once (:class:`Replays`).
 Long-polls (``status?token=&wait=``, ``kv/wait``) are held until the change, the timeout,
 or the server's shutdown (then ``503``, and clients retry against the restarted server).
+A request that may make a new run is first admitted by the store (``503`` past its limit
+of runs); a body must arrive within ``BODY_TIMEOUT`` (``408``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from ..wire import (
 )
 from ._runs import RunStore
 
-__all__ = ["REPLAYS", "STORE", "Replays", "add_routes"]
+__all__ = ["BODY_TIMEOUT", "REPLAYS", "STORE", "Replays", "add_routes"]
 
 _MAX_REPLAYS = 8192
 _MAX_REPLAY_SIZE = 1024
@@ -89,10 +91,19 @@ class Replays:
 
 STORE: web.AppKey[RunStore] = web.AppKey("aelastic_run_store", RunStore)
 REPLAYS = web.AppKey("aelastic_replays", Replays)
+#: Seconds a request's body may take to arrive.
+BODY_TIMEOUT = web.AppKey("aelastic_body_timeout", float)
 
 
 def _store(request: web.Request) -> RunStore:
     return request.app[STORE]
+
+
+def _admitted(request: web.Request, run_id: str) -> RunStore:
+    """The store, once it is known that the request may make ``run_id``."""
+    store = _store(request)
+    store.admit(run_id)
+    return store
 
 
 def _run_id(request: web.Request) -> str:
@@ -110,7 +121,13 @@ def _query(request: web.Request, allowed: set[str]) -> Mapping[str, str]:
 
 
 async def _json(request: web.Request) -> Any:
-    raw = await request.read()
+    timeout = request.app[BODY_TIMEOUT]
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        raise web.HTTPRequestTimeout(
+            text=f"the request body did not arrive within {timeout:g} s"
+        ) from None
     try:
         return json.loads(raw)
     except (ValueError, RecursionError):
@@ -164,6 +181,7 @@ async def _rendezvous(request: web.Request) -> web.Response:
     except WireError as exc:
         raise SchemaError(str(exc)) from None
     store = _store(request)
+    store.admit(run_id)
     engine = store.engine
     reply = engine.apply(run_id, rdzv_request, now_ms())
     loop = asyncio.get_running_loop()
@@ -203,6 +221,7 @@ async def _status(request: web.Request) -> web.Response:
     store = _store(request)
     engine = store.engine
     if wait > 0 and token is not None:
+        store.admit(run_id)  # waiting makes the run
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while engine.status(run_id, 0).token == token and loop.time() < deadline:
@@ -245,7 +264,7 @@ async def _kv_set(request: web.Request) -> web.Response:
     run_id = _run_id(request)
     body = await _body(request, {"key", "value"})
     key, value = require_key(body), require_bytes(body, "value")
-    engine = _store(request).engine
+    engine = _admitted(request, run_id).engine
 
     def apply() -> _Reply:
         engine.kv_set(run_id, key, value)
@@ -267,7 +286,7 @@ async def _kv_add(request: web.Request) -> web.Response:
     run_id = _run_id(request)
     body = await _body(request, {"key", "amount"})
     key, amount = require_key(body), require_int(body, "amount")
-    engine = _store(request).engine
+    engine = _admitted(request, run_id).engine
 
     def apply() -> _Reply:
         try:
@@ -284,7 +303,7 @@ async def _kv_compare_set(request: web.Request) -> web.Response:
     key = require_key(body)
     expected = require_optional_bytes(body, "expected")
     desired = require_bytes(body, "desired")
-    engine = _store(request).engine
+    engine = _admitted(request, run_id).engine
 
     def apply() -> _Reply:
         value = engine.kv_compare_set(run_id, key, expected, desired)
@@ -305,7 +324,7 @@ async def _kv_wait(request: web.Request) -> web.Response:
     body = await _body(request, {"keys", "timeout"})
     keys = require_keys(body)
     timeout = require_seconds(body.get("timeout"), "'timeout'")
-    store = _store(request)
+    store = _admitted(request, run_id)
     if store.closing:
         return _error(503, "the server is shutting down")
     ready = await store.engine.kv_wait(run_id, keys, timeout)

@@ -12,7 +12,9 @@ grew past twice its live size (runs serialized in small batches between which th
 serves requests). A temporary file left by a crash during a rewrite is removed at start.
 After a write failed (the journal may end in a cut line, or be gone) the next commit
 rewrites it whole instead of appending. Heartbeats are not saved: after a restart every
-listed node gets a fresh heartbeat window.
+listed node gets a fresh heartbeat window. A request that would add a run past ``max_runs``
+raises :class:`RunLimitError` (:meth:`RunStore.admit`); runs that hold nothing and that
+nobody waits on are dropped at each sweep.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ....core.token import parse
 from ..._engine import Engine, now_ms
 from ..wire import SchemaError, b64decode, b64encode, require_run_id
 
-__all__ = ["PersistenceError", "RunStore"]
+__all__ = ["PersistenceError", "RunLimitError", "RunStore"]
 
 log = logging.getLogger("aelastic.backends.http.server")
 
@@ -46,6 +48,10 @@ _MIN_REWRITE = 1 << 20
 
 class PersistenceError(RuntimeError):
     """The persistence file cannot be read (corrupt, foreign) or written."""
+
+
+class RunLimitError(RuntimeError):
+    """A request would add a run past the server's limit of runs."""
 
 
 def _state_doc(state: RunState) -> dict[str, Any]:
@@ -120,13 +126,17 @@ class RunStore:
     Args:
         persist_path: Journal keeping the runs across restarts (``None``: memory only). Its
             directory must exist.
+        max_runs: Runs kept at most (``0``: no limit); those of the journal are all loaded.
 
     Raises:
         PersistenceError: ``persist_path`` is not a valid journal, or its directory is
             missing or not writable.
     """
 
-    def __init__(self, persist_path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, persist_path: str | os.PathLike[str] | None = None, max_runs: int = 0
+    ) -> None:
+        self.max_runs = max_runs
         self._dirty: set[str] = set()
         self.engine = Engine(on_change=self._mark)
         self.closing = False
@@ -274,13 +284,32 @@ class RunStore:
 
     # -- runs -----------------------------------------------------------------------------
 
+    def admit(self, run_id: str) -> None:
+        """Check that a request may make ``run_id`` (a run it names may be new).
+
+        Raises:
+            RunLimitError: ``run_id`` would be a new run past ``max_runs``.
+        """
+        runs = self.engine.runs
+        if self.max_runs and len(runs) >= self.max_runs and run_id not in runs:
+            raise RunLimitError(
+                f"this server keeps at most {self.max_runs} runs (--max-runs) and run "
+                f"{run_id!r} would be a new one: finish or delete old runs "
+                "(DELETE /v1/runs/{run}), or restart the server with a higher --max-runs"
+            )
+
     def delete(self, run_id: str) -> bool:
         """Forget ``run_id`` (state and keys); whether it held anything."""
         return self.engine.delete(run_id)
 
     def expire(self, ttl: float, now: float) -> int:
-        """Forget runs unchanged for ``ttl`` s (monotonic ``now``) that nobody waits on."""
-        old = [r for r, run in self.engine.runs.items() if run.touched < now - ttl and run.idle]
+        """Forget runs unchanged for ``ttl`` s (monotonic ``now``) that nobody waits on, and
+        runs holding nothing that nobody waits on (a wait on a run that never came)."""
+        old = [
+            r
+            for r, run in self.engine.runs.items()
+            if run.idle and (run.touched < now - ttl or run.empty())
+        ]
         for run_id in old:
             self.engine.delete(run_id)
         return len(old)
