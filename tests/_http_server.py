@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,11 +52,10 @@ _SERVE_WITH_MAX_BODY = (
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 that nothing listens on right now (never the same twice)."""
+    from tests._redis_server import free_port as unique_free_port
+
+    return unique_free_port()
 
 
 class HttpServer:

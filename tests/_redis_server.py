@@ -47,12 +47,20 @@ __all__ = ["RedisServer", "free_port", "redis_server_fixture"]
 _START_TIMEOUT = 20.0
 
 
+_issued: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port free on 127.0.0.1 right now, never one this process was given before
+    (servers started one after the other, e.g. a cluster's ports and bus ports, would
+    otherwise sometimes get the same port twice)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port not in _issued:
+            _issued.add(port)
+            return port
 
 
 class RedisServer:
