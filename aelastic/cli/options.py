@@ -7,11 +7,8 @@ default, and an environment value is checked like a command-line one. :func:`con
 then validates everything and returns a :class:`LaunchConfig`, a plain value the launcher runs.
 Every mistake becomes :class:`UsageError` (one line, exit code 2); nothing here starts anything.
 
-Backends: ``memory`` (in-process; what ``--standalone`` uses), ``redis`` and ``http`` (an
-``aelastic serve`` server), also spelled ``aelastic-memory|-redis|-http`` as for the torchrun
-plugin. torchrun's default ``static`` means ``--standalone`` on a single node, as it does in
-torchrun; torch's own ``c10d``, ``etcd``, ``etcd-v2`` and a multi-node ``static`` are refused
-with the aelastic command to use instead.
+Which rendezvous a command line means (torchrun's defaulting of ``static``, ``c10d``...) and
+the value parsers live in :mod:`.rules`.
 """
 
 from __future__ import annotations
@@ -20,33 +17,38 @@ import argparse
 import os
 import signal
 import sys
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NoReturn
 
-from ..backends.registry import BUILTINS, backend_info
 from ..core.redact import redact
 from .conf_keys import unknown_key_warnings
 from .devices import determine_local_world_size
+from .rules import (
+    BACKEND_ALIASES,
+    UsageError,
+    parse_local_ranks,
+    parse_nnodes,
+    parse_rdzv_conf,
+    parse_signals,
+    parse_std,
+    rendezvous_of,
+)
 from .torch_flags import torchrun_only_flags
 
-__all__ = ["BACKEND_ALIASES", "LaunchConfig", "UsageError", "build_parser", "config_from_args"]
+__all__ = [
+    "BACKEND_ALIASES",
+    "LaunchConfig",
+    "UsageError",
+    "build_parser",
+    "config_from_args",
+    "parse_config",
+    "parse_nnodes",
+    "parse_rdzv_conf",
+    "parse_signals",
+]
 
 #: Names ``--rdzv-backend`` accepts for the built-ins (and their torchrun names) -> backend.
-BACKEND_ALIASES = {
-    **{info.name: info.name for info in BUILTINS},
-    **{info.torchrun_alias: info.name for info in BUILTINS},
-}
-
-_TORCH_ONLY = {
-    "etcd": "use --rdzv-backend redis or http (`aelastic serve`)",
-    "etcd-v2": "use --rdzv-backend redis or http (`aelastic serve`)",
-}
-
-
-class UsageError(Exception):
-    """A bad flag or value: reported on one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -262,151 +264,6 @@ class LaunchConfig:
         return redact(f"LaunchConfig({shown})")
 
 
-def parse_nnodes(text: str) -> tuple[int, int]:
-    """``"2"`` -> (2, 2), ``"1:4"`` -> (1, 4).
-
-    Raises:
-        UsageError: Not N or MIN:MAX with 0 < MIN <= MAX.
-    """
-    parts = text.strip().split(":")
-    try:
-        if len(parts) not in (1, 2):
-            raise ValueError
-        low, high = int(parts[0]), int(parts[-1])
-    except ValueError:
-        raise UsageError(f"--nnodes {text!r} is not N or MIN:MAX") from None
-    if not 0 < low <= high:
-        raise UsageError(f"--nnodes {text!r}: need 0 < MIN <= MAX")
-    return low, high
-
-
-def parse_rdzv_conf(text: str) -> dict[str, str]:
-    """``"a=1,b=2"`` -> ``{"a": "1", "b": "2"}`` (torch's rules: every key needs a value).
-
-    Raises:
-        UsageError: A key or a value is missing.
-    """
-    config: dict[str, str] = {}
-    if not text.strip():
-        return config
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        if not key.strip():
-            raise UsageError(f"--rdzv-conf {text!r} is not key1=value1,key2=value2,...")
-        if not sep or not value.strip():
-            raise UsageError(f"--rdzv-conf: option '{key.strip()}' must have a value")
-        config[key.strip()] = value.strip()
-    return config
-
-
-def parse_signals(text: str) -> tuple[signal.Signals, ...]:
-    """``"SIGTERM,SIGINT"`` -> the signals (names with or without ``SIG``).
-
-    Raises:
-        UsageError: An unknown signal name, or SIGKILL/SIGSTOP (they cannot be handled).
-    """
-    found: list[signal.Signals] = []
-    for raw in text.split(","):
-        name = raw.strip().upper()
-        if not name:
-            continue
-        name = name if name.startswith("SIG") else "SIG" + name
-        try:
-            sig = signal.Signals[name]
-        except KeyError:
-            raise UsageError(f"--signals-to-handle: unknown signal {raw.strip()!r}") from None
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise UsageError(f"--signals-to-handle: {name} cannot be handled")
-        found.append(sig)
-    return tuple(dict.fromkeys(found))
-
-
-def _std(value: str, flag: str) -> str:
-    from ..agent.api import Std
-
-    try:
-        Std.from_str(value)
-    except ValueError:
-        raise UsageError(f"{flag} {value!r} is not 0-3 or a map like 0:1,1:2") from None
-    return value.strip()
-
-
-def _local_ranks(text: str) -> frozenset[int] | None:
-    if not text.strip():
-        return None
-    try:
-        ranks = frozenset(int(item) for item in text.split(","))
-    except ValueError:
-        raise UsageError(
-            f"--local-ranks-filter {text!r} is not a comma-separated list of integers"
-        ) from None
-    return ranks
-
-
-def _backend(
-    args: argparse.Namespace, min_nodes: int, max_nodes: int
-) -> tuple[str, str, str, bool, list[str]]:
-    """(backend, endpoint, run_id, standalone, warnings) after torchrun's defaulting rules."""
-    name = args.rdzv_backend.strip()
-    warnings: list[str] = []
-    standalone = bool(args.standalone)
-    if not standalone and name == "static":
-        if max_nodes > 1:
-            return _static(args, min_nodes, max_nodes)
-        standalone = True
-    if standalone:
-        if min_nodes > 1:
-            raise UsageError(
-                f"--standalone runs the rendezvous inside this launcher: it cannot wait for "
-                f"--nnodes {args.nnodes} (use --rdzv-backend redis or http for several nodes)"
-            )
-        if name not in ("static", "memory", "aelastic-memory") or args.rdzv_endpoint:
-            warnings.append("--standalone ignores --rdzv-backend, --rdzv-endpoint and --rdzv-id")
-        return "memory", "", f"standalone-{uuid.uuid4().hex[:12]}", True, warnings
-    if name in _TORCH_ONLY:
-        raise UsageError(f"--rdzv-backend {name} is torch's own: {_TORCH_ONLY[name]}")
-    backend = BACKEND_ALIASES.get(name)
-    if backend is None:
-        from ..backends.registry import backend_names
-
-        if name not in backend_names():
-            known = ", ".join(sorted(BACKEND_ALIASES))
-            raise UsageError(f"--rdzv-backend {name!r} is unknown (known: {known})")
-        backend = name
-    info = backend_info(backend)
-    if info is not None and info.multi_node and not args.rdzv_endpoint:
-        raise UsageError(f"--rdzv-backend {name} needs --rdzv-endpoint ({info.endpoint_form})")
-    single = info is not None and not info.multi_node
-    if single and min_nodes > 1:
-        raise UsageError(
-            f"the {backend} backend lives in this process: it cannot wait for other nodes "
-            "(use --rdzv-backend redis or http)"
-        )
-    if single and max_nodes > 1:
-        warnings.append(f"the {backend} backend only joins nodes of this one process")
-    if args.node_rank != 0:
-        warnings.append("--node-rank is only used by a static rendezvous; ignored")
-    return backend, args.rdzv_endpoint, args.rdzv_id, False, warnings
-
-
-def _static(
-    args: argparse.Namespace, min_nodes: int, max_nodes: int
-) -> tuple[str, str, str, bool, list[str]]:
-    """torchrun's multi-node static rendezvous: node rank 0 hosts it at the master address."""
-    if min_nodes != max_nodes:
-        raise UsageError(
-            f"--nnodes {args.nnodes}: a static rendezvous needs a fixed number of nodes "
-            "(use --rdzv-backend c10d, redis or http for an elastic job)"
-        )
-    if not 0 <= args.node_rank < max_nodes:
-        raise UsageError(f"--node-rank {args.node_rank} is not in [0, {max_nodes})")
-    endpoint = args.rdzv_endpoint
-    if not endpoint:
-        port = 29500 if args.master_port is None else args.master_port
-        endpoint = f"{args.master_addr or '127.0.0.1'}:{port}"
-    return "static", endpoint, args.rdzv_id, False, []
-
-
 def _entrypoint(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
     script: str = args.training_script
     rest = tuple(args.training_script_args)
@@ -446,7 +303,7 @@ def config_from_args(
         nproc, device = nproc_resolver(args.nproc_per_node)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    backend, endpoint, run_id, standalone, warnings = _backend(args, min_nodes, max_nodes)
+    backend, endpoint, run_id, standalone, warnings = rendezvous_of(args, min_nodes, max_nodes)
     if not run_id.strip():
         raise UsageError("--rdzv-id must not be empty")
     conf = parse_rdzv_conf(args.rdzv_conf)
@@ -493,9 +350,9 @@ def config_from_args(
         master_addr=args.master_addr,
         master_port=master_port,
         log_dir=args.log_dir,
-        redirects=_std(args.redirects, "--redirects"),
-        tee=_std(args.tee, "--tee"),
-        local_ranks_filter=_local_ranks(args.local_ranks_filter),
+        redirects=parse_std(args.redirects, "--redirects"),
+        tee=parse_std(args.tee, "--tee"),
+        local_ranks_filter=parse_local_ranks(args.local_ranks_filter),
         stop_grace_period=grace,
         exit_barrier_timeout=args.exit_barrier_timeout,
         virtual_local_rank=bool(args.virtual_local_rank),

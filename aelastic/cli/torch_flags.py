@@ -23,7 +23,7 @@ def torchrun_only_flags(args: argparse.Namespace) -> list[str]:
     Raises:
         UsageError: An unknown ``--numa-binding`` mode or ``--logs-specs`` name.
     """
-    from .options import UsageError
+    from .rules import UsageError
 
     warnings: list[str] = []
     spec = getattr(args, "logs_specs", None)
