@@ -24,6 +24,7 @@ from aiohttp import web
 
 from ..wire import MAX_BODY, TOKEN_ENV, SchemaError
 from ._guard import DEFAULT_READ_TIMEOUT, RateLimitedLog
+from ._metrics import install as install_metrics
 from ._routes import BODY_TIMEOUT, REPLAYS, STORE, Replays, add_routes
 from ._runs import PersistenceError, RunLimitError, RunStore
 
@@ -167,6 +168,7 @@ def create_app(
     app[REPLAYS] = Replays()
     app[BODY_TIMEOUT] = read_timeout
     add_routes(app)
+    install_metrics(app, store)
 
     async def on_shutdown(app: web.Application) -> None:
         store.close()

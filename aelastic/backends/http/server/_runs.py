@@ -24,7 +24,8 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,8 @@ class RunStore:
         self._dirty: set[str] = set()
         self.engine = Engine(on_change=self._mark)
         self.closing = False
+        #: Called with the seconds each journal write took (the server's metrics).
+        self.on_write: Callable[[float], None] | None = None
         self._path = None if persist_path is None else Path(persist_path)
         self._lock: asyncio.Lock | None = None
         self._written = 0  # bytes in the journal
@@ -247,12 +250,15 @@ class RunStore:
                 return
             batch, self._dirty = self._dirty, set()
             lines = [self._line(run_id) for run_id in batch]
+            started = time.monotonic()
             try:
                 await asyncio.to_thread(_append, self._path, lines)
             except OSError as exc:
                 self._dirty |= batch
                 self._damaged = True  # it may end in a cut line now, or be gone
                 raise self._failed(exc) from exc
+            if self.on_write is not None:
+                self.on_write(time.monotonic() - started)
             self._written += sum(len(line) for line in lines)
             if self._written > max(_MIN_REWRITE, _GROWTH * self._live):
                 await self._compact()
