@@ -45,11 +45,25 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: str = "aelastic status") -> argparse.ArgumentParser:
     """The parser of ``aelastic status``."""
     p = _Parser(prog=prog, description="Show the rendezvous state of a job (read-only).")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", required=True, help="redis or http")
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, help="where it is")
-    p.add_argument("--rdzv-id", "--rdzv_id", required=True, help="the job's run id")
+    # Like ``aelastic run``: a flag not given is read from PET_<NAME> (a job's own variables).
+    for names, what in (
+        (("--rdzv-backend", "--rdzv_backend"), "redis, http, c10d or static"),
+        (("--rdzv-endpoint", "--rdzv_endpoint"), "where it is"),
+        (("--rdzv-id", "--rdzv_id"), "the job's run id"),
+    ):
+        env = os.environ.get("PET_" + names[1].lstrip("-").upper())
+        p.add_argument(*names, default=env, required=env is None, help=what)
     p.add_argument(
-        "--rdzv-conf", "--rdzv_conf", default="", help="keep_alive_interval=...,... (as run)"
+        "--rdzv-conf",
+        "--rdzv_conf",
+        default=os.environ.get("PET_RDZV_CONF", ""),
+        help="keep_alive_interval=...,... (as run)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        help="seconds to keep trying an unreachable backend before failing (default 5)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
@@ -216,7 +230,14 @@ async def _show(args: argparse.Namespace, secrets: frozenset[str]) -> int:
         )
     if args.reset and (args.watch or args.json):
         raise UsageError("--reset cannot be combined with --watch or --json")
+    if backend_name in ("c10d", "static"):
+        # One of the job's nodes serves these with aelastic's HTTP server: read it as one
+        # (never host it from here).
+        backend_name = "http"
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be positive, not {args.timeout}")
     config = parse_rdzv_conf(args.rdzv_conf)
+    config.setdefault("read_timeout", str(args.timeout))
     for warning in unknown_key_warnings(config, backend_name):
         _say(f"aelastic status: warning: {warning}", secrets, err=True)
     try:
