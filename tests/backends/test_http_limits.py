@@ -339,3 +339,26 @@ def _slowly_on(
             break
         received += chunk
     return sent, received, time.monotonic() - started
+
+
+def test_a_new_run_past_max_runs_gets_a_clear_503(tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "aelastic", "serve", "--port", str(port), "--max-runs", "2"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert "listening on" in proc.stdout.readline()
+        url = f"http://127.0.0.1:{port}/v1/runs"
+        body = {"key": "k", "value": "dmFsdWU="}
+        assert post(f"{url}/one/kv/set", body)[0] == 200
+        assert post(f"{url}/two/kv/set", body)[0] == 200
+        assert post(f"{url}/one/kv/set", body)[0] == 200  # a run it holds: still served
+        status, answer = post(f"{url}/three/kv/set", body)
+        assert status == 503, answer
+        assert "runs" in str(answer["error"]), answer
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "Traceback" not in err, err

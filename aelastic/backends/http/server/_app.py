@@ -77,8 +77,8 @@ async def _answer(request: web.Request, handler: _Handler) -> web.StreamResponse
         return _error(exc.status, exc.reason)
     except PersistenceError as exc:
         return _error(503, str(exc))
-    except asyncio.CancelledError:
-        raise
+    except (asyncio.CancelledError, RunLimitError):
+        raise  # a full server is answered (and logged, rate-limited) one level up
     except Exception:
         log.exception("internal error answering %s %s", request.method, request.path)
         return _error(500, "internal server error")
