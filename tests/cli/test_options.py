@@ -297,9 +297,10 @@ def test_every_torchrun_flag_is_accepted() -> None:
     assert theirs <= ours, sorted(theirs - ours)
 
 
-def test_torchrun_only_flags_are_checked_and_explained() -> None:
+def test_torchrun_only_flags_are_checked_and_applied() -> None:
     config = parse_config(["--logs-specs", "default", "--numa-binding", "node", "x.py"])
-    assert any("--numa-binding node" in w for w in config.warnings)
+    assert config.numa_binding == "node" and not config.warnings
+    assert parse_config(["x.py"]).numa_binding is None
     with pytest.raises(UsageError, match=r"torchrun\.logs_specs"):
         parse_config(["--logs-specs", "nope", "x.py"])
     with pytest.raises(UsageError, match="numa-binding must be one of"):
@@ -316,3 +317,26 @@ def test_workers_are_told_the_signals_handled_as_torchruns() -> None:
     assert dict(parse_config(["x.py"]).env)["TORCHELASTIC_SIGNALS_TO_HANDLE"] == (
         "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "filters"),
+    [("", ()), ("apple", ("apple",)), ("apple,orange", ("apple", "orange")), ("a,,b", ("a,b",))],
+)
+def test_duplicate_filters_follow_torchruns_list_syntax(
+    text: str, filters: tuple[str, ...]
+) -> None:
+    config = parse_config(["--tee", "3", "--duplicate-stdout-filters", text, "x.py"])
+    assert config.duplicate_stdout_filters == filters
+    assert config.duplicate_stderr_filters == ()
+    assert not config.warnings
+
+
+def test_duplicate_filters_of_a_stream_not_teed_are_explained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PET_DUPLICATE_STDERR_FILTERS", "boom")
+    config = parse_config(["--tee", "1", "x.py"])
+    assert config.duplicate_stderr_filters == ("boom",)
+    assert [w for w in config.warnings if "--duplicate-stderr-filters" in w], config.warnings
+    assert not [w for w in config.warnings if "stdout" in w]
