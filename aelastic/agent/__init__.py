@@ -6,6 +6,7 @@ plain script) rendezvous with the other nodes through ``spec.rdzv_handler``, sta
 restarts remain, re-rendezvous when the group changes, and returns a :class:`RunResult`.
 """
 
+from ._signals import SignalException
 from .agent import ElasticAgent
 from .api import (
     DEFAULT_ROLE,
@@ -32,6 +33,7 @@ from .events import (
     WorkerExited,
     WorkersStarted,
 )
+from .numa import NumaBindingError
 
 __all__ = [
     "DEFAULT_ROLE",
@@ -43,10 +45,12 @@ __all__ = [
     "ExitBarrier",
     "Finished",
     "MembershipChanged",
+    "NumaBindingError",
     "ProcessFailure",
     "RendezvousCompleted",
     "Restart",
     "RunResult",
+    "SignalException",
     "StandbysReady",
     "StateChanged",
     "Std",

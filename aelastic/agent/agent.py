@@ -18,12 +18,13 @@ are stopped (SIGTERM, grace, SIGKILL) and reaped, and the node leaves the rendez
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -33,7 +34,8 @@ from ..core.errors import RendezvousClosedError, RendezvousError, RendezvousGrac
 from ..core.events import Event
 from ._aio import quietly, uncancellable
 from ._publish import AgentPublisher
-from ._signals import sigint_interrupts
+from ._services import agent_services, last_word
+from ._signals import forwarding, free_signals, raise_for, sigint_interrupts, signals_to_handle
 from ._supervise import supervise
 from .api import (
     DEFAULT_ROLE,
@@ -95,6 +97,7 @@ class ElasticAgent:
         self._own_log_root: str | None = None
         self._joined = False
         self._used = False
+        self._stop_signal: int = signal.SIGTERM
 
     def __repr__(self) -> str:
         return f"ElasticAgent(role={self._spec.role!r}, group={self._group!r})"
@@ -131,6 +134,12 @@ class ElasticAgent:
         """Subscribe now; iterate the events with ``async for`` until the run's ``Finished``."""
         return self._handler.hub.stream(until=EventKind.FINISHED)
 
+    def forward_signal(self, sig: int) -> None:
+        """Stop the workers with ``sig`` instead of SIGTERM (then the grace, then SIGKILL),
+        as torchrun forwards the signal it got: call it on receiving ``sig``, then cancel
+        :meth:`run` (``aelastic run`` and :meth:`run_sync` do)."""
+        self._stop_signal = sig
+
     # -- entry points ---------------------------------------------------------------------
 
     async def run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -144,6 +153,7 @@ class ElasticAgent:
             RendezvousError: The rendezvous failed (timeout, closed by another node while
                 this one had no failure of its own, backend unreachable, ...).
             OSError: A worker command could not be started.
+            NumaBindingError: ``spec.numa_binding`` cannot be applied on this machine.
             RuntimeError: This agent already ran (an agent runs once).
         """
         if self._used:
@@ -151,7 +161,7 @@ class ElasticAgent:
         self._used = True
         result: RunResult | None = None
         try:
-            with self._handler.reporting():  # the store's retries go into the events too
+            async with agent_services(self):  # events of the store, NUMA check, health check
                 result = await self._invoke_run()
             return result
         finally:
@@ -161,24 +171,33 @@ class ElasticAgent:
         """:meth:`run` on a private event loop, for plain scripts; releases the handler after.
 
         Works from any thread that is not itself running an event loop (another thread may
-        run one). In the main thread, SIGINT (Ctrl-C) stops the workers cleanly, then raises
-        ``KeyboardInterrupt``, even if the process inherited SIGINT ignored (a background
-        job of a shell script); a SIGINT handler of the program's own is left alone.
+        run one). In the main thread, as torch's agent, the signals of
+        ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (SIGTERM, SIGINT, SIGHUP, SIGQUIT by default)
+        stop the workers with that same signal, the grace period, then SIGKILL, even if
+        inherited ignored; a handler of the program's own is left alone.
 
         Raises:
+            KeyboardInterrupt: SIGINT stopped the run.
+            SignalException: Another handled signal stopped the run (``sigval``).
             RuntimeError: Called from a thread whose event loop is running (use ``await run()``).
         """
-        if _loop_running():
+        if asyncio._get_running_loop() is not None:
             raise RuntimeError("run_sync() called from a running event loop: await run() instead")
+        handled, received = free_signals(signals_to_handle()), list[signal.Signals]()
 
         async def main() -> RunResult:
             try:
-                return await self.run(role)
+                with forwarding(handled, self.forward_signal, received):
+                    return await self.run(role)
             finally:
                 await self._handler.aclose()
 
-        with sigint_interrupts():
-            return asyncio.run(main())
+        try:
+            with sigint_interrupts():
+                return asyncio.run(main())
+        except asyncio.CancelledError:
+            raise_for(received)
+            raise
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -280,17 +299,7 @@ class ElasticAgent:
         group.workers = mine_assigned.workers()
         group.round = self._handler.round
         duration = time.monotonic() - started
-        log.info(
-            "rendezvous round %s complete in %.3f s: group rank %d of %d, world size %d, "
-            "master %s:%d",
-            group.round,
-            duration,
-            group_rank,
-            info.world_size,
-            group.workers[0].world_size,
-            group.master_addr,
-            group.master_port,
-        )
+        log.info("rendezvous round %s complete in %.3f s: %r", group.round, duration, group)
         self._events.publish(
             RendezvousCompleted,
             group_rank=group_rank,
@@ -335,7 +344,7 @@ class ElasticAgent:
             return
         running = any(p.returncode is None for p in workers.processes)
         # Shielded: a cancellation waits for the stop to finish, then goes on.
-        await uncancellable(workers.stop(self._spec.stop_grace_period))
+        await uncancellable(workers.stop(self._spec.stop_grace_period, self._stop_signal))
         if running and state is WorkerState.STOPPED:
             self._events.set_state(WorkerState.STOPPED)
 
@@ -347,7 +356,7 @@ class ElasticAgent:
         await self._stop_workers(WorkerState.SUCCEEDED)  # reaped already; sweeps leftovers
         complete = await self._exit_barrier()
         if complete:
-            with anyio.move_on_after(self._last_word()), contextlib.suppress(RendezvousError):
+            with anyio.move_on_after(last_word(self._handler)), suppress(RendezvousError):
                 await self._handler.set_closed()
         log.info("workers of role '%s' succeeded", self._spec.role)
         return RunResult(WorkerState.SUCCEEDED, return_values=values)
@@ -383,7 +392,7 @@ class ElasticAgent:
                 if failed and self._spec.close_on_failure:
                     await quietly(self._handler.set_closed(), "close the rendezvous")
                 succeeded = result is not None and result.state is WorkerState.SUCCEEDED
-                with anyio.move_on_after(self._last_word()):
+                with anyio.move_on_after(last_word(self._handler)):
                     await quietly(self._handler.leave(finished=succeeded), "leave the rendezvous")
         finally:
             for path in (self._scratch, logs_disposable(self._spec) and self._own_log_root):
@@ -394,16 +403,5 @@ class ElasticAgent:
             self._events.publish(Finished, reason=reason)
             self._events.close()
 
-    def _last_word(self) -> float:
-        """How long the last requests (close, leave) may take once the work is over: one
-        heartbeat's timeout, not the backend's whole retry period (a store gone at the end
-        of a job must not hold the launcher for minutes)."""
-        settings = getattr(self._handler, "settings", None)
-        return max(float(getattr(settings, "heartbeat_timeout", 5.0)), 1.0)
-
     def _kept(self, failures: Mapping[int, ProcessFailure]) -> dict[int, ProcessFailure]:
         return kept_failures(self._spec, self._own_log_root, failures)
-
-
-def _loop_running() -> bool:
-    return asyncio._get_running_loop() is not None

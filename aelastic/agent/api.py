@@ -13,10 +13,12 @@ import enum
 import re
 import signal
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
+
+from .numa import NUMA_MODES
 
 if TYPE_CHECKING:
     from ..core.store import Store
@@ -118,6 +120,13 @@ class WorkerSpec:
         warm_standby: Keep one idle interpreter per local rank, started ahead of time, so
             a restart skips Python's startup (only for ``sys.executable`` running a script
             or ``-m module``; the worker sees the same environment, argv and ``__main__``).
+        numa_binding: Bind each worker to the CPUs near its device (torch's ``AffinityMode``
+            values ``node``, ``socket``, ``exclusive``, ``core-complex``; see
+            :mod:`aelastic.agent.numa`); ``None``: no binding.
+        duplicate_stdout_filters: Lines of teed stdout containing any of these strings are
+            also written, prefixed, to ``filtered_stdout.log`` in the attempt's log directory
+            (torch's).
+        duplicate_stderr_filters: The same for stderr (``filtered_stderr.log``).
     """
 
     role: str
@@ -141,6 +150,9 @@ class WorkerSpec:
     virtual_local_rank: bool = False
     close_on_failure: bool = True
     warm_standby: bool = True
+    numa_binding: str | None = None
+    duplicate_stdout_filters: Sequence[str] | None = ()
+    duplicate_stderr_filters: Sequence[str] | None = ()
 
     def __post_init__(self) -> None:
         if self.local_world_size <= 0:
@@ -153,7 +165,13 @@ class WorkerSpec:
             raise ValueError("WorkerSpec needs an entrypoint (a command or a callable)")
         if self.stop_grace_period < 0 or self.exit_barrier_timeout < 0:
             raise ValueError("stop_grace_period and exit_barrier_timeout must be >= 0")
+        if self.numa_binding is not None and self.numa_binding not in NUMA_MODES:
+            raise ValueError(
+                f"numa_binding must be one of {', '.join(NUMA_MODES)}, not {self.numa_binding!r}"
+            )
         self.args = tuple(self.args)
+        self.duplicate_stdout_filters = tuple(self.duplicate_stdout_filters or ())
+        self.duplicate_stderr_filters = tuple(self.duplicate_stderr_filters or ())
         # Validate the stream settings now rather than at the first start.
         std_map(self.redirects, self.local_world_size)
         std_map(self.tee, self.local_world_size)

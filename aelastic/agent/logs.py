@@ -9,6 +9,11 @@ torch's ``@record`` writes). Each stream of each worker gets a :class:`Target`:
 * ``FILE``: the file is handed to the worker directly (redirect, or a filtered-out tee);
 * ``TEE``: a pipe the agent reads as data arrives, writing each chunk to the file and each
   line, prefixed ``[role0]:``, to the console. Nothing tails a file.
+
+With ``duplicate_stdout_filters`` (or ``_stderr_``), the teed lines that contain any of the
+filter strings are also written, prefixed, to ``filtered_stdout.log`` (``filtered_stderr.log``)
+in the attempt's directory, one file for all local ranks, as torch's ``PContext`` does: only
+teed streams shown on the console are looked at.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ from typing import IO, Any
 from .api import Std, WorkerSpec, std_map
 
 __all__ = ["AttemptLogs", "Target", "line_prefix", "plan_streams", "run_log_dir"]
+
+
+#: The duplicate files of stdout and stderr (torch's names).
+_FILTERED = ("filtered_stdout.log", "filtered_stderr.log")
 
 
 class Target(enum.Enum):
@@ -97,13 +106,35 @@ def line_prefix(spec: WorkerSpec, local_rank: int, global_rank: int) -> str:
     return f"[{spec.role}{local_rank}]:"
 
 
-class _TeeProtocol(asyncio.Protocol):
-    """Copies a worker's pipe to its log file and, line by line with a prefix, to a console."""
+class _Duplicate:
+    """The attempt's ``filtered_std*.log``: teed lines that contain one of the filters."""
 
-    def __init__(self, file: IO[bytes], console: IO[str], prefix: str) -> None:
+    def __init__(self, path: str, needles: tuple[str, ...]) -> None:
+        self._file = open(path, "w", encoding="utf-8", errors="replace")  # noqa: SIM115
+        self._needles = needles
+
+    def offer(self, lines: list[str]) -> None:
+        kept = [line for line in lines if any(n in line for n in self._needles)]
+        if kept:
+            with contextlib.suppress(OSError, ValueError):
+                self._file.write("".join(kept))
+                self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class _TeeProtocol(asyncio.Protocol):
+    """Copies a worker's pipe to its log file and, line by line with a prefix, to a console
+    (and the lines that match the filters to the duplicate file)."""
+
+    def __init__(
+        self, file: IO[bytes], console: IO[str], prefix: str, duplicate: _Duplicate | None
+    ) -> None:
         self._file = file
         self._console = console
         self._prefix = prefix
+        self._duplicate = duplicate
         self._partial = b""
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -116,10 +147,12 @@ class _TeeProtocol(asyncio.Protocol):
             self._show(lines)
 
     def _show(self, lines: list[bytes]) -> None:
-        text = "".join(f"{self._prefix}{ln.decode(errors='replace')}\n" for ln in lines)
+        shown = [f"{self._prefix}{ln.decode(errors='replace')}\n" for ln in lines]
         with contextlib.suppress(OSError, ValueError):
-            self._console.write(text)
+            self._console.write("".join(shown))
             self._console.flush()
+        if self._duplicate is not None:
+            self._duplicate.offer(shown)
 
     def eof_received(self) -> bool:
         return False
@@ -144,6 +177,7 @@ class _Pending:
     write_fd: int
     file: IO[bytes]
     console: IO[str]
+    duplicate: _Duplicate | None
 
 
 class AttemptLogs:
@@ -162,10 +196,16 @@ class AttemptLogs:
         self._pending: dict[int, list[_Pending]] = {}
         self._opened: list[IO[Any]] = []
         self._tees: list[tuple[asyncio.BaseTransport, _TeeProtocol]] = []
+        self._duplicates: list[_Duplicate | None] = [None, None]
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             for rank in range(spec.local_world_size):
                 os.makedirs(os.path.join(self.dir, str(rank)))
+            filters = (spec.duplicate_stdout_filters, spec.duplicate_stderr_filters)
+            for index, (needles, name) in enumerate(zip(filters, _FILTERED, strict=True)):
+                if needles:
+                    path = os.path.join(self.dir, name)
+                    self._duplicates[index] = _Duplicate(path, tuple(needles or ()))
 
     def path(self, local_rank: int, name: str) -> str:
         """Path of ``name`` in the local rank's directory (``os.devnull`` without files)."""
@@ -185,10 +225,11 @@ class AttemptLogs:
         """The ``stdout``/``stderr`` arguments for the worker's ``Popen`` (call once per start)."""
         result: list[int | IO[Any] | None] = []
         pending: list[_Pending] = []
-        for target, name, console in zip(
+        for target, name, console, duplicate in zip(
             self._plans[local_rank],
             ("stdout.log", "stderr.log"),
             (sys.stdout, sys.stderr),
+            self._duplicates,
             strict=True,
         ):
             if target is Target.INHERIT:
@@ -202,7 +243,7 @@ class AttemptLogs:
             else:
                 read_fd, write_fd = os.pipe()
                 file = open(self.path(local_rank, name), "ab")  # noqa: SIM115
-                pending.append(_Pending(read_fd, write_fd, file, console))
+                pending.append(_Pending(read_fd, write_fd, file, console, duplicate))
                 result.append(write_fd)
         self._pending[local_rank] = pending
         return result[0], result[1]
@@ -215,7 +256,7 @@ class AttemptLogs:
         for item in self._pending.pop(local_rank, []):
             os.close(item.write_fd)
             pipe = os.fdopen(item.read_fd, "rb", buffering=0)
-            protocol = _TeeProtocol(item.file, item.console, prefix)
+            protocol = _TeeProtocol(item.file, item.console, prefix, item.duplicate)
             transport, _ = await loop.connect_read_pipe(_factory(protocol), pipe)
             self._tees.append((transport, protocol))
 
@@ -246,3 +287,7 @@ class AttemptLogs:
             # Let the transports deliver connection_lost (closes the log files).
             await asyncio.wait(waits, timeout=timeout)
         self._tees.clear()
+        for duplicate in self._duplicates:
+            if duplicate is not None:
+                duplicate.close()
+        self._duplicates = [None, None]

@@ -83,12 +83,14 @@ class WorkerProcess:
         cwd: str | None = None,
         pass_fds: Sequence[int] = (),
         grace: float = DEFAULT_GRACE,
+        affinity: frozenset[int] | None = None,
     ) -> WorkerProcess:
         """Start ``argv`` in a new session (call on the event loop that will await it).
 
         The process gets SIGTERM if this thread ends (the agent died), and its group is
         announced to the guardian, which stops it (``grace`` s between SIGTERM and SIGKILL)
-        if the agent process dies before :func:`stop_processes` did.
+        if the agent process dies before :func:`stop_processes` did. ``affinity``: the CPUs
+        the child binds itself to before ``exec`` (NUMA binding without ``numactl``).
 
         Raises:
             OSError: The command could not be started (not found, not executable, ...).
@@ -104,7 +106,7 @@ class WorkerProcess:
             pass_fds=tuple(pass_fds),
             start_new_session=True,
             close_fds=True,
-            preexec_fn=_die_with_parent(),
+            preexec_fn=_child_setup(affinity),
         )
         _GUARDIAN.watch(popen.pid, grace)
         return cls(popen, local_rank)
@@ -183,8 +185,11 @@ class WorkerProcess:
         self._release_pidfd()
 
 
-async def stop_processes(processes: Iterable[WorkerProcess], grace: float) -> None:
-    """Stop ``processes``: SIGTERM their groups, wait ``grace`` s, SIGKILL, reap all.
+async def stop_processes(
+    processes: Iterable[WorkerProcess], grace: float, sig: int = signal.SIGTERM
+) -> None:
+    """Stop ``processes``: ``sig`` (SIGTERM) to their groups, wait ``grace`` s, SIGKILL,
+    reap all.
 
     Safe to call on processes that already exited. Returns once every worker is reaped and
     whatever else was left in the workers' groups got SIGKILL and died.
@@ -193,7 +198,7 @@ async def stop_processes(processes: Iterable[WorkerProcess], grace: float) -> No
     running = [p for p in procs if p.returncode is None]
     for proc in procs:
         # Also the groups of workers that exited: their children may still run.
-        proc.signal_group(signal.SIGTERM)
+        proc.signal_group(sig)
     if running:
         await asyncio.wait([asyncio.ensure_future(p.wait()) for p in running], timeout=grace)
     for proc in procs:
@@ -263,22 +268,26 @@ def _libc_prctl() -> Callable[..., int] | None:
     return _prctl
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that arms SIGTERM on the parent's death (``None``: not on Linux)."""
+def _child_setup(affinity: frozenset[int] | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that arms SIGTERM on the parent's death (Linux) and binds the child
+    to ``affinity`` (``None``: nothing to do)."""
     prctl = _libc_prctl()
-    if prctl is None:
+    if prctl is None and affinity is None:
         return None
     parent = os.getpid()
     sig = int(signal.SIGTERM)
 
-    def arm() -> None:
+    def setup() -> None:
         # Runs in the child between fork and exec: nothing here takes a lock that another
         # thread of the agent could have held when it forked.
-        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(1)  # the agent died before the signal was armed
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(1)  # the agent died before the signal was armed
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
 
-    return arm
+    return setup
 
 
 _GUARD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")

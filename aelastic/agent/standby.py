@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from ._aio import cancel_and_wait, uncancellable
 from .api import WorkerSpec
 from .env import ATTEMPT_KEYS, inherited_env
+from .numa import Binding, NumaBindingError, worker_binding
 from .process import DEFAULT_GRACE, WorkerProcess, stop_processes
 
 __all__ = ["STANDBY_DELAY", "Launch", "Standby", "StandbyPool", "launch_of", "standby_env"]
@@ -96,6 +97,7 @@ class Standby:
         base_env: The environment to start it with (the worker's, minus per-attempt keys).
         local_rank: The local rank it will serve.
         grace: The workers' grace period (the guardian's, should the agent die).
+        binding: The CPUs of the local rank's worker (``numa_binding``), applied at start.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class Standby:
         base_env: Mapping[str, str],
         local_rank: int,
         grace: float = DEFAULT_GRACE,
+        binding: Binding | None = None,
     ) -> None:
         self.launch = launch
         self.base_env = dict(base_env)
@@ -112,7 +115,12 @@ class Standby:
         try:
             argv = [launch.executable, *launch.flags, _STANDBY_SCRIPT, str(theirs.fileno())]
             self.process = WorkerProcess.start(
-                argv, self.base_env, local_rank, pass_fds=[theirs.fileno()], grace=grace
+                argv if binding is None else binding.command(argv),
+                self.base_env,
+                local_rank,
+                pass_fds=[theirs.fileno()],
+                grace=grace,
+                affinity=None if binding is None else binding.affinity,
             )
         except BaseException:
             mine.close()
@@ -197,8 +205,9 @@ class StandbyPool:
         for rank in range(self._spec.local_world_size):
             try:
                 grace = self._spec.stop_grace_period
-                self._ready[rank] = Standby(launch, env, rank, grace)
-            except OSError as exc:
+                binding = worker_binding(self._spec, rank)
+                self._ready[rank] = Standby(launch, env, rank, grace, binding)
+            except (OSError, NumaBindingError) as exc:
                 log.warning("could not start a warm standby: %s", exc)
                 return
         self._on_ready({rank: s.process.pid for rank, s in self._ready.items()})

@@ -3,24 +3,31 @@
 How it works: a :class:`WorkerSet` is made for every start of the group. It creates the
 attempt's log directories, builds each worker's environment and command (a callable is
 written to a private payload file for the spawned interpreter), starts the processes in
-their own sessions, and hands the teed pipes to the log copier. It turns exits into
+their own sessions (bound to their CPUs with ``numa_binding``, :mod:`.numa`), and hands the
+teed pipes to the log copier. With ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` it serves torch's
+worker watchdog for the attempt (:mod:`._timer`). It turns exits into
 :class:`~aelastic.agent.api.ProcessFailure` values or return values, and stops everything
-(process groups, then log pipes) when the attempt ends.
+(process groups with SIGTERM or the signal the agent was stopped by, the watchdog, then log
+pipes) when the attempt ends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import signal
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from . import callables
 from ._aio import uncancellable
+from ._timer import FILE_VAR, FileTimerServer
 from .api import ProcessFailure, WorkerGroup
 from .env import substitute_args, worker_env
 from .errors import make_failure
 from .logs import AttemptLogs
+from .numa import worker_binding
 from .process import WorkerProcess, stop_processes
 from .standby import Standby
 
@@ -61,6 +68,7 @@ class WorkerSet:
         self.processes: list[WorkerProcess] = []
         #: Standbys that could not serve (closed; stop them).
         self.discarded: list[WorkerProcess] = []
+        self._watchdog: FileTimerServer | None = None
 
     async def start(
         self,
@@ -74,10 +82,14 @@ class WorkerSet:
         the workers already started are stopped before it propagates.
 
         Raises:
-            OSError: A command could not be started.
+            OSError: A command could not be started, or the watchdog's pipe not made.
+            NumaBindingError: ``numa_binding`` cannot be applied.
             pickle.PicklingError: A callable entrypoint or its arguments cannot be pickled.
         """
         try:
+            if FileTimerServer.enabled():
+                self._watchdog = FileTimerServer(self._owns)
+                self._watchdog.start()
             for worker in self._group.workers:
                 rank = worker.local_rank
                 env = worker_env(
@@ -87,7 +99,10 @@ class WorkerSet:
                     run_id=self._run_id,
                     error_file=self._logs.error_file(rank),
                 )
-                argv = self._argv(rank)
+                if self._watchdog is not None:
+                    env[FILE_VAR] = self._watchdog.path
+                binding = worker_binding(self._group.spec, rank)
+                argv = self._argv(rank) if binding is None else binding.command(self._argv(rank))
                 stdout, stderr = self._logs.child_streams(rank)
                 before_spawn()
                 try:
@@ -100,6 +115,7 @@ class WorkerSet:
                             stdout=stdout,
                             stderr=stderr,
                             grace=self._group.spec.stop_grace_period,
+                            affinity=None if binding is None else binding.affinity,
                         )
                 except BaseException:
                     self._logs.abandon(rank)
@@ -132,6 +148,14 @@ class WorkerSet:
         self.discarded.append(standby.process)
         return None
 
+    def _owns(self, pid: int) -> bool:
+        """Whether ``pid`` runs in the process group of one of this attempt's workers."""
+        try:
+            group = os.getpgid(pid)
+        except OSError:
+            return False
+        return any(p.pid == group for p in self.processes)
+
     def _argv(self, local_rank: int) -> list[str]:
         spec = self._group.spec
         args = substitute_args(spec.args, local_rank)
@@ -161,6 +185,13 @@ class WorkerSet:
                 role=self._group.spec.role,
                 timestamp=proc.exited_at,
             )
+            scope = None if self._watchdog is None else self._watchdog.reaped.get(proc.pid)
+            if scope is not None:
+                failure = result[worker.global_rank]
+                result[worker.global_rank] = dataclasses.replace(
+                    failure,
+                    message=f"{failure.message} (file-timer watchdog: timer '{scope}' expired)",
+                )
         return result
 
     def return_values(self) -> dict[int, Any]:
@@ -174,10 +205,13 @@ class WorkerSet:
             for worker in self._group.workers
         }
 
-    async def stop(self, grace: float) -> None:
-        """Stop and reap every worker (SIGTERM, ``grace`` s, SIGKILL), then drain the logs."""
+    async def stop(self, grace: float, sig: int = signal.SIGTERM) -> None:
+        """Stop and reap every worker (``sig``, ``grace`` s, SIGKILL), close the watchdog,
+        then drain the logs."""
         procs, self.processes = self.processes + self.discarded, []
         self.discarded = []
         if procs:
-            await stop_processes(procs, grace)
+            await stop_processes(procs, grace, sig)
+        if self._watchdog is not None:
+            self._watchdog.close()
         await self._logs.aclose()

@@ -4,8 +4,9 @@ How it works: :func:`launch` builds the rendezvous handler and the :class:`Worke
 :class:`~aelastic.cli.options.LaunchConfig`, subscribes the :class:`Console` to the agent's
 events, and awaits ``agent.run()`` in a task. The signals of ``--signals-to-handle`` are handled
 from the first line of :func:`launch` (even if the process inherited them ignored) and cancel
-that task: the agent then stops its workers (SIGTERM to each process group, the grace period, then
-SIGKILL) and leaves the rendezvous; the launcher exits with 1, as torchrun does after a signal.
+that task: the agent then stops its workers as torchrun does (the signal received, to each
+process group, the grace period, then SIGKILL) and leaves the rendezvous; the launcher exits
+with 1, as torchrun does after a signal.
 A failed run exits with 1 too, after a root-cause summary (rank, exit code or signal, the
 message of the worker's error file). A job id whose run was closed before this node came
 (a finished job's) gets the way out: a new ``--rdzv-id``, or ``aelastic status --reset``.
@@ -22,7 +23,8 @@ import signal
 import time
 from collections.abc import Sequence
 
-from ..agent import ElasticAgent, RunResult, WorkerSpec
+from ..agent import ElasticAgent, NumaBindingError, RunResult, WorkerSpec
+from ..agent._health import health_port
 from ..agent.prometheus import AgentCollector, serve_metrics
 from ..core.redact import redact_endpoint
 from ..rendezvous import (
@@ -153,6 +155,9 @@ def build_spec(config: LaunchConfig) -> WorkerSpec:
         exit_barrier_timeout=config.exit_barrier_timeout,
         virtual_local_rank=config.virtual_local_rank,
         warm_standby=config.warm_standby,
+        numa_binding=config.numa_binding,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
     )
 
 
@@ -170,7 +175,7 @@ async def launch(config: LaunchConfig, console: Console | None = None) -> int:
     console = console or Console(enabled=not config.quiet)
     loop = asyncio.get_running_loop()
     received: list[signal.Signals] = []
-    running: list[asyncio.Task[RunResult]] = []
+    running: list[tuple[ElasticAgent, asyncio.Task[RunResult]]] = []
 
     def on_signal(sig: signal.Signals) -> None:
         if received:
@@ -178,11 +183,12 @@ async def launch(config: LaunchConfig, console: Console | None = None) -> int:
             return
         received.append(sig)
         console.line(
-            f"received {sig.name}: stopping the workers (SIGTERM, then SIGKILL after "
+            f"received {sig.name}: stopping the workers ({sig.name}, then SIGKILL after "
             f"{config.stop_grace_period:g} s) and leaving the rendezvous",
             always=True,
         )
-        for task in running:
+        for agent, task in running:
+            agent.forward_signal(sig)
             task.cancel()
 
     installed = []
@@ -201,12 +207,13 @@ async def _launch(
     config: LaunchConfig,
     console: Console,
     received: list[signal.Signals],
-    running: list[asyncio.Task[RunResult]],
+    running: list[tuple[ElasticAgent, asyncio.Task[RunResult]]],
 ) -> int:
     name = entrypoint_name(config.entrypoint, config.args)
     for warning in config.warnings:
         console.line(f"warning: {warning}", always=True)
     try:
+        health_port()  # the agent would only log a bad value: a launcher says it at once
         spec = build_spec(config)
     except ValueError as exc:
         console.line(f"error: {exc}", always=True)
@@ -224,8 +231,9 @@ async def _launch(
             if failed is not None:
                 return failed
             task = asyncio.get_running_loop().create_task(agent.run(), name="aelastic-agent")
-            running.append(task)  # a signal received from now on (or before) cancels it
+            running.append((agent, task))  # a signal from now on (or before) cancels it
             if received:
+                agent.forward_signal(received[0])
                 task.cancel()
             return await _outcome(task, console, received, name, agent, config)
     finally:
@@ -306,6 +314,9 @@ async def _outcome(
         return EXIT_FAILED
     except OSError as exc:
         console.line(f"error: cannot start the workers: {exc}", always=True)
+        return EXIT_FAILED
+    except NumaBindingError as exc:
+        console.line(f"error: {exc}", always=True)
         return EXIT_FAILED
     console.result(result, name)
     if received:  # the signal came as the run ended by itself

@@ -207,8 +207,8 @@ def build_parser(prog: str = "aelastic run") -> argparse.ArgumentParser:
         ["--numa-binding"],
         help="torchrun's: node, socket, exclusive or core-complex (CPUs near the GPUs).",
     )
-    _add(p, ["--duplicate-stdout-filters"], default="", help="torchrun's (comma-separated).")
-    _add(p, ["--duplicate-stderr-filters"], default="", help="torchrun's (comma-separated).")
+    _add(p, ["--duplicate-stdout-filters"], default="", help="Teed lines with a,b: a file too.")
+    _add(p, ["--duplicate-stderr-filters"], default="", help="The same for stderr.")
     _add(
         p,
         ["--metrics-port"],
@@ -257,6 +257,9 @@ class LaunchConfig:
     event_log: str | None = None
     metrics_port: int = 0
     nproc_device: str = ""
+    numa_binding: str | None = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
@@ -332,7 +335,8 @@ def config_from_args(
         env["OMP_NUM_THREADS"] = "1"
     entrypoint, script_args = _entrypoint(args)
     event_log, metrics_port = _observability(args)
-    warnings.extend(torchrun_only_flags(args))
+    torchrun_options, more = torchrun_only_flags(args)
+    warnings.extend(more)
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -365,6 +369,9 @@ def config_from_args(
         metrics_port=metrics_port,
         entrypoint=entrypoint,
         args=script_args,
+        numa_binding=torchrun_options.numa_binding,
+        duplicate_stdout_filters=torchrun_options.duplicate_stdout_filters,
+        duplicate_stderr_filters=torchrun_options.duplicate_stderr_filters,
         warnings=tuple(warnings),
     )
 

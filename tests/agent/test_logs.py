@@ -81,3 +81,44 @@ async def test_log_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     target.write_text("")
     with pytest.raises(NotADirectoryError):
         await ElasticAgent(spec(1, log_dir=str(target))).run()
+
+
+async def test_teed_lines_matching_the_filters_are_duplicated_to_one_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = (
+        "import os, sys\n"
+        "r = os.environ['LOCAL_RANK']\n"
+        "print(f'loss {r}'); print(f'noise {r}'); print(f'acc, {r}')\n"
+        "print(f'warn {r}', file=sys.stderr); print(f'debug {r}', file=sys.stderr)\n"
+    )
+    s = spec(
+        3,
+        tee="0:3,1:3,2:1",
+        local_ranks_filter={0, 1},  # rank 2's teed lines are not shown: not duplicated either
+        log_dir=str(tmp_path),
+        duplicate_stdout_filters=["loss", "acc,"],
+        duplicate_stderr_filters=("warn",),
+    )
+    s.args = ("-c", code)
+    assert (await ElasticAgent(s).run()).state is WorkerState.SUCCEEDED
+    attempt = tmp_path / s.rdzv_handler.get_run_id() / "attempt_0"
+    out = (attempt / "filtered_stdout.log").read_text().splitlines()
+    assert sorted(out) == [
+        "[trainer0]:acc, 0",
+        "[trainer0]:loss 0",
+        "[trainer1]:acc, 1",
+        "[trainer1]:loss 1",
+    ]
+    err = (attempt / "filtered_stderr.log").read_text().splitlines()
+    assert sorted(err) == ["[trainer0]:warn 0", "[trainer1]:warn 1"]
+    console = capsys.readouterr()
+    assert "[trainer0]:noise 0" in console.out  # the console still gets every teed line
+
+
+async def test_filters_without_tee_leave_an_empty_file_as_torchs(tmp_path: Path) -> None:
+    s = spec(1, log_dir=str(tmp_path), duplicate_stdout_filters=["out"])
+    assert (await ElasticAgent(s).run()).state is WorkerState.SUCCEEDED
+    attempt = tmp_path / s.rdzv_handler.get_run_id() / "attempt_0"
+    assert (attempt / "filtered_stdout.log").read_text() == ""
+    assert not (attempt / "filtered_stderr.log").exists()

@@ -9,6 +9,9 @@ It reports to the test's :class:`~tests.agent.helpers.WorkerHub` (``AELASTIC_TES
 * ``env``: the hello line carries the whole environment and the argv.
 * ``ignore_term``: SIGTERM is ignored (only SIGKILL ends it).
 * ``grandchild``: starts a sleeping child process (same process group) and reports its pid.
+* ``affinity``: the hello line carries the CPUs the worker may run on.
+* ``record_signal DIR``: SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 write their name to
+  ``DIR/<local_rank>`` and exit 0.
 """
 
 from __future__ import annotations
@@ -46,6 +49,18 @@ def main() -> int:
         hello["orig_argv"] = sys.orig_argv
     if mode == "ignore_term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if mode == "affinity":
+        hello["cpus"] = sorted(os.sched_getaffinity(0))
+    if mode == "record_signal":
+        path = os.path.join(sys.argv[2], os.environ["LOCAL_RANK"])
+
+        def record_signal(sig: int, frame: object) -> None:
+            with open(path, "w") as f:
+                f.write(signal.Signals(sig).name)
+            os._exit(0)
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
+            signal.signal(sig, record_signal)
     child = None
     if mode == "grandchild":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -297,9 +299,10 @@ def test_every_torchrun_flag_is_accepted() -> None:
     assert theirs <= ours, sorted(theirs - ours)
 
 
-def test_torchrun_only_flags_are_checked_and_explained() -> None:
+def test_torchrun_only_flags_are_checked_and_applied() -> None:
     config = parse_config(["--logs-specs", "default", "--numa-binding", "node", "x.py"])
-    assert any("--numa-binding node" in w for w in config.warnings)
+    assert config.numa_binding == "node" and not config.warnings
+    assert parse_config(["x.py"]).numa_binding is None
     with pytest.raises(UsageError, match=r"torchrun\.logs_specs"):
         parse_config(["--logs-specs", "nope", "x.py"])
     with pytest.raises(UsageError, match="numa-binding must be one of"):
@@ -316,3 +319,52 @@ def test_workers_are_told_the_signals_handled_as_torchruns() -> None:
     assert dict(parse_config(["x.py"]).env)["TORCHELASTIC_SIGNALS_TO_HANDLE"] == (
         "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "filters"),
+    [("", ()), ("apple", ("apple",)), ("apple,orange", ("apple", "orange")), ("a,,b", ("a,b",))],
+)
+def test_duplicate_filters_follow_torchruns_list_syntax(
+    text: str, filters: tuple[str, ...]
+) -> None:
+    config = parse_config(["--tee", "3", "--duplicate-stdout-filters", text, "x.py"])
+    assert config.duplicate_stdout_filters == filters
+    assert config.duplicate_stderr_filters == ()
+    assert not config.warnings
+
+
+def test_duplicate_filters_of_a_stream_not_teed_are_explained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PET_DUPLICATE_STDERR_FILTERS", "boom")
+    config = parse_config(["--tee", "1", "x.py"])
+    assert config.duplicate_stderr_filters == ("boom",)
+    assert [w for w in config.warnings if "--duplicate-stderr-filters" in w], config.warnings
+    assert not [w for w in config.warnings if "stdout" in w]
+
+
+def _doc_table(title: str) -> list[list[str]]:
+    text = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    section = text.split(title, 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+
+def test_the_docs_table_lists_every_torchrun_flag_with_its_pet_variable() -> None:
+    torch_run = pytest.importorskip("torch.distributed.run")
+    rows = _doc_table("### torchrun's flags, one by one")
+    documented = {flag: row[1] for row in rows for flag in re.findall(r"`(-[-\w]+)", row[0])}
+    ours = {o for a in build_parser()._actions for o in a.option_strings}
+    assert set(documented) <= ours | {"-h", "--help"}
+    for action in torch_run.get_args_parser()._actions:
+        names = [o for o in action.option_strings if "_" not in o]
+        if not names:
+            continue
+        for name in names:
+            assert name in documented, name
+        # torchrun's env actions read PET_<DEST>; the others read nothing.
+        reads_env = type(action).__name__ in ("env", "check_env")
+        expected = f"`PET_{action.dest.upper()}`" if reads_env else ""
+        if name not in ("-h", "--help"):
+            assert (expected or "(none") in documented[names[-1]], (name, documented[names[-1]])

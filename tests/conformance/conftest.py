@@ -1,9 +1,17 @@
-"""The backends every conformance test runs on: memory, a real redis-server, a real HTTP server.
+"""The backends every conformance test runs on: memory, a real redis-server, a real HTTP server,
+and torch's ``c10d`` hosted by an agent.
 
 Servers are started once per session on free loopback ports; each test uses its own run id,
 so tests never see each other's state. Redis runs three ways: a standalone server, a primary
 found through Sentinel (``redis+sentinel``: a primary, a replica, three sentinels) and a
-Redis Cluster (``redis+cluster``: three primaries with a replica each).
+Redis Cluster (``redis+cluster``: three primaries with a replica each). ``c10d`` is hosted as
+an agent hosts it (``is_host=true``: the HTTP server inside that process's event loop, here a
+loop of its own in a thread of the test process, for the session); the tests' nodes are
+guests (``is_host=false``), so closing them freely never stops the host.
+
+``static`` is not in the suite: a node's rank there is its ``--node-rank``, not its place in
+the round, so the suite's scenarios (ranks by join order, latecomers, elastic sizes) do not
+apply; its rank rules and hosting are tested with real nodes by ``tests/cli/test_kubeflow.py``.
 """
 
 from __future__ import annotations
@@ -16,11 +24,8 @@ import pytest
 from aelastic import RendezvousParameters
 from aelastic.backends import BUILTINS, backend_info
 
-#: Every built-in backend (the registry's rows).
-#: static and c10d are hosted by one of the nodes: closing that node's handler stops the
-#: server (torch's single point of failure), which these tests do freely. Their own tests
-#: are in tests/cli/test_kubeflow.py.
-BACKENDS = [info.name for info in BUILTINS if info.name not in ("static", "c10d")]
+#: Every built-in backend (the registry's rows) but ``static`` (see the module docstring).
+BACKENDS = [info.name for info in BUILTINS if info.name != "static"]
 #: Ways to deploy a backend's server that the suite runs on too, beside the plain one.
 DEPLOYMENTS = {"redis": ["redis+sentinel", "redis+cluster"]}
 
@@ -59,6 +64,14 @@ def http_url() -> Iterator[str]:
         yield server.url
 
 
+@pytest.fixture(scope="session")
+def c10d_url() -> Iterator[str]:
+    from tests._hosted import HostingAgent
+
+    with HostingAgent("c10d") as host:
+        yield host.endpoint
+
+
 @pytest.fixture(params=[d for name in BACKENDS for d in [name, *DEPLOYMENTS.get(name, [])]])
 def deployment(request: pytest.FixtureRequest) -> str:
     """A backend name, or ``name+kind`` for another way to run its server."""
@@ -86,6 +99,8 @@ def make_params(backend: str, endpoint: str, run_id: str) -> MakeParams:
 
     def make(min_nodes: int, max_nodes: int, **config: Any) -> RendezvousParameters:
         conf: dict[str, Any] = {"join_timeout": 20, "last_call_timeout": 0.2, "read_timeout": 10}
+        if backend == "c10d":
+            conf["is_host"] = "false"  # the session's host serves; the test's nodes are guests
         conf.update(config)
         return RendezvousParameters(
             backend, endpoint, run_id, min_nodes, max_nodes, local_addr="127.0.0.1", **conf

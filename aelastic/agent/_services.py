@@ -1,0 +1,81 @@
+"""What an agent runs beside its workers, for the whole of ``run()``.
+
+How it works: :func:`agent_services` is entered once per run, before the first rendezvous,
+and left after the shutdown. It routes the backend's retries into the agent's events (the
+handler's ``reporting()``), checks ``numa_binding`` against this machine at once (a job that
+cannot be bound fails before it joins anyone, not after its first rendezvous), and serves
+the health check when ``TORCHELASTIC_HEALTH_CHECK_PORT`` is set (:mod:`._health`). A bad
+port value or a port in use is logged and the run goes on without it (torch's agent logs an
+invalid value and goes on too); ``aelastic run`` checks the value before starting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from ._health import HealthServer, health_port
+from .numa import bindings
+
+if TYPE_CHECKING:
+    from ..rendezvous.handler import DynamicRendezvousHandler
+    from .agent import ElasticAgent
+
+__all__ = ["agent_services", "last_word"]
+
+log = logging.getLogger("aelastic.agent")
+
+
+@contextlib.asynccontextmanager
+async def agent_services(agent: ElasticAgent) -> AsyncIterator[None]:
+    """The services of ``agent`` for the duration of the block (see the module docstring).
+
+    Raises:
+        NumaBindingError: ``spec.numa_binding`` cannot be applied on this machine.
+    """
+    spec = agent.spec
+    if spec.numa_binding is not None:
+        bindings(spec.numa_binding, spec.local_world_size)
+    with spec.rdzv_handler.reporting():
+        health = await _health(agent)
+        try:
+            yield
+        finally:
+            if health is not None:
+                await health.aclose()
+
+
+async def _health(agent: ElasticAgent) -> HealthServer | None:
+    try:
+        port = health_port()
+    except ValueError as exc:
+        log.warning("%s: no health check served", exc)
+        return None
+    if port is None:
+        return None
+    handler = agent.spec.rdzv_handler
+
+    def status() -> dict[str, object]:
+        return {
+            "state": agent.get_worker_group().state.value,
+            "restart_count": agent.restart_count,
+            "run_id": handler.get_run_id(),
+        }
+
+    server = HealthServer(port, status)
+    try:
+        await server.start()
+    except OSError as exc:
+        log.error("cannot serve the health check on port %d: %s", port, exc.strerror or exc)
+        return None
+    return server
+
+
+def last_word(handler: DynamicRendezvousHandler) -> float:
+    """How long the last requests (close, leave) may take once the work is over: one
+    heartbeat's timeout, not the backend's whole retry period (a store gone at the end of a
+    job must not hold the launcher for minutes)."""
+    settings = getattr(handler, "settings", None)
+    return max(float(getattr(settings, "heartbeat_timeout", 5.0)), 1.0)
