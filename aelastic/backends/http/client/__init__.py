@@ -36,7 +36,14 @@ from ....core.wire import (
 )
 from ... import _shared
 from ..._watch import RunWatch
-from ..wire import DEFAULT_PORT, TOKEN_ENV, SchemaError, b64decode, b64encode
+from ..wire import (
+    DEFAULT_PORT,
+    MAX_LISTED_RUNS,
+    TOKEN_ENV,
+    SchemaError,
+    b64decode,
+    b64encode,
+)
 from ._feed import LONG_POLL, RunFeed
 from ._transport import Connection
 
@@ -234,6 +241,35 @@ class HttpBackend:
             return snapshot_from_json(doc)
         except WireError as exc:
             raise self._fits("a snapshot", exc) from None
+
+    async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
+        """The runs with a rendezvous state on the server (sorted by id, at most ``limit``).
+
+        Raises:
+            RendezvousConnectionError: The server was unreachable, or does not list runs.
+        """
+        conn, _ = self._open()
+        limit = min(max(limit, 1), MAX_LISTED_RUNS)
+        answer = await conn.call(
+            "GET", "/v1/runs", self._read_timeout, query={"limit": str(limit)},
+            accept=frozenset({200, 404, 405}),
+        )  # fmt: skip
+        assert answer is not None
+        if answer[0] != 200:
+            raise conn.protocol_error(f"{answer[0]} to GET /v1/runs (an older aelastic serve?)")
+        runs = answer[1].get("runs")
+        if not isinstance(runs, list):
+            raise conn.protocol_error("a run list without 'runs'")
+        found: list[tuple[str, Status]] = []
+        for entry in runs:
+            run_id = entry.get("run_id") if isinstance(entry, dict) else None
+            if not isinstance(run_id, str):
+                raise conn.protocol_error("a run list entry without a 'run_id'")
+            try:
+                found.append((run_id, status_from_json(entry.get("status"))))
+            except WireError as exc:
+                raise self._fits("a run list", exc) from None
+        return found
 
     async def reset(self) -> bool:
         """Delete the run's state and store on the server; whether there was anything."""

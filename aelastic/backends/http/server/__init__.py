@@ -16,6 +16,9 @@ in constant time), else ``401``.
 
 ==========================================  =============================================
 ``GET /v1/health``                          ``200 {"ok": true, "service": ..., "api": 2}``
+``GET /v1/runs?limit=N``                    ``200 {"runs": [{"run_id", "status"}, ..]}``: the
+                                            runs with a rendezvous state, sorted by id, at
+                                            most ``N`` (1..10000, default 1000)
 ``POST /v1/runs/{run}/rendezvous``          a request (join, leave, close, keep_alive,
                                             status) -> ``200`` its reply
 ``GET /v1/runs/{run}/status``               ``200`` the run's status
