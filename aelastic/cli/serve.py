@@ -2,7 +2,8 @@
 
 How it works: parses the flags and hands over to
 :func:`aelastic.backends.http.server.run_server`, which serves until SIGINT or SIGTERM and
-prints ``aelastic rendezvous server listening on <url>`` once it accepts connections. The
+prints ``aelastic rendezvous server listening on <url>`` once it accepts connections. It
+serves the live pages of its runs too (``/``, ``/runs/<run id>``: :mod:`aelastic.web`). The
 bearer token is read from ``AELASTIC_HTTP_TOKEN`` (never from the command line, where other
 users of the machine could read it); nodes send the same variable. The server has no TLS
 of its own: off a private network, put it behind a TLS-terminating proxy.
@@ -94,6 +95,7 @@ def main(argv: Sequence[str]) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     try:
         from ..backends.http.server import PersistenceError, resolve_token, run_server
+        from ..web.pages import serve_pages
     except ImportError as exc:
         print(
             f"aelastic serve: error: {exc.name} is missing; pip install 'aelastic[http]'",
@@ -115,7 +117,7 @@ def main(argv: Sequence[str]) -> int:
         if getattr(args, name) is not None
     }
     try:
-        run_server(args.host, args.port, persist_path=args.persist, **kwargs)
+        run_server(args.host, args.port, persist_path=args.persist, pages=serve_pages, **kwargs)
     except PersistenceError as exc:
         print(f"aelastic serve: error: {exc}", file=sys.stderr)
         return 2

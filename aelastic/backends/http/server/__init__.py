@@ -65,7 +65,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from ..wire import DEFAULT_PORT, MAX_BODY, TOKEN_ENV
-from ._app import DEFAULT_MAX_RUNS, DEFAULT_RUN_TTL, create_app, resolve_token
+from ._app import DEFAULT_MAX_RUNS, DEFAULT_RUN_TTL, OWN_AUTH, Pages, create_app, resolve_token
 from ._guard import (
     BACKLOG,
     DEFAULT_KEEPALIVE_TIMEOUT,
@@ -85,6 +85,8 @@ __all__ = [
     "DEFAULT_PORT",
     "DEFAULT_READ_TIMEOUT",
     "DEFAULT_RUN_TTL",
+    "OWN_AUTH",
+    "Pages",
     "PersistenceError",
     "create_app",
     "resolve_token",
@@ -123,13 +125,14 @@ async def serve(
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
     stop: asyncio.Event | None = None,
     ready: Callable[[str], None] | None = None,
+    pages: Pages | None = None,
 ) -> None:
     """Serve the rendezvous API until ``stop`` is set (or the task is cancelled).
 
     Args:
         host: Address to bind (loopback by default).
         port: Port to bind; ``0`` picks a free one.
-        token, persist_path, max_body, run_ttl, max_runs: As for :func:`create_app`.
+        token, persist_path, max_body, run_ttl, max_runs, pages: As for :func:`create_app`.
         max_connections: Open connections held at most (lowered to fit the open-file
             limit); past it a new connection is answered ``503`` and closed.
         read_timeout: Seconds a client has to send a request's head (from its connect, or
@@ -151,6 +154,7 @@ async def serve(
         run_ttl=run_ttl,
         max_runs=max_runs,
         read_timeout=read_timeout,
+        pages=pages,
     )
     if secret is None and not _is_loopback(host):
         log.warning(
@@ -203,6 +207,7 @@ def run_server(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    pages: Pages | None = None,
 ) -> None:
     """Run the rendezvous server until SIGINT or SIGTERM (blocking).
 
@@ -217,7 +222,8 @@ def run_server(
         persist_path: JSON file keeping the runs across restarts.
         max_body: Largest request body accepted, in bytes.
         run_ttl: Seconds after which an unchanged, unwatched run is forgotten (0: never).
-        max_runs, max_connections, read_timeout, keepalive_timeout: As for :func:`serve`.
+        max_runs, max_connections, read_timeout, keepalive_timeout, pages: As for
+            :func:`serve`.
 
     Raises:
         PersistenceError: The persistence file cannot be loaded.
@@ -249,6 +255,7 @@ def run_server(
             keepalive_timeout=keepalive_timeout,
             stop=stop,
             ready=announce,
+            pages=pages,
         )
 
     asyncio.run(main())
