@@ -30,7 +30,7 @@ MAX_EVENTS = 200
 MAX_POINTS = 600
 #: A node removed after this long without a heartbeat (and three times as long as most
 #: nodes' silence) is shown as lost rather than as having left.
-_SILENT_MS = 2000
+_SILENT_MS = 1000
 
 
 def state_name(status: Status) -> str:

@@ -52,7 +52,7 @@ _HEADERS = {
         "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
     ),
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",  # "no-referrer" would make a form's Origin "null"
     "Cache-Control": "no-store",
 }
 #: Where a login may send the browser back to (a path below the pages' root).
