@@ -93,17 +93,20 @@ def _stop(proc: subprocess.Popen[Any], sig: signal.Signals = signal.SIGTERM) -> 
 
 
 def _members(page: Any, count: int, round_at_least: int, timeout: float) -> None:
-    page.wait_for_function(
-        """([count, round]) => {
-            const rows = document.querySelectorAll('#participants tbody tr');
-            const shown = document.querySelector('#tile-round .value');
-            const state = document.querySelector('.title .badge');
-            return rows.length === count && shown && Number(shown.textContent) >= round
-                && state && state.dataset.state === 'complete';
-        }""",
-        arg=[count, round_at_least],
-        timeout=timeout * 1000,
-    )
+    """Wait until the page shows ``count`` participants of a complete round (polled from
+    here: the page's Content-Security-Policy refuses Playwright's in-page ``eval``)."""
+    check = f"""(() => {{
+        const rows = document.querySelectorAll('#participants tbody tr');
+        const shown = document.querySelector('#tile-round .value');
+        const state = document.querySelector('.title .badge');
+        return rows.length === {count} && !!shown && Number(shown.textContent) >= {round_at_least}
+            && !!state && state.dataset.state === 'complete';
+    }})()"""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(check):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the page never showed {count} participants")
+        time.sleep(0.1)
 
 
 def take(out: Path, chromium: str) -> None:

@@ -220,7 +220,7 @@ window.aelasticLoadedAt = Date.now();
     const chart = svg("svg", { viewBox: `0 0 ${width} ${height}`, role: "img",
       "aria-label": "rounds and membership over time", id: "timeline" });
     if (!points.length) return chart;
-    const start = Math.min(points[0].time_ms - 1000, now - 20000);
+    const start = Math.min(points[0].time_ms - 500, now - 10000);
     const span = Math.max(now - start, 1000);
     const x = (t) => left + ((t - start) / span) * (width - left - right);
     const most = Math.max(1, ...points.map((p) => (p.participants || 0) + (p.waiting || 0)));
