@@ -5,7 +5,10 @@ application) keeps every run in memory, in its event loop, and applies the rende
 machine to it (:mod:`aelastic.core.machine`), optionally keeping the runs in a journal
 (:mod:`._runs`). :func:`run_server` serves it until SIGINT/SIGTERM; ``aelastic serve`` calls
 it. It binds to loopback unless told otherwise. It has no TLS of its own: off a private
-network, put it behind a TLS-terminating proxy (the token travels in a header).
+network, put it behind a TLS-terminating proxy (the token travels in a header). Given a
+``pages`` hook (``aelastic serve`` passes :func:`aelastic.web.pages.serve_pages`), it also
+serves the live pages of its runs at ``/`` and ``/runs/{run}`` (their own token check:
+a session cookie or the bearer header).
 
 HTTP API (routes under ``/v1``; rendezvous state format 2). Every body is a JSON object;
 store values are base64 text; requests, replies, statuses and snapshots have the JSON forms
