@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
 
-from yarl import URL
-
 from ....core.errors import RendezvousConnectionError, RendezvousStateError
-from ....core.params import RendezvousParameters, parse_rendezvous_endpoint
+from ....core.params import RendezvousParameters
 from ....core.state import FORMAT_VERSION, Reply, Request, Snapshot, Status
 from ....core.token import Token
 from ....core.wire import (
@@ -39,11 +36,11 @@ from ..._watch import RunWatch
 from ..wire import (
     DEFAULT_PORT,
     MAX_LISTED_RUNS,
-    TOKEN_ENV,
     SchemaError,
     b64decode,
     b64encode,
 )
+from ._endpoint import parse_endpoint, resolve_token
 from ._feed import LONG_POLL, RunFeed
 from ._transport import Connection
 
@@ -53,46 +50,6 @@ __all__ = ["DEFAULT_PORT", "HttpBackend", "create_backend", "parse_endpoint"]
 _RECHECK = 5.0
 
 _private = itertools.count()
-
-
-def parse_endpoint(endpoint: str) -> URL:
-    """The server's base URL from ``host[:port]``, ``http://host:port[/prefix]`` or ``https://...``.
-
-    Raises:
-        ValueError: The endpoint is empty, has another scheme, or no valid host or port
-            (a bare ``host:port`` is checked with torch's rules and messages).
-    """
-    text = endpoint.strip()
-    if not text:
-        raise ValueError("The http rendezvous backend needs an endpoint (host:port or a URL).")
-    if "://" not in text:
-        host, port = parse_rendezvous_endpoint(text, DEFAULT_PORT)
-        return URL.build(scheme="http", host=host, port=port, path="/")
-    try:
-        url = URL(text)
-        url_port = url.port
-    except ValueError as exc:
-        raise ValueError(f"The rendezvous endpoint '{endpoint}' is not valid: {exc}") from None
-    if url.scheme not in ("http", "https"):
-        raise ValueError(
-            f"The rendezvous endpoint '{endpoint}' must use http:// or https://, "
-            f"not {url.scheme}://."
-        )
-    if not url.host or url_port is None:
-        raise ValueError(f"The rendezvous endpoint '{endpoint}' names no host.")
-    if url.query_string or url.fragment:
-        raise ValueError(f"The rendezvous endpoint '{endpoint}' must not have a query.")
-    return url.with_user(None).with_path(url.path.rstrip("/") or "/", encoded=True)
-
-
-def _resolve_token(token: str | None) -> str | None:
-    value = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
-    if value and value != value.strip():
-        raise ValueError(
-            f"The HTTP rendezvous token ({TOKEN_ENV} or the 'token' key) has leading or "
-            "trailing whitespace; remove it."
-        )
-    return value or None
 
 
 class HttpBackend:
@@ -129,7 +86,7 @@ class HttpBackend:
         self._endpoint = str(self._base).rstrip("/")
         self._run_id = run_id
         self._path = "/v1/runs/" + quote(run_id, safe="").replace(".", "%2E")
-        self._token = _resolve_token(token)
+        self._token = resolve_token(token)
         self._read_timeout = float(read_timeout)
         key: Any = (str(self._base), self._token)
         self._share_key = ("http", key if share_connections else (key, next(_private)))
