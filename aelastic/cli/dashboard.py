@@ -26,6 +26,7 @@ from typing import NoReturn
 from ..backends.http.wire import TOKEN_ENV
 from ..core.errors import RendezvousError
 from ..core.redact import known_secrets, redact, redact_endpoint
+from ..web import DEFAULT_PORT
 from .options import UsageError, parse_rdzv_conf
 from .reading import add_backend_flags, backend_of
 
@@ -41,8 +42,6 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(prog: str = "aelastic dashboard") -> argparse.ArgumentParser:
     """The parser of ``aelastic dashboard``."""
-    from ..web.dashboard import DEFAULT_PORT
-
     p = _Parser(
         prog=prog,
         description="Serve live pages of the runs on a backend (read-only; token from "
@@ -65,9 +64,12 @@ def _is_loopback(host: str) -> bool:
 
 
 async def _serve(args: argparse.Namespace, backend: str, config: dict[str, str]) -> int:
-    from ..backends.http.server import resolve_token
-    from ..web.dashboard import serve_dashboard
-    from ..web.sources import BackendSource
+    try:
+        from ..backends.http.server import resolve_token
+        from ..web.dashboard import serve_dashboard
+        from ..web.sources import BackendSource
+    except ImportError as exc:
+        raise ImportError(f"the pages need {exc.name}: pip install 'aelastic[http]'") from None
 
     try:
         token = resolve_token(None)

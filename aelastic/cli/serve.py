@@ -32,8 +32,8 @@ def build_parser(prog: str = "aelastic serve") -> argparse.ArgumentParser:
     """The parser of ``aelastic serve``."""
     p = _Parser(
         prog=prog,
-        description="Serve aelastic rendezvous state over HTTP (token from "
-        "$AELASTIC_HTTP_TOKEN when set).",
+        description="Serve aelastic rendezvous state over HTTP, and live pages of its runs at "
+        "http://HOST:PORT/ (token from $AELASTIC_HTTP_TOKEN when set).",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default 29400; 0: any)")

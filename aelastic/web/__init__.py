@@ -16,4 +16,7 @@ from __future__ import annotations
 
 from .model import History, run_summary, run_view, runs_view, state_name
 
-__all__ = ["History", "run_summary", "run_view", "runs_view", "state_name"]
+__all__ = ["DEFAULT_PORT", "History", "run_summary", "run_view", "runs_view", "state_name"]
+
+#: ``aelastic dashboard``'s default port.
+DEFAULT_PORT = 29410

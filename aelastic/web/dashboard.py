@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from . import DEFAULT_PORT
 from .pages import install_pages
 from .sources import RunSource
 
@@ -24,8 +25,6 @@ __all__ = ["DEFAULT_PORT", "create_dashboard_app", "serve_dashboard"]
 
 log = logging.getLogger("aelastic.web")
 
-#: The dashboard's default port.
-DEFAULT_PORT = 29410
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
