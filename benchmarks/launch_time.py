@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/launch_time.py [--runs 5] [--nproc 1] [--json]
+    python benchmarks/launch_time.py [--runs 5] [--nproc 1] [--json] [--plot docs/launch.png]
 
 How it works: both launchers run ``--standalone --nproc-per-node N noop.py`` (a script that does
 nothing), one after the other, ``--runs`` times each (interleaved, so that the load of a shared
@@ -17,7 +17,8 @@ caches, as an installed package does). For every run it measures:
   from ``/proc``).
 
 It prints the medians and the ratios torchrun / aelastic, and whether the targets hold
-(aelastic at least 5x faster, and far lighter). Linux only (``/proc``).
+(aelastic at least 5x faster, and far lighter); ``--plot`` draws them as a PNG (matplotlib).
+Linux only (``/proc``).
 """
 
 from __future__ import annotations
@@ -113,11 +114,42 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _plot(
+    result: dict[str, dict[str, float]],
+    ratios: dict[str, float],
+    args: argparse.Namespace,
+    path: Path,
+) -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import _plots
+
+    names = ["torchrun", "aelastic"]
+    wall = {
+        f"{name} ({result[name]['wall_s_median']:.2f} s)": [result[name]["wall_s_median"]]
+        for name in names
+    }
+    memory = {
+        name: [result[name]["peak_process_mib"], result[name]["peak_tree_mib"]] for name in names
+    }
+    _plots.bars(
+        [
+            (f"wall time ({ratios['wall']}x)", "seconds", ["start to exit"], wall),
+            ("memory", "MiB", ["peak launcher RSS", "peak process-tree RSS"], memory),
+        ],
+        path,
+        title=f"Launching a no-op script, --standalone --nproc-per-node {args.nproc}, "
+        f"median of {args.runs}",
+        note=_plots.footnote("torchrun and aelastic run measured in the same run"),
+    )
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description="aelastic run vs torchrun: launch time and memory")
     p.add_argument("--runs", type=int, default=5, help="measured runs of each launcher")
     p.add_argument("--nproc", type=int, default=1, help="workers (--nproc-per-node)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--plot", type=Path, help="write the medians as a PNG bar chart here")
     args = p.parse_args(argv)
 
     env = _env()
@@ -164,6 +196,8 @@ def main(argv: list[str]) -> int:
         "load_average": os.getloadavg()[0],
         "benchmark_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
+    if args.plot is not None:
+        _plot(result, ratios, args, args.plot)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

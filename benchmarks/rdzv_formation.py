@@ -8,7 +8,9 @@ Also measures the wake-up latency: with one node already waiting in ``next_rende
 the time from the last node's own return (its request completed the round) to the waiting
 node's return. torch's waiting nodes poll once a second; aelastic's are woken by the change.
 
-Run: ``python benchmarks/rdzv_formation.py [--sizes 2,8,16,...] [--torch-max 64]``
+Run: ``python benchmarks/rdzv_formation.py [--sizes 2,8,16,...] [--torch-max 64]
+[--plot docs/formation.png]`` (``--plot``: formation time against N, torch and every aelastic
+column of this run, as a PNG; needs matplotlib).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from aelastic.backends import create_backend
 from aelastic.core.params import RendezvousSettings
 from aelastic.core.state import NodeDesc, Op, Request
 from aelastic.rendezvous import create_handler
+from benchmarks import _plots
 from benchmarks._servers import SERVER_BACKENDS, server_endpoint
 
 LOOPBACK = "127.0.0.1"
@@ -296,6 +299,7 @@ def main() -> None:
     parser.add_argument("--backends", default="memory,redis,http")
     parser.add_argument("--server-max", type=int, default=256, help="largest N over a server")
     parser.add_argument("--wakeup-samples", type=int, default=5)
+    parser.add_argument("--plot", type=Path, help="write formation time vs N as a PNG here")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     backends = [b for b in args.backends.split(",") if b]
@@ -311,14 +315,30 @@ def main() -> None:
         print("Rendezvous formation (min = max = N); ratio = torch / aelastic")
         print(header)
         print("-" * len(header))
+        measured: dict[str, dict[int, float]] = {"torch c10d": {}}
+        measured.update({name: {} for name, _, _ in columns})
         for n in sizes:
             torch_s = torch_c10d_threads(n) if n <= args.torch_max else None
+            if torch_s is not None:
+                measured["torch c10d"][n] = torch_s
             cells = []
-            for _, backend, run in columns:
+            for name, backend, run in columns:
                 limit = args.server_max if backend in SERVER_BACKENDS else 1 << 30
                 ours = run(backend, endpoints[backend], n) if n <= limit else None
+                if ours is not None:
+                    measured[name][n] = ours
                 cells.append(f"{_fmt(ours):>19} {_ratio(torch_s, ours):>7}")
             print(f"{n:>5} | {_fmt(torch_s):>10} | " + " | ".join(cells), flush=True)
+        if args.plot is not None:
+            _plots.lines(
+                {f"aelastic {k}" if k != "torch c10d" else k: v for k, v in measured.items()},
+                args.plot,
+                title="Rendezvous formation (min = max = N), torch and aelastic in one run",
+                xlabel="nodes (N)",
+                ylabel="seconds until every node has its rank",
+                note=_plots.footnote("torch: DynamicRendezvousHandler on c10d, nodes as threads"),
+            )
+            print(f"wrote {args.plot}")
 
         print()
         print(f"Wake-up latency (median of {args.wakeup_samples}), milliseconds:")

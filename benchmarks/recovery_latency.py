@@ -12,7 +12,9 @@ repeated and the median printed, with the ratio torch / aelastic (higher is bett
 aelastic is measured with its warm standbys (the default: the next attempt's interpreters
 are started ahead of time) and without them (cold start, like torchrun).
 
-Run: ``python benchmarks/recovery_latency.py [--repeat 5] [--backend http|redis]``
+Run: ``python benchmarks/recovery_latency.py [--repeat 5] [--backend http|redis]
+[--plot docs/recovery.png]`` (``--plot``: the medians as bars, torch beside aelastic with and
+without warm standbys; needs matplotlib).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import _plots
 from benchmarks._agent_bench import (
     LOOPBACK,
     Reports,
@@ -98,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs per case (median)")
     parser.add_argument("--backend", choices=("http", "redis"), default="http")
+    parser.add_argument("--plot", type=Path, help="write the medians as a PNG bar chart here")
     args = parser.parse_args(argv)
 
     rows = []
@@ -121,6 +125,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows.append((f"2 nodes x 1 worker (c10d / {args.backend})", t, a, "s"))
     rows.append(("  same, warm standby off", t, cold, "s"))
     print(table(f"Recovery latency, median of {args.repeat} (lower is better)", rows))
+    if args.plot is not None:
+        groups = [
+            "1 node x 2 workers\n(standalone)",
+            f"2 nodes x 1 worker\n(c10d / {args.backend})",
+        ]
+        series = {
+            "torchrun": [rows[0][1], rows[2][1]],
+            "aelastic": [rows[0][2], rows[2][2]],
+            "aelastic, warm standby off": [rows[1][2], rows[3][2]],
+        }
+        _plots.bars(
+            [("a worker crashes -> next attempt runs", "seconds (log scale)", groups, series)],
+            args.plot,
+            title=f"Recovery latency, median of {args.repeat} (lower is better)",
+            note=_plots.footnote("torch and aelastic measured in the same run"),
+            log=True,
+        )
+        print(f"wrote {args.plot}")
     return 0
 
 

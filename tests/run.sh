@@ -22,6 +22,15 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-sentinel >/de
     $SUDO service redis-sentinel stop >/dev/null 2>&1 || true
 fi
 
+# The pages are tested in a real browser: Debian's chromium, driven by Playwright (the dev
+# extra). Playwright never downloads a browser here (no `playwright install`).
+if ! command -v chromium >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
+
 "$PY" -m ruff check aelastic tests benchmarks examples
 "$PY" -m ruff format --check aelastic tests benchmarks examples
 "$PY" -m mypy

@@ -20,6 +20,9 @@ CORE_MODULES = [
     "aelastic.backends.http.server",
     "aelastic.agent",
     "aelastic.cli",
+    "aelastic.web",
+    "aelastic.web.pages",
+    "aelastic.web.dashboard",
 ]
 
 
@@ -105,6 +108,7 @@ _LAYERS = {
     "backends": {"core", "backends"},
     "rendezvous": {"core", "backends", "rendezvous"},
     "agent": {"core", "backends", "rendezvous", "agent"},
+    "web": {"core", "backends", "web"},
     "sync": {"core", "backends", "rendezvous", "sync"},
 }
 
@@ -156,3 +160,13 @@ def test_backend_rows_match_the_entry_points() -> None:
         assert torchrun[info.torchrun_alias].startswith("aelastic.integrations.torchrun:")
     assert set(backends) == {i.name for i in BUILTINS}
     assert set(torchrun) == {i.torchrun_alias for i in BUILTINS}
+
+
+def test_the_pages_static_files_are_package_data() -> None:
+    tomllib = pytest.importorskip("tomllib")
+
+    project = tomllib.loads((_PACKAGE.parent / "pyproject.toml").read_text())
+    patterns = project["tool"]["setuptools"]["package-data"]["aelastic"]
+    static = sorted(p.name for p in (_PACKAGE / "web" / "static").iterdir())
+    assert "web/static/*" in patterns and static
+    assert {"app.js", "style.css", "page.html", "login.html", "message.html"} <= set(static)

@@ -169,6 +169,13 @@ class Engine:
                 return None
             return snapshot_of(run.state, now)
 
+    def list_runs(self, now: int, limit: int) -> list[tuple[str, Status]]:
+        """The runs with a rendezvous state, sorted by id (at most ``limit``), and their
+        statuses at ``now`` (ms)."""
+        with self.lock:
+            found = sorted(r for r, run in self.runs.items() if run.state is not None)
+            return [(r, status_of(s, now)) for r in found[:limit] if (s := self.runs[r].state)]
+
     async def wait_status(self, run_id: str, token: str, timeout: float | None) -> bool:
         """Wait until the run's token differs from ``token``; whether it did."""
         run = self.runs.get(run_id)

@@ -69,6 +69,10 @@ class MemoryBackend:
     async def reset(self) -> bool:
         return self._engine.delete(self._run_id)
 
+    async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
+        """The runs of this process on this endpoint (another process's are not seen)."""
+        return self._engine.list_runs(now_ms(), limit)
+
     # -- key-value store ------------------------------------------------------------------
 
     async def kv_set(self, key: str, value: bytes) -> None:

@@ -1,4 +1,4 @@
-"""The ``aelastic`` command: ``run`` (torchrun's launcher), ``serve`` and ``status``.
+"""The ``aelastic`` command: ``run`` (torchrun's launcher), ``serve``, ``status``, ``dashboard``.
 
 How it works: :func:`main` picks the subcommand from the first argument and hands the rest to
 it; each subcommand imports only what it needs (the launcher never imports torch, so it starts
@@ -20,12 +20,17 @@ _USAGE = """\
 usage: aelastic <command> [options]
 
 commands:
-  run     launch an elastic job on this node (torchrun's flags), e.g.
-          aelastic run --standalone --nproc-per-node 2 train.py
-  serve   run the HTTP rendezvous server (for --rdzv-backend http)
-  status  show a job's rendezvous: round, nodes, ranks, heartbeats
+  run        launch an elastic job on this node (torchrun's flags), e.g.
+             aelastic run --standalone --nproc-per-node 2 train.py
+  serve      run the HTTP rendezvous server (for --rdzv-backend http), with live
+             pages of its runs at http://host:port/
+  status     show a job's rendezvous: round, nodes, ranks, heartbeats (--list: the runs)
+  dashboard  serve live pages of the runs on a backend (Redis, an HTTP server)
 
 `aelastic <command> --help` describes a command's options."""
+
+
+_COMMANDS = ("run", "serve", "status", "dashboard")
 
 
 def _run(argv: Sequence[str]) -> int:
@@ -89,8 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .status import main as status_main
 
             return status_main(rest)
-        raise UsageError(f"unknown command {command!r} (commands: run, serve, status)")
+        if command == "dashboard":
+            from .dashboard import main as dashboard_main
+
+            return dashboard_main(rest)
+        raise UsageError(f"unknown command {command!r} (commands: {', '.join(_COMMANDS)})")
     except UsageError as exc:
-        prefix = f"aelastic {command}" if command in ("run", "serve", "status") else "aelastic"
+        prefix = f"aelastic {command}" if command in _COMMANDS else "aelastic"
         print(f"{prefix}: error: {redact(str(exc))}", file=sys.stderr)
         return 2

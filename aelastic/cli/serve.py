@@ -2,7 +2,8 @@
 
 How it works: parses the flags and hands over to
 :func:`aelastic.backends.http.server.run_server`, which serves until SIGINT or SIGTERM and
-prints ``aelastic rendezvous server listening on <url>`` once it accepts connections. The
+prints ``aelastic rendezvous server listening on <url>`` once it accepts connections. It
+serves the live pages of its runs too (``/``, ``/runs/<run id>``: :mod:`aelastic.web`). The
 bearer token is read from ``AELASTIC_HTTP_TOKEN`` (never from the command line, where other
 users of the machine could read it); nodes send the same variable. The server has no TLS
 of its own: off a private network, put it behind a TLS-terminating proxy.
@@ -31,8 +32,8 @@ def build_parser(prog: str = "aelastic serve") -> argparse.ArgumentParser:
     """The parser of ``aelastic serve``."""
     p = _Parser(
         prog=prog,
-        description="Serve aelastic rendezvous state over HTTP (token from "
-        "$AELASTIC_HTTP_TOKEN when set).",
+        description="Serve aelastic rendezvous state over HTTP, and live pages of its runs at "
+        "http://HOST:PORT/ (token from $AELASTIC_HTTP_TOKEN when set).",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default 29400; 0: any)")
@@ -94,6 +95,7 @@ def main(argv: Sequence[str]) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     try:
         from ..backends.http.server import PersistenceError, resolve_token, run_server
+        from ..web.pages import serve_pages
     except ImportError as exc:
         print(
             f"aelastic serve: error: {exc.name} is missing; pip install 'aelastic[http]'",
@@ -115,7 +117,7 @@ def main(argv: Sequence[str]) -> int:
         if getattr(args, name) is not None
     }
     try:
-        run_server(args.host, args.port, persist_path=args.persist, **kwargs)
+        run_server(args.host, args.port, persist_path=args.persist, pages=serve_pages, **kwargs)
     except PersistenceError as exc:
         print(f"aelastic serve: error: {exc}", file=sys.stderr)
         return 2

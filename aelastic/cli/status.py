@@ -9,7 +9,8 @@ it) and deletes the run's rendezvous state and store (the backend's ``reset()``)
 finished job's id can be used again. ``--watch`` prints again whenever the membership
 changed (woken by round transitions, and looking every two seconds for joins to a forming
 round; heartbeats alone print nothing) and exits when the run closes; ``--json`` prints
-machine-readable output (a rank is ``null`` until the round completes). Nothing printed
+machine-readable output (a rank is ``null`` until the round completes). ``--list`` names
+the runs on the backend instead, one line each (:mod:`.status_list`). Nothing printed
 shows a password or token.
 """
 
@@ -24,15 +25,16 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from ..agent._signals import sigint_interrupts
-from ..backends.registry import backend_info, create_backend
+from ..backends.registry import create_backend
 from ..core.errors import RendezvousError, RendezvousStateError
 from ..core.machine import expiry_ms
 from ..core.params import RendezvousParameters, RendezvousSettings
 from ..core.protocol import RendezvousBackend
 from ..core.redact import known_secrets, redact, redact_endpoint
 from ..core.state import MemberEntry, Snapshot
-from .conf_keys import unknown_key_warnings
-from .options import BACKEND_ALIASES, UsageError, parse_rdzv_conf
+from .options import UsageError, parse_rdzv_conf
+from .reading import add_backend_flags, backend_of
+from .status_list import show_runs
 
 __all__ = ["build_parser", "format_snapshot", "main", "snapshot_to_json"]
 
@@ -46,26 +48,12 @@ def build_parser(prog: str = "aelastic status") -> argparse.ArgumentParser:
     """The parser of ``aelastic status``."""
     p = _Parser(prog=prog, description="Show the rendezvous state of a job (read-only).")
     # Like ``aelastic run``: a flag not given is read from PET_<NAME> (a job's own variables).
-    for names, what in (
-        (("--rdzv-backend", "--rdzv_backend"), "redis, http, c10d or static"),
-        (("--rdzv-endpoint", "--rdzv_endpoint"), "where it is"),
-        (("--rdzv-id", "--rdzv_id"), "the job's run id"),
-    ):
-        env = os.environ.get("PET_" + names[1].lstrip("-").upper())
-        p.add_argument(*names, default=env, required=env is None, help=what)
-    p.add_argument(
-        "--rdzv-conf",
-        "--rdzv_conf",
-        default=os.environ.get("PET_RDZV_CONF", ""),
-        help="keep_alive_interval=...,... (as run)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=5.0,
-        help="seconds to keep trying an unreachable backend before failing (default 5)",
-    )
+    add_backend_flags(p, run_id=True)
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--list", action="store_true", help="list the runs on the backend, one line each"
+    )
+    p.add_argument("--limit", type=int, default=1000, help="runs --list shows at most")
     p.add_argument(
         "--watch", action="store_true", help="print again at every change, until the run closes"
     )
@@ -164,6 +152,9 @@ def _membership(snapshot: Snapshot | None) -> object:
     )
 
 
+#: The run id a backend opened only to list runs is made with (never read).
+_LISTING = "aelastic-status-list"
+
 #: How often ``--watch`` looks at the membership besides being woken by round transitions
 #: (joins to a forming round notify nobody).
 _WATCH_PERIOD = 2.0
@@ -221,33 +212,28 @@ async def _reset(
 
 
 async def _show(args: argparse.Namespace, secrets: frozenset[str]) -> int:
-    backend_name = BACKEND_ALIASES.get(args.rdzv_backend, args.rdzv_backend)
-    info = backend_info(backend_name)
-    if info is not None and not info.multi_node:
-        raise UsageError(
-            f"the {backend_name} backend lives inside one launcher process: status needs a "
-            "backend other processes can reach (redis or http)"
-        )
+    backend_name, config = backend_of(args, "status", lambda line: _say(line, secrets, err=True))
     if args.reset and (args.watch or args.json):
         raise UsageError("--reset cannot be combined with --watch or --json")
-    if backend_name in ("c10d", "static"):
-        # One of the job's nodes serves these with aelastic's HTTP server: read it as one
-        # (never host it from here).
-        backend_name = "http"
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout must be positive, not {args.timeout}")
-    config = parse_rdzv_conf(args.rdzv_conf)
-    config.setdefault("read_timeout", str(args.timeout))
-    for warning in unknown_key_warnings(config, backend_name):
-        _say(f"aelastic status: warning: {warning}", secrets, err=True)
+    if args.list and (args.watch or args.reset):
+        raise UsageError("--list cannot be combined with --watch or --reset")
+    if args.list and args.limit < 1:
+        raise UsageError(f"--limit must be at least 1, not {args.limit}")
+    if not args.list and not args.rdzv_id:
+        raise UsageError("--rdzv-id is required (or PET_RDZV_ID), unless --list")
     try:
         params = RendezvousParameters(
-            backend_name, args.rdzv_endpoint, args.rdzv_id, 1, 1, **config
+            backend_name, args.rdzv_endpoint, args.rdzv_id or _LISTING, 1, 1, **config
         )
         settings = RendezvousSettings.from_parameters(params)
         backend = create_backend(params)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
+    if args.list:
+        try:
+            return await show_runs(backend, args.limit, args.json, lambda line: _say(line, secrets))
+        finally:
+            await backend.aclose()
     shown: object = ()
     try:
         if args.reset:
@@ -280,7 +266,7 @@ def main(argv: Sequence[str]) -> int:
     """
     args = build_parser().parse_args(list(argv))
     config = parse_rdzv_conf(args.rdzv_conf)
-    secrets = known_secrets(args.rdzv_endpoint, config, os.environ)
+    secrets = known_secrets(args.rdzv_endpoint or "", config, os.environ)
     try:
         with sigint_interrupts():  # --watch ends on SIGINT, even if inherited ignored
             return asyncio.run(_show(args, secrets))

@@ -8,6 +8,8 @@ A backend serves one run (one ``run_id``) at one endpoint. It has two small surf
   ``wait_for_change`` returns the run's :class:`~.state.Status` as soon as its token differs
   from the one given (round transitions only, never heartbeats), without a fixed poll;
   ``snapshot`` reads the whole membership (for operators); ``reset`` deletes the run;
+  a backend that can also name the other runs at its endpoint is a :class:`RunLister`
+  (``aelastic status --list``, the dashboard);
 * the **key-value store** the members share: ``kv_set``, ``kv_get`` (never blocks; ``None``
   for a missing key), ``kv_add``, ``kv_compare_set``, ``kv_delete``, ``kv_wait`` (until all
   keys exist). Keys are already scoped by the caller (see :class:`.store.Store`); the
@@ -26,7 +28,15 @@ from typing import Protocol, runtime_checkable
 from .state import Reply, Request, Snapshot, Status
 from .token import NO_STATE, Token
 
-__all__ = ["INT64_MAX", "INT64_MIN", "NO_STATE", "KeyValueBackend", "RendezvousBackend", "Token"]
+__all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
+    "NO_STATE",
+    "KeyValueBackend",
+    "RendezvousBackend",
+    "RunLister",
+    "Token",
+]
 
 #: Bounds of a store counter (torch's ``Store.add`` works on signed 64-bit integers).
 INT64_MIN = -(1 << 63)
@@ -108,3 +118,21 @@ class RendezvousBackend(KeyValueBackend, Protocol):
 
     async def aclose(self) -> None:
         """Release connections and background tasks. Idempotent."""
+
+
+@runtime_checkable
+class RunLister(Protocol):
+    """A backend that can name the runs at its endpoint (``aelastic status --list``, pages)."""
+
+    async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
+        """The runs with a rendezvous state at this backend's endpoint, and their statuses.
+
+        Args:
+            limit: Runs returned at most (ask one more to learn whether there are more).
+
+        Returns:
+            ``(run id, status)`` pairs sorted by run id.
+
+        Raises:
+            RendezvousConnectionError: The backend could not be reached.
+        """

@@ -36,6 +36,8 @@ class Cli:
     """``python -m aelastic <args>`` with stdout and stderr merged, read by a thread.
 
     ``sigint`` starts it with SIGINT ``"default"`` or ``"ignored"`` (see :func:`sigint_as`).
+    ``session`` starts it in a session (and process group) of its own, so that
+    ``os.killpg(cli.proc.pid, ...)`` reaches it and nothing else.
     """
 
     def __init__(
@@ -45,10 +47,12 @@ class Cli:
         env: dict[str, str] | None = None,
         *,
         sigint: str | None = None,
+        session: bool = False,
     ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aelastic", *args],
             preexec_fn=sigint_as(sigint),
+            start_new_session=session,
             cwd=cwd,
             env=cli_env(env),
             stdout=subprocess.PIPE,

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 
+from aelastic import RendezvousParameters
 from aelastic.backends import RendezvousBackend, create_backend
 from tests._rendezvous_helpers import PROMPT
 
@@ -90,3 +91,51 @@ async def test_counters_are_signed_64_bit_on_every_backend(made: RendezvousBacke
     with pytest.raises(ValueError):
         await made.kv_add("big", 0)
     assert await made.kv_get(["big"]) == [str(2**64).encode()]
+
+
+async def test_list_runs_names_the_runs_with_a_state(
+    backend: str, endpoint: str, run_id: str
+) -> None:
+    """``list_runs`` (``aelastic status --list``, the dashboard) names every run that has a
+    rendezvous state, with its status; a run with only store keys is not one. An id with
+    braces is named on Redis by its tag, which reads the same run."""
+    from aelastic.core.protocol import RunLister
+    from aelastic.core.state import NodeDesc, Op, Request
+    from aelastic.rendezvous import RendezvousSettings
+
+    ids = [f"{run_id}-a", f"{run_id}-b", f"{run_id}-{{braces}}"]
+    made = [
+        create_backend(RendezvousParameters(backend, endpoint, r, 1, 1, read_timeout=10))
+        for r in [*ids, f"{run_id}-kv-only"]
+    ]
+    try:
+        for number, made_backend in enumerate(made[:3]):
+            settings = RendezvousSettings.from_parameters(
+                RendezvousParameters(backend, endpoint, ids[number], 1, 1)
+            )
+            node = NodeDesc("127.0.0.1", 1000 + number, 0)
+            await made_backend.apply(Request(Op.JOIN, node, settings.rules))
+        await made[3].kv_set("k", b"v")
+        lister = made[0]
+        assert isinstance(lister, RunLister)
+        listed = dict(await lister.list_runs(10_000))
+        assert {ids[0], ids[1]} <= set(listed)
+        assert f"{run_id}-kv-only" not in listed
+        braced = [r for r in listed if r == ids[2] or r.startswith("sha1-")]
+        assert braced, listed
+        for run in ids[:2]:
+            status = listed[run]
+            assert status.participants == 1 and status.complete and status.world == 1
+        assert len(await lister.list_runs(1)) == 1
+        if backend == "redis":
+            tag = next(r for r in braced if r.startswith("sha1-"))
+            same = create_backend(RendezvousParameters(backend, endpoint, tag, 1, 1))
+            try:
+                snapshot = await same.snapshot()
+                assert snapshot is not None and snapshot.status.participants == 1
+            finally:
+                await same.aclose()
+    finally:
+        for made_backend in made:
+            await made_backend.reset()
+            await made_backend.aclose()

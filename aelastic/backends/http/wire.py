@@ -24,6 +24,7 @@ __all__ = [
     "MAX_BODY",
     "MAX_KEYS",
     "MAX_KEY_LENGTH",
+    "MAX_LISTED_RUNS",
     "MAX_RUN_ID_LENGTH",
     "MAX_WAIT",
     "TOKEN_ENV",
@@ -53,6 +54,8 @@ MAX_BODY = 4 * 1024 * 1024
 MAX_RUN_ID_LENGTH = 256
 MAX_KEY_LENGTH = 1024
 MAX_KEYS = 4096
+#: Most runs one ``GET /v1/runs`` names.
+MAX_LISTED_RUNS = 10_000
 #: Longest a single long-poll may be held by the server (seconds).
 MAX_WAIT = 300.0
 _MAX_TOKEN_LENGTH = 96

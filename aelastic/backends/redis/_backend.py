@@ -16,6 +16,7 @@ See :mod:`._calls` for connections, retries and errors.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -222,10 +223,37 @@ class RedisBackend(RedisCalls):
         except WireError as exc:
             raise RendezvousStateError(f"Redis at {self.endpoint} answered {exc}") from None
 
+    async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
+        """The runs under this backend's ``key_prefix`` (found by ``SCAN``, on every primary
+        of a cluster) and their statuses, sorted by id, at most ``limit`` (when there are
+        more, which ones is not defined). A run whose id has braces is named by its tag,
+        ``sha1-<hex>``, which reads the same run."""
+        client, _ = await self._bind()
+        prefix = self._keys.prefix
+        pattern = lua.RunKeys.state_pattern(prefix)
+
+        async def scan(within: float) -> list[str]:
+            keys = await asyncio.wait_for(client.scan(pattern, limit), within)
+            tags = {lua.RunKeys.tag_of_state(k.decode(errors="replace"), prefix) for k in keys}
+            return sorted(t for t in tags if t is not None)[:limit]
+
+        tags = await self._call("list", scan)
+        statuses = await asyncio.gather(*(self._status_of(lua.RunKeys(prefix, t)) for t in tags))
+        return [(t, s) for t, s in zip(tags, statuses, strict=True) if s is not None]
+
+    async def _status_of(self, keys: lua.RunKeys) -> Status | None:
+        """The status of the run with ``keys``; ``None`` if it is gone or foreign."""
+        raw = await self._script("status", lua.STATUS, keys.rendezvous, [""])
+        try:
+            doc = self._decode(raw, "status")
+            return None if doc.get("absent") else status_from_json(doc)
+        except (RendezvousStateError, WireError):
+            return None
+
     async def reset(self) -> bool:
         """Delete every key of the run (state, store, records); whether there were any."""
         client, _ = await self._bind()
-        pattern = _glob_escape(self._keys.base) + ":*"
+        pattern = lua.glob_escape(self._keys.base) + ":*"
         state = self._keys.state  # a cluster scans the node holding the run's slot
 
         async def scan(within: float) -> int:
@@ -341,7 +369,3 @@ class RedisBackend(RedisCalls):
         """Release this backend's share of the connections. Idempotent."""
         if not self._closed:
             await self._unbind()
-
-
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

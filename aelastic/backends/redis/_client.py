@@ -124,6 +124,19 @@ class RedisClient:
         finally:
             timer.cancel()
 
+    async def scan(self, pattern: str, limit: int) -> list[bytes]:
+        """Keys matching ``pattern`` (``SCAN``, on every primary of a cluster), stopping
+        after about ``limit`` of them."""
+        found: list[bytes] = []
+        async with self._slots:
+            keys = self.server.redis.scan_iter(match=pattern, count=1000)
+            async with contextlib.aclosing(keys):
+                async for key in keys:
+                    found.append(key if isinstance(key, bytes) else str(key).encode())
+                    if len(found) >= limit:
+                        break
+        return found
+
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
         task = asyncio.get_running_loop().create_task(self._run_batch(batch))

@@ -39,15 +39,26 @@ __all__ = [
     "KV_SET",
     "NOT_INTEGER",
     "OP",
+    "RUN_TAG",
     "SCRIPTS",
     "SNAPSHOT",
     "STATUS",
     "WRONG_TYPE",
     "RunKeys",
+    "glob_escape",
 ]
 
 WRONG_TYPE = -1
 NOT_INTEGER = -3
+
+
+#: The prefix of a run id that braces would have broken: the tag is this plus its SHA-1.
+RUN_TAG = "sha1-"
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a literal part of a ``SCAN MATCH`` pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 class RunKeys:
@@ -66,7 +77,10 @@ class RunKeys:
     def __init__(self, prefix: str, run_id: str) -> None:
         tag = run_id
         if not tag or "{" in tag or "}" in tag:
-            tag = "sha1-" + hashlib.sha1(run_id.encode()).hexdigest()
+            tag = RUN_TAG + hashlib.sha1(run_id.encode()).hexdigest()
+        self.prefix = prefix
+        #: How the run is named in its keys (its id, unless braces made it a hash).
+        self.tag = tag
         self.base = f"{prefix}:{{{tag}}}"
         self.state = f"{self.base}:state"
         self.channel = f"{self.base}:changes"
@@ -82,6 +96,21 @@ class RunKeys:
 
     def __repr__(self) -> str:
         return f"RunKeys({self.base!r})"
+
+    @staticmethod
+    def state_pattern(prefix: str) -> str:
+        """A ``SCAN MATCH`` pattern matching the state key of every run under ``prefix``
+        (and possibly other keys: :meth:`tag_of_state` tells them apart)."""
+        return glob_escape(prefix) + ":{*}:state"
+
+    @staticmethod
+    def tag_of_state(key: str, prefix: str) -> str | None:
+        """The tag of the run whose state key is ``key``; ``None`` for any other key."""
+        head, tail = prefix + ":{", "}:state"
+        if not (key.startswith(head) and key.endswith(tail)):
+            return None
+        tag = key[len(head) : -len(tail)]
+        return tag if tag and "{" not in tag and "}" not in tag else None
 
     def kv(self, key: str) -> str:
         """The string holding ``key`` of the members' store."""

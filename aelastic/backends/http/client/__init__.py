@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
 
-from yarl import URL
-
 from ....core.errors import RendezvousConnectionError, RendezvousStateError
-from ....core.params import RendezvousParameters, parse_rendezvous_endpoint
+from ....core.params import RendezvousParameters
 from ....core.state import FORMAT_VERSION, Reply, Request, Snapshot, Status
 from ....core.token import Token
 from ....core.wire import (
@@ -36,7 +33,14 @@ from ....core.wire import (
 )
 from ... import _shared
 from ..._watch import RunWatch
-from ..wire import DEFAULT_PORT, TOKEN_ENV, SchemaError, b64decode, b64encode
+from ..wire import (
+    DEFAULT_PORT,
+    MAX_LISTED_RUNS,
+    SchemaError,
+    b64decode,
+    b64encode,
+)
+from ._endpoint import parse_endpoint, resolve_token
 from ._feed import LONG_POLL, RunFeed
 from ._transport import Connection
 
@@ -46,46 +50,6 @@ __all__ = ["DEFAULT_PORT", "HttpBackend", "create_backend", "parse_endpoint"]
 _RECHECK = 5.0
 
 _private = itertools.count()
-
-
-def parse_endpoint(endpoint: str) -> URL:
-    """The server's base URL from ``host[:port]``, ``http://host:port[/prefix]`` or ``https://...``.
-
-    Raises:
-        ValueError: The endpoint is empty, has another scheme, or no valid host or port
-            (a bare ``host:port`` is checked with torch's rules and messages).
-    """
-    text = endpoint.strip()
-    if not text:
-        raise ValueError("The http rendezvous backend needs an endpoint (host:port or a URL).")
-    if "://" not in text:
-        host, port = parse_rendezvous_endpoint(text, DEFAULT_PORT)
-        return URL.build(scheme="http", host=host, port=port, path="/")
-    try:
-        url = URL(text)
-        url_port = url.port
-    except ValueError as exc:
-        raise ValueError(f"The rendezvous endpoint '{endpoint}' is not valid: {exc}") from None
-    if url.scheme not in ("http", "https"):
-        raise ValueError(
-            f"The rendezvous endpoint '{endpoint}' must use http:// or https://, "
-            f"not {url.scheme}://."
-        )
-    if not url.host or url_port is None:
-        raise ValueError(f"The rendezvous endpoint '{endpoint}' names no host.")
-    if url.query_string or url.fragment:
-        raise ValueError(f"The rendezvous endpoint '{endpoint}' must not have a query.")
-    return url.with_user(None).with_path(url.path.rstrip("/") or "/", encoded=True)
-
-
-def _resolve_token(token: str | None) -> str | None:
-    value = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
-    if value and value != value.strip():
-        raise ValueError(
-            f"The HTTP rendezvous token ({TOKEN_ENV} or the 'token' key) has leading or "
-            "trailing whitespace; remove it."
-        )
-    return value or None
 
 
 class HttpBackend:
@@ -122,7 +86,7 @@ class HttpBackend:
         self._endpoint = str(self._base).rstrip("/")
         self._run_id = run_id
         self._path = "/v1/runs/" + quote(run_id, safe="").replace(".", "%2E")
-        self._token = _resolve_token(token)
+        self._token = resolve_token(token)
         self._read_timeout = float(read_timeout)
         key: Any = (str(self._base), self._token)
         self._share_key = ("http", key if share_connections else (key, next(_private)))
@@ -234,6 +198,35 @@ class HttpBackend:
             return snapshot_from_json(doc)
         except WireError as exc:
             raise self._fits("a snapshot", exc) from None
+
+    async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
+        """The runs with a rendezvous state on the server (sorted by id, at most ``limit``).
+
+        Raises:
+            RendezvousConnectionError: The server was unreachable, or does not list runs.
+        """
+        conn, _ = self._open()
+        limit = min(max(limit, 1), MAX_LISTED_RUNS)
+        answer = await conn.call(
+            "GET", "/v1/runs", self._read_timeout, query={"limit": str(limit)},
+            accept=frozenset({200, 404, 405}),
+        )  # fmt: skip
+        assert answer is not None
+        if answer[0] != 200:
+            raise conn.protocol_error(f"{answer[0]} to GET /v1/runs (an older aelastic serve?)")
+        runs = answer[1].get("runs")
+        if not isinstance(runs, list):
+            raise conn.protocol_error("a run list without 'runs'")
+        found: list[tuple[str, Status]] = []
+        for entry in runs:
+            run_id = entry.get("run_id") if isinstance(entry, dict) else None
+            if not isinstance(run_id, str):
+                raise conn.protocol_error("a run list entry without a 'run_id'")
+            try:
+                found.append((run_id, status_from_json(entry.get("status"))))
+            except WireError as exc:
+                raise self._fits("a run list", exc) from None
+        return found
 
     async def reset(self) -> bool:
         """Delete the run's state and store on the server; whether there was anything."""

@@ -5,7 +5,10 @@ application) keeps every run in memory, in its event loop, and applies the rende
 machine to it (:mod:`aelastic.core.machine`), optionally keeping the runs in a journal
 (:mod:`._runs`). :func:`run_server` serves it until SIGINT/SIGTERM; ``aelastic serve`` calls
 it. It binds to loopback unless told otherwise. It has no TLS of its own: off a private
-network, put it behind a TLS-terminating proxy (the token travels in a header).
+network, put it behind a TLS-terminating proxy (the token travels in a header). Given a
+``pages`` hook (``aelastic serve`` passes :func:`aelastic.web.pages.serve_pages`), it also
+serves the live pages of its runs at ``/`` and ``/runs/{run}`` (their own token check:
+a session cookie or the bearer header).
 
 HTTP API (routes under ``/v1``; rendezvous state format 2). Every body is a JSON object;
 store values are base64 text; requests, replies, statuses and snapshots have the JSON forms
@@ -16,6 +19,9 @@ in constant time), else ``401``.
 
 ==========================================  =============================================
 ``GET /v1/health``                          ``200 {"ok": true, "service": ..., "api": 2}``
+``GET /v1/runs?limit=N``                    ``200 {"runs": [{"run_id", "status"}, ..]}``: the
+                                            runs with a rendezvous state, sorted by id, at
+                                            most ``N`` (1..10000, default 1000)
 ``POST /v1/runs/{run}/rendezvous``          a request (join, leave, close, keep_alive,
                                             status) -> ``200`` its reply
 ``GET /v1/runs/{run}/status``               ``200`` the run's status
@@ -62,7 +68,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from ..wire import DEFAULT_PORT, MAX_BODY, TOKEN_ENV
-from ._app import DEFAULT_MAX_RUNS, DEFAULT_RUN_TTL, create_app, resolve_token
+from ._app import DEFAULT_MAX_RUNS, DEFAULT_RUN_TTL, OWN_AUTH, Pages, create_app, resolve_token
 from ._guard import (
     BACKLOG,
     DEFAULT_KEEPALIVE_TIMEOUT,
@@ -82,6 +88,8 @@ __all__ = [
     "DEFAULT_PORT",
     "DEFAULT_READ_TIMEOUT",
     "DEFAULT_RUN_TTL",
+    "OWN_AUTH",
+    "Pages",
     "PersistenceError",
     "create_app",
     "resolve_token",
@@ -120,13 +128,14 @@ async def serve(
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
     stop: asyncio.Event | None = None,
     ready: Callable[[str], None] | None = None,
+    pages: Pages | None = None,
 ) -> None:
     """Serve the rendezvous API until ``stop`` is set (or the task is cancelled).
 
     Args:
         host: Address to bind (loopback by default).
         port: Port to bind; ``0`` picks a free one.
-        token, persist_path, max_body, run_ttl, max_runs: As for :func:`create_app`.
+        token, persist_path, max_body, run_ttl, max_runs, pages: As for :func:`create_app`.
         max_connections: Open connections held at most (lowered to fit the open-file
             limit); past it a new connection is answered ``503`` and closed.
         read_timeout: Seconds a client has to send a request's head (from its connect, or
@@ -148,6 +157,7 @@ async def serve(
         run_ttl=run_ttl,
         max_runs=max_runs,
         read_timeout=read_timeout,
+        pages=pages,
     )
     if secret is None and not _is_loopback(host):
         log.warning(
@@ -200,6 +210,7 @@ def run_server(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    pages: Pages | None = None,
 ) -> None:
     """Run the rendezvous server until SIGINT or SIGTERM (blocking).
 
@@ -214,7 +225,8 @@ def run_server(
         persist_path: JSON file keeping the runs across restarts.
         max_body: Largest request body accepted, in bytes.
         run_ttl: Seconds after which an unchanged, unwatched run is forgotten (0: never).
-        max_runs, max_connections, read_timeout, keepalive_timeout: As for :func:`serve`.
+        max_runs, max_connections, read_timeout, keepalive_timeout, pages: As for
+            :func:`serve`.
 
     Raises:
         PersistenceError: The persistence file cannot be loaded.
@@ -246,6 +258,7 @@ def run_server(
             keepalive_timeout=keepalive_timeout,
             stop=stop,
             ready=announce,
+            pages=pages,
         )
 
     asyncio.run(main())

@@ -22,13 +22,21 @@ from typing import Any
 
 from aiohttp import web
 
+from ..._engine import Engine
 from ..wire import MAX_BODY, TOKEN_ENV, SchemaError
 from ._guard import DEFAULT_READ_TIMEOUT, RateLimitedLog
 from ._metrics import install as install_metrics
 from ._routes import BODY_TIMEOUT, REPLAYS, STORE, Replays, add_routes
 from ._runs import PersistenceError, RunLimitError, RunStore
 
-__all__ = ["DEFAULT_MAX_RUNS", "DEFAULT_RUN_TTL", "create_app", "resolve_token"]
+__all__ = [
+    "DEFAULT_MAX_RUNS",
+    "DEFAULT_RUN_TTL",
+    "OWN_AUTH",
+    "Pages",
+    "create_app",
+    "resolve_token",
+]
 
 log = logging.getLogger("aelastic.backends.http.server")
 
@@ -40,6 +48,12 @@ DEFAULT_MAX_RUNS = 10_000
 _SWEEP_EVERY = 600.0
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Adds pages to the application: called with it, the runs and the token (``aelastic serve``
+#: passes :func:`aelastic.web.pages.serve_pages`; this layer knows nothing of them).
+Pages = Callable[[web.Application, Engine, "str | None"], object]
+#: A route whose handler has this attribute set checks the token itself (the pages: a
+#: session cookie or the bearer header); the bearer check lets it through.
+OWN_AUTH = "aelastic_checks_token"
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -89,6 +103,8 @@ def _auth_middleware(token: str) -> Any:
 
     @web.middleware
     async def auth(request: web.Request, handler: _Handler) -> web.StreamResponse:
+        if getattr(request.match_info.handler, OWN_AUTH, False):
+            return await handler(request)
         given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, expected):
             return web.json_response(
@@ -128,6 +144,7 @@ def create_app(
     run_ttl: float = DEFAULT_RUN_TTL,
     max_runs: int = DEFAULT_MAX_RUNS,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
+    pages: Pages | None = None,
 ) -> web.Application:
     """Create the rendezvous server's aiohttp application (mountable with ``add_subapp``).
 
@@ -141,9 +158,10 @@ def create_app(
         max_runs: Runs kept at most (``0``: no limit); a request that would add one more
             gets ``503``, the runs already there keep working.
         read_timeout: Seconds a request's body may take to arrive (else ``408``).
+        pages: Adds the pages (``/``, ``/runs/<run id>``) showing the runs.
 
     Returns:
-        The application; its routes live under ``/v1``.
+        The application; its API lives under ``/v1``.
 
     Raises:
         PersistenceError: ``persist_path`` exists but is not a valid runs file.
@@ -169,6 +187,8 @@ def create_app(
     app[BODY_TIMEOUT] = read_timeout
     add_routes(app)
     install_metrics(app, store)
+    if pages is not None:
+        pages(app, store.engine, secret)
 
     async def on_shutdown(app: web.Application) -> None:
         store.close()

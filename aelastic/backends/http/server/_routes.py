@@ -35,6 +35,7 @@ from ..._engine import now_ms
 from ..wire import (
     API_PREFIX,
     API_VERSION,
+    MAX_LISTED_RUNS,
     SchemaError,
     b64encode,
     require_bytes,
@@ -243,6 +244,20 @@ async def _snapshot(request: web.Request) -> web.Response:
     return web.json_response(snapshot_to_json(snapshot))
 
 
+async def _list_runs(request: web.Request) -> web.Response:
+    query = _query(request, {"limit"})
+    limit = 1000
+    if "limit" in query:
+        text = query["limit"]
+        digits = text.isascii() and text.isdigit() and len(text) <= 6
+        if not digits or not 1 <= int(text) <= MAX_LISTED_RUNS:
+            raise SchemaError(f"'limit' must be a whole number from 1 to {MAX_LISTED_RUNS}")
+        limit = int(text)
+    runs = _store(request).engine.list_runs(now_ms(), limit)
+    body = [{"run_id": run_id, "status": status_to_json(status)} for run_id, status in runs]
+    return web.json_response({"runs": body})
+
+
 async def _delete_run(request: web.Request) -> web.Response:
     run_id = _run_id(request)
     _query(request, set())
@@ -348,9 +363,10 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
 
 def add_routes(app: web.Application) -> None:
     """Add the API's routes (under ``/v1``) to ``app``."""
-    run = API_PREFIX + "/runs/{run_id}"
+    run = API_PREFIX + "/runs/{run_id:[^/]+}"  # aiohttp's default pattern refuses braces
     routes = [
         ("GET", API_PREFIX + "/health", _health),
+        ("GET", API_PREFIX + "/runs", _list_runs),
         ("POST", run + "/rendezvous", _rendezvous),
         ("GET", run + "/status", _status),
         ("GET", run, _snapshot),
