@@ -14,6 +14,39 @@ from aelastic.backends import memory
 _run_ids = itertools.count()
 
 
+# tests/run.sh (what CI runs) installs every real part the tests use (redis-server,
+# redis-sentinel, numactl, chromium, playwright, torch): there, a test skipped because a part
+# is missing is a failure, never a silent pass. (A skip for a limit of the machine, such as a
+# low hard open-file limit, stays a skip.)
+_NO_SKIPS = os.environ.get("AELASTIC_TESTS_NO_SKIP") == "1"
+_MISSING_PART = ("not on PATH", "not installed", "could not import", "No module named")
+_skipped: list[str] = []
+
+
+def _note_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    if not (_NO_SKIPS and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    reason = str(report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr)
+    if any(marker in reason for marker in _MISSING_PART):
+        _skipped.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _note_skip(report)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _note_skip(report)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _skipped and exitstatus == 0:
+        print(f"\n{len(_skipped)} test(s) skipped for a missing part (AELASTIC_TESTS_NO_SKIP=1):")
+        for nodeid in _skipped:
+            print(f"  {nodeid}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
