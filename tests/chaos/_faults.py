@@ -45,6 +45,8 @@ _WEIGHTS = {
     "double_kill": 1.5,
     "add_agent": 3,
 }
+#: Longest SIGSTOP, in heartbeat windows.
+STOP_WINDOWS = 2.0
 #: Longest wait for an added agent's first event (its interpreter's start, under load).
 _START_TIMEOUT = 60.0
 
@@ -101,14 +103,14 @@ class Chaos:
             return self._done(kind, self._kill_agent())
         if kind == "stop_agent":
             agent = self._pick()
-            pause = self.rng.uniform(0.2, 2 * self.cluster.config.window)
+            pause = self.rng.uniform(0.2, STOP_WINDOWS * self.cluster.config.window)
             agent.signal(signal.SIGSTOP)
             time.sleep(pause)
             agent.signal(signal.SIGCONT)
             return self._done(kind, f"{agent} stopped for {pause:.2f} s")
         if kind == "stop_kill_agent":
             agent = self._pick()
-            pause = self.rng.uniform(0.1, 2 * self.cluster.config.window)
+            pause = self.rng.uniform(0.1, STOP_WINDOWS * self.cluster.config.window)
             agent.signal(signal.SIGSTOP)
             time.sleep(pause)
             _kill(agent, signal.SIGKILL)
