@@ -29,11 +29,11 @@ from types import MappingProxyType
 
 import anyio
 
+from ..core._signals import sigint_interrupts
 from ..core.errors import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
 from ..core.events import Event
 from ._aio import quietly, uncancellable
 from ._publish import AgentPublisher
-from ._signals import sigint_interrupts
 from ._supervise import supervise
 from .api import (
     DEFAULT_ROLE,

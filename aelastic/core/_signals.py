@@ -9,6 +9,10 @@ handler for the duration of such a call (in the main thread, when SIGINT is igno
 the system default; a handler the program installed itself is left alone) and puts the
 previous disposition back afterwards. ``aelastic run`` and torchrun handle SIGINT
 themselves, whatever was inherited, for the same reason.
+
+The ``aelastic`` command enters it first thing (before its subcommand's modules load):
+while SIGINT is ignored the kernel discards it, so a Ctrl-C arriving then is lost for good.
+What remains is the interpreter's own start and ``import aelastic`` (a fraction of a second).
 """
 
 from __future__ import annotations
