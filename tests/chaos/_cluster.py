@@ -319,6 +319,8 @@ class Cluster:
                 continue
             if needle in environ and alive(int(name)):
                 found.append(int(name))
+        # Every worker that recorded itself, too (whatever its environment shows).
+        found += [pid for pid in self.workers() if pid not in found and alive(pid)]
         return found
 
     def wait_no_leftovers(self, timeout: float) -> list[int]:
