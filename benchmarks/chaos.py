@@ -126,15 +126,15 @@ def summarize(
 def report(result: dict[str, Any]) -> None:
     def row(name: str, q: dict[str, float]) -> str:
         if not q:
-            return f"  {name:<22} -"
+            return f"  {name:<26} -"
         cells = " ".join(f"{q[k]:6.2f}" for k in ("min", "median", "p90", "max"))
-        return f"  {name:<22} {cells}"
+        return f"  {name:<26} {cells}"
 
     print(
         f"\n{result['backend']}: {result['faults']} faults, seed {result['seed']}, "
         f"bound {result['bound']:.1f} s"
     )
-    print(f"  {'re-form (s)':<22} {'min':>6} {'median':>6} {'p90':>6} {'max':>6}")
+    print(f"  {'re-form (s)':<26} {'min':>6} {'median':>6} {'p90':>6} {'max':>6}")
     print(row("state: one round", result["state"]))
     print(row("workers running", result["workers"]))
     for kind in KINDS:
