@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable
+from typing import Any
+
+from ..core.race import cancel_and_wait, uncancellable
 
 __all__ = ["cancel_and_wait", "quietly", "uncancellable"]
 
 log = logging.getLogger("aelastic.agent")
-
-_T = TypeVar("_T")
-
-
-async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
-    """Cancel ``task`` and wait until it is over (its outcome is dropped).
-
-    Cancelling the caller meanwhile is not swallowed: it propagates as usual.
-    """
-    if not task.done():
-        task.cancel()
-    task.add_done_callback(_retrieve)
-    await asyncio.wait({task})
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # mark it retrieved: the outcome is not wanted
 
 
 async def quietly(awaitable: Awaitable[Any], what: str) -> None:
@@ -36,19 +19,3 @@ async def quietly(awaitable: Awaitable[Any], what: str) -> None:
         await awaitable
     except Exception as exc:
         log.warning("could not %s: %s", what, exc)
-
-
-async def uncancellable(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Run ``coro`` to its end even if the caller is cancelled meanwhile (then re-cancel)."""
-    task = asyncio.ensure_future(coro)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done() and task.cancelled():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return task.result()

@@ -1,21 +1,12 @@
-"""SIGINT that always interrupts: aelastic's blocking entry points stop on Ctrl-C or ``kill -INT``.
+"""The signals torchrun forwards, for ``run_sync``.
 
-How it works: Python turns SIGINT into ``KeyboardInterrupt`` only when the process did not
-inherit it ignored, and ``asyncio.run`` cancels its main task on SIGINT only in that case
-too. A job started in the background by a shell script (``cmd &`` without job control, as CI
-runners and test harnesses do) inherits SIGINT ignored: its agent, or ``aelastic status
---watch``, would then never stop on SIGINT. :func:`sigint_interrupts` restores Python's
-handler for the duration of such a call (in the main thread, when SIGINT is ignored or at
-the system default; a handler the program installed itself is left alone) and puts the
-previous disposition back afterwards. ``aelastic run`` and torchrun handle SIGINT
-themselves, whatever was inherited, for the same reason.
-
-The signals torchrun forwards (``TORCHELASTIC_SIGNALS_TO_HANDLE``, by default SIGTERM,
-SIGINT, SIGHUP and SIGQUIT) are handled by ``run_sync`` the same way, through
-:func:`forwarding`: the signal is recorded for the agent (its workers get that signal, the
-grace period, then SIGKILL) and cancels the run; afterwards :func:`raise_for` raises
-``KeyboardInterrupt`` for SIGINT and :class:`SignalException` (torch's name) for the others.
-``await agent.run()`` installs no handler: the embedding program owns its signals.
+The signals in ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (by default SIGTERM, SIGINT, SIGHUP and
+SIGQUIT) are handled by ``run_sync`` through :func:`forwarding`: the signal is recorded for
+the agent (its workers get that signal, the grace period, then SIGKILL) and cancels the run;
+afterwards :func:`raise_for` raises ``KeyboardInterrupt`` for SIGINT and
+:class:`SignalException` (torch's name) for the others. ``await agent.run()`` installs no
+handler: the embedding program owns its signals. SIGINT that always interrupts (even when
+inherited ignored) is :func:`aelastic.core._signals.sigint_interrupts`, re-exported here.
 """
 
 from __future__ import annotations
@@ -28,6 +19,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from ..core._signals import sigint_interrupts
+
 __all__ = [
     "DEFAULT_SIGNALS",
     "SignalException",
@@ -37,23 +30,6 @@ __all__ = [
     "sigint_interrupts",
     "signals_to_handle",
 ]
-
-
-@contextlib.contextmanager
-def sigint_interrupts() -> Iterator[None]:
-    """Within the block, SIGINT raises ``KeyboardInterrupt`` (see the module docstring)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread receives Python's signal handlers
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    if previous not in (signal.SIG_IGN, signal.SIG_DFL):
-        yield
-        return
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 #: The signals torchrun handles when ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is unset.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from ..core._signals import sigint_interrupts
 from ..core.redact import redact
 from .options import UsageError
 
@@ -34,16 +35,13 @@ _COMMANDS = ("run", "serve", "status", "dashboard")
 
 
 def _run(argv: Sequence[str]) -> int:
-    from ..agent._signals import sigint_interrupts
-
-    # Until launch() handles the signals itself (and after), SIGINT interrupts, even if
-    # inherited ignored: nothing runs then, so the launcher just exits with 1.
-    with sigint_interrupts():
-        try:
-            return _launch(argv)
-        except KeyboardInterrupt:
-            print("aelastic run: interrupted", file=sys.stderr)
-            return 1
+    # Until launch() handles the signals itself (and after), SIGINT interrupts (see main()):
+    # nothing runs then, so the launcher just exits with 1.
+    try:
+        return _launch(argv)
+    except KeyboardInterrupt:
+        print("aelastic run: interrupted", file=sys.stderr)
+        return 1
 
 
 def _launch(argv: Sequence[str]) -> int:
@@ -83,6 +81,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aelastic {__version__}")
         return 0
     command, rest = args[0], args[1:]
+    # First thing, before the command's modules load: SIGINT interrupts, even if inherited
+    # ignored (a background job of a script). The kernel discards a signal that is ignored
+    # when it arrives, so every moment it stays ignored is a Ctrl-C lost for good.
+    with sigint_interrupts():
+        try:
+            return _command(command, rest)
+        except KeyboardInterrupt:
+            return 1 if command == "run" else 130
+
+
+def _command(command: str, rest: list[str]) -> int:
     try:
         if command == "run":
             return _run(rest)

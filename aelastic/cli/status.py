@@ -24,8 +24,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ..agent._signals import sigint_interrupts
 from ..backends.registry import create_backend
+from ..core._signals import sigint_interrupts
 from ..core.errors import RendezvousError, RendezvousStateError
 from ..core.machine import expiry_ms
 from ..core.params import RendezvousParameters, RendezvousSettings

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from .._http_server import HttpServer
-from ._proc import Cli, alive
+from ._proc import Cli, alive, cli_env
 
 SLEEP = """
 import os, time
@@ -88,3 +90,54 @@ def test_sigint_ends_a_launch_waiting_in_the_rendezvous(
             watch.wait_for(_has("participants (0)"))  # and it left the rendezvous
             watch.signal(signal.SIGINT)
             assert watch.wait(EXIT_BOUND) == 130
+
+
+# Starts like a background job of a script (SIGINT ignored), then gets SIGINT while the
+# command's own modules load: the kernel once discarded it, and the command ran on.
+EARLY = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+module, argv = sys.argv[1], sys.argv[2:]
+
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == module:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+from aelastic.cli import main
+sys.exit(main(argv))
+"""
+
+
+@pytest.mark.parametrize(
+    ("command", "module", "code"),
+    [
+        ("status", "aelastic.cli.status", 130),
+        ("serve", "aelastic.cli.serve", 130),
+        ("run", "aelastic.cli.launch", 1),
+    ],
+)
+def test_sigint_while_a_command_starts_with_sigint_inherited_ignored(
+    tmp_path: Path, command: str, module: str, code: int
+) -> None:
+    (tmp_path / "early.py").write_text(EARLY)
+    (tmp_path / "sleep.py").write_text(textwrap.dedent(SLEEP))
+    args = {
+        "status": ["--rdzv-backend=http", "--rdzv-endpoint=127.0.0.1:9", "--rdzv-id=x", "--watch"],
+        "serve": ["--port=0"],
+        "run": ["--standalone", "sleep.py"],
+    }[command]
+    env = cli_env()
+    proc = subprocess.run(
+        [sys.executable, "early.py", module, command, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=EXIT_BOUND,
+    )
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "worker pid=" not in proc.stdout

@@ -26,6 +26,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
+from ...core.race import uncancellable
 from ...core.state import FORMAT_VERSION, Op, Reply, Request, Snapshot, Status
 from ...core.token import Token, new_epoch
 from ...core.wire import (
@@ -366,6 +367,7 @@ class RedisBackend(RedisCalls):
         return await watch.wait_keys(names, timeout, check, self._recheck)
 
     async def aclose(self) -> None:
-        """Release this backend's share of the connections. Idempotent."""
+        """Release this backend's share of the connections. Idempotent. Cancelling the
+        caller lets the release finish first."""
         if not self._closed:
-            await self._unbind()
+            await uncancellable(self._unbind())

@@ -27,6 +27,7 @@ import anyio
 from redis.asyncio.connection import Connection
 from redis.exceptions import RedisClusterException, RedisError
 
+from ...core.race import cancel_and_wait
 from ...core.state import Status
 from ...core.wire import WireError, status_from_json
 from .._watch import RunWatch
@@ -369,11 +370,7 @@ class RedisClient:
         loading, self._loading = self._loading, None
         if loading is not None:
             tasks.append(loading)  # type: ignore[arg-type]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_and_wait(tasks)
         await self.server.aclose()
 
 

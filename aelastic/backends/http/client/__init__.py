@@ -22,6 +22,7 @@ from urllib.parse import quote
 
 from ....core.errors import RendezvousConnectionError, RendezvousStateError
 from ....core.params import RendezvousParameters
+from ....core.race import uncancellable
 from ....core.state import FORMAT_VERSION, Reply, Request, Snapshot, Status
 from ....core.token import Token
 from ....core.wire import (
@@ -324,7 +325,11 @@ class HttpBackend:
                 return False
 
     async def aclose(self) -> None:
-        """Release this backend's share of the session and feed. Idempotent."""
+        """Release this backend's share of the session and feed. Idempotent. Cancelling
+        the caller lets the release finish first."""
+        await uncancellable(self._release())
+
+    async def _release(self) -> None:
         self._closed = True
         conn, feed, self._conn, self._feed = self._conn, self._feed, None, None
         if conn is None or feed is None:

@@ -15,12 +15,12 @@ re-check and learn it) and the next long-poll waits for a state to appear.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
 
 from ....core.errors import RendezvousError
+from ....core.race import cancel_and_wait
 from ....core.state import Status
 from ....core.token import NO_STATE
 from ..._watch import RunWatch
@@ -74,6 +74,4 @@ class RunFeed:
         """Stop the long-poll."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+            await cancel_and_wait(task)
