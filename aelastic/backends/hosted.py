@@ -201,6 +201,10 @@ class HostedBackend:
     async def reset(self) -> bool:
         return bool(await self._reach(self._client.reset))
 
+    async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
+        result: list[tuple[str, Status]] = await self._reach(self._client.list_runs, limit)
+        return result
+
     async def kv_set(self, key: str, value: bytes) -> None:
         await self._reach(self._client.kv_set, key, value)
 
