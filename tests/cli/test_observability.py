@@ -27,7 +27,8 @@ WORKER = """
 import os, pathlib, sys, time
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     sys.exit(3)
-print("second attempt running", flush=True)
+sys.stdout.write("second attempt running\\n")  # one write: two workers share the pipe
+sys.stdout.flush()
 while not pathlib.Path(sys.argv[1]).exists():
     time.sleep(0.05)
 """
