@@ -24,14 +24,14 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import anyio
-from redis.asyncio.connection import Connection
 from redis.exceptions import RedisClusterException, RedisError
 
 from ...core.state import Status
 from ...core.wire import WireError, status_from_json
 from .._watch import RunWatch
 from ._endpoint import RedisEndpoint
-from ._servers import CONNECT_TIMEOUT, Batch, make_server, new_pubsub_connection
+from ._resp import RespConnection, pack
+from ._servers import CONNECT_TIMEOUT, Batch, make_server
 
 __all__ = ["CONNECT_TIMEOUT", "RedisClient"]
 
@@ -72,7 +72,6 @@ class RedisClient:
         self.endpoint = endpoint
         self._health_interval = health_interval
         self.server = make_server(endpoint, max_connections)
-        self._connection_kwargs = self.server.kwargs
         self._slots = asyncio.Semaphore(max_connections)
         self.wait_replicas = wait_replicas
         self._wait_paused_until = 0.0
@@ -81,10 +80,9 @@ class RedisClient:
         self.subscribed_at: tuple[str, int] | None = None
         self._watches: dict[bytes, tuple[RunWatch, int]] = {}
         self._listener: asyncio.Task[None] | None = None
-        self._conn: Connection | None = None
+        self._conn: RespConnection | None = None
         self._sent: set[bytes] = set()
         self._unacked: dict[bytes, int] = {}  # (UN)SUBSCRIBEs sent, not yet confirmed
-        self._send_lock = asyncio.Lock()
         self.listener_failing = False
         self._loading: asyncio.Future[None] | None = None
         self._pending: list[_Pending] = []
@@ -241,36 +239,33 @@ class RedisClient:
         await self._send("UNSUBSCRIBE", key)
 
     async def _send(self, command: str, channel: bytes) -> None:
-        async with self._send_lock:
-            conn = self._conn
-            subscribing = command == "SUBSCRIBE"
-            if conn is None or (channel in self._sent) == subscribing:
-                return  # not connected (the listener subscribes on connect) or nothing to do
-            (self._sent.add if subscribing else self._sent.discard)(channel)
-            self._unacked[channel] = self._unacked.get(channel, 0) + 1
-            try:
-                await conn.send_command(command, channel, check_health=False)
-            except (RedisError, OSError) as exc:
-                log.debug("pub/sub %s at %s failed: %s", command, self.endpoint.display, exc)
+        conn = self._conn
+        subscribing = command == "SUBSCRIBE"
+        if conn is None or (channel in self._sent) == subscribing:
+            return  # not connected (the listener subscribes on connect) or nothing to do
+        (self._sent.add if subscribing else self._sent.discard)(channel)
+        self._unacked[channel] = self._unacked.get(channel, 0) + 1
+        conn.send(pack((command, channel)))
 
     # -- the listener ---------------------------------------------------------------------
 
     async def _listen(self) -> None:
         delay = 0.05
         while True:
-            conn: Connection | None = None
+            conn: RespConnection | None = None
             try:
-                with anyio.fail_after(CONNECT_TIMEOUT):  # never swallows a cancellation
+                if self.endpoint.kind == "standalone":
                     address = await self.server.pubsub_address()
-                    conn = new_pubsub_connection(self._connection_kwargs, address)
-                    await conn.connect()  # type: ignore[no-untyped-call]
-                async with self._send_lock:
-                    self._sent = set(self._watches)
-                    self._unacked = dict.fromkeys(self._sent, 1)
-                    if self._sent:
-                        await conn.send_command("SUBSCRIBE", *self._sent, check_health=False)
-                    self._conn = conn
-                    self.subscribed_at = address
+                else:
+                    with anyio.fail_after(CONNECT_TIMEOUT):  # never swallows a cancellation
+                        address = await self.server.pubsub_address()
+                conn = await self.server.dial(address, self._dispatch)
+                self._sent = set(self._watches)
+                self._unacked = dict.fromkeys(self._sent, 1)
+                if self._sent:
+                    conn.send(pack(("SUBSCRIBE", *self._sent)))
+                self._conn = conn
+                self.subscribed_at = address
                 if self.listener_failing:
                     log.info("pub/sub at %s is back", self._where(address))
                 self.listener_failing = False
@@ -296,8 +291,7 @@ class RedisClient:
                 for watch, _ in list(self._watches.values()):
                     watch.on_lost()
                 if conn is not None:
-                    with contextlib.suppress(Exception):
-                        await conn.disconnect(nowait=True)
+                    conn.close()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
@@ -307,21 +301,27 @@ class RedisClient:
         host = f"[{address[0]}]" if ":" in address[0] else address[0]
         return f"{self.endpoint.display} (node {host}:{address[1]})"
 
-    async def _read(self, conn: Connection) -> None:
-        pinged = False
+    async def _read(self, conn: RespConnection) -> None:
+        """Until ``conn`` is lost (its messages go to :meth:`_dispatch` as they come); a
+        ``PING`` after an idle interval, and the connection counts as lost when nothing
+        answers it within another."""
+        loop = asyncio.get_running_loop()
+        interval = self._health_interval
+        pinged_at: float | None = None
         while True:
-            response = await conn.read_response(
-                timeout=self._health_interval, disconnect_on_error=False, push_request=True
-            )
-            if response is None:  # idle for a whole interval
-                if pinged:
-                    raise asyncio.TimeoutError("no answer to PING")
-                pinged = True
-                async with self._send_lock:
-                    await conn.send_command("PING", check_health=False)
+            if pinged_at is not None and conn.received_at >= pinged_at:
+                pinged_at = None  # answered
+            due = (conn.received_at if pinged_at is None else pinged_at) + interval
+            now = loop.time()
+            if now < due:
+                done, _ = await asyncio.wait({conn.lost}, timeout=due - now)
+                if done:
+                    raise conn.lost.result()
                 continue
-            pinged = False
-            self._dispatch(response)
+            if pinged_at is not None:
+                raise asyncio.TimeoutError("no answer to PING")
+            pinged_at = now
+            conn.ping()
 
     def _dispatch(self, response: Any) -> None:
         if not isinstance(response, list) or len(response) < 2:

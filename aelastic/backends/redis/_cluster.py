@@ -33,7 +33,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._servers import Batch, Standalone, accepted, acked
+from ._servers import Batch, Standalone, accepted, acked, connection_kwargs
 
 __all__ = ["Cluster", "is_retryable"]
 
@@ -45,7 +45,8 @@ class Cluster(Standalone):
     """A Redis Cluster. See the module docstring."""
 
     def _command_client(self, max_connections: int) -> Any:
-        kwargs = {k: v for k, v in self.kwargs.items() if k in _cluster_options()}
+        options = connection_kwargs(self.endpoint)
+        kwargs = {k: v for k, v in options.items() if k in _cluster_options()}
         kwargs["ssl"] = self.endpoint.tls
         self._turn = 0
         cluster = RedisCluster(

@@ -1,20 +1,20 @@
 """Where a run's keys live: a standalone server, a primary found by Sentinel, or a Cluster.
 
 How it works: :func:`make_server` gives :class:`~._client.RedisClient` one object per
-endpoint kind, all with the same small surface, built on redis-py's own clients (no
-discovery of our own):
+endpoint kind, all with the same small surface (discovery and routing are redis-py's):
 
-* :class:`Standalone`: ``Redis`` on a blocking pool of ``max_connections``; the listener
-  subscribes on the server itself.
-* :class:`SentinelPrimary`: ``Sentinel(...).master_for(service)``. Its pool asks the
-  sentinels for the primary on every new connection, and drops a connection that finds
-  the primary demoted (``READONLY``); a failed call is retried by :mod:`._calls`, so it
-  reaches the new primary once Sentinel has promoted one. The listener asks the sentinels
-  too, each time it (re)connects: it subscribes on the current primary (and Sentinel kills
-  the pub/sub clients of a demoted one, so it moves on a manual failover as well).
+* :class:`Standalone`: lean connections of our own (:mod:`._resp`) kept for reuse (the
+  client bounds them to ``max_connections``); the listener subscribes on the server itself.
+* :class:`SentinelPrimary`: the same connections, each opened to the primary that redis-py's
+  ``Sentinel`` names at that moment; a connection that finds the primary demoted
+  (``READONLY``) is dropped, and a failed call is retried by :mod:`._calls`, so it reaches
+  the new primary once Sentinel has promoted one. The listener asks the sentinels too, each
+  time it (re)connects: it subscribes on the current primary (and Sentinel kills the pub/sub
+  clients of a demoted one, so it moves on a manual failover as well).
 * :class:`~._cluster.Cluster` (in :mod:`._cluster`): ``RedisCluster``, routing by the run's
   hash tag; the listener subscribes on any node.
 
+Every listener, whatever the kind, is a :class:`~._resp.RespConnection` (:meth:`dial`).
 :meth:`execute` runs a batch of commands in one round trip (a pipeline) and, when asked,
 ends it with ``WAIT <replicas> <ms>`` on the same connection, so the reply comes only once
 that many replicas hold the batch's writes. :meth:`explain` turns what retrying cannot fix
@@ -25,26 +25,26 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     AuthenticationError,
+    ReadOnlyError,
     RedisError,
     ResponseError,
 )
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._endpoint import CLUSTER, SENTINEL, RedisEndpoint
+from ._resp import CONNECT_TIMEOUT, Dialer, RespConnection, pack
 
-__all__ = ["Batch", "SentinelPrimary", "Standalone", "make_server"]
-
-#: Seconds to open a connection (TCP, TLS, AUTH) before that attempt counts as failed.
-CONNECT_TIMEOUT = 10.0
+__all__ = ["CONNECT_TIMEOUT", "Batch", "SentinelPrimary", "Standalone", "make_server"]
 
 
 class Batch(NamedTuple):
@@ -67,41 +67,72 @@ class Standalone:
 
     def __init__(self, endpoint: RedisEndpoint, max_connections: int) -> None:
         self.endpoint = endpoint
-        self.kwargs = connection_kwargs(endpoint)
+        self.dialer = Dialer(endpoint)
+        self._idle: list[RespConnection] = []
+        self._closed = False
         self.redis: Any = self._command_client(max_connections)
 
     def _command_client(self, max_connections: int) -> Any:
-        kwargs = dict(self.kwargs, host=self.endpoint.host, port=self.endpoint.port)
-        pool = BlockingConnectionPool(max_connections=max_connections, timeout=None, **kwargs)
-        return Redis(connection_pool=pool)
+        return None  # connections of our own (:meth:`execute`)
+
+    async def dial(
+        self, address: tuple[str, int], on_push: Callable[[Any], None] | None = None
+    ) -> RespConnection:
+        """A new connection to ``address`` (a subscriber's with ``on_push``)."""
+        return await self.dialer.open(address, on_push)
+
+    async def _connection(self) -> RespConnection:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed:
+                return conn
+        return await self.dial(await self._primary())
+
+    async def _primary(self) -> tuple[str, int]:
+        return self.endpoint.host, self.endpoint.port
 
     async def execute(self, batch: Batch, wait: tuple[int, int] | None) -> tuple[list[Any], int]:
         """Replies (or reply errors) of ``batch`` in one round trip, and the replicas that
         acknowledged its writes (``wait``: ``(replicas, ms)``; -1 when not asked)."""
         commands = batch.commands
         waiting = wait is not None and bool(batch.durable)
-        if len(commands) == 1 and not waiting:
-            try:
-                return [await self.redis.execute_command(*commands[0])], -1
-            except ResponseError as exc:
-                return [exc], -1
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for args in commands:
-                pipe.execute_command(*args)
-            if waiting:
-                assert wait is not None
-                pipe.execute_command("WAIT", *wait)
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
+        packed = b"".join([pack(args) for args in commands])
+        count = len(commands)
+        if waiting:
+            assert wait is not None
+            packed += pack(("WAIT", *wait))
+            count += 1
+        conn = await self._connection()
+        futures = conn.request(packed, count)
+        # A batch unanswered this long: the connection is dead (a half-open socket).
+        stalled = RedisTimeoutError(f"Timeout reading from {conn.where}")
+        timer = asyncio.get_running_loop().call_later(CONNECT_TIMEOUT, conn.close, stalled)
+        try:
+            replies = [await future for future in futures]
+        except BaseException:
+            conn.close()  # cancelled half-way: its replies would answer the next batch
+            raise
+        finally:
+            timer.cancel()
+        self._keep(conn, replies)
         if not waiting:
             return replies, -1
         return replies[:-1], acked(replies[-1])
 
+    def _keep(self, conn: RespConnection, replies: list[Any]) -> None:
+        """Reuse ``conn`` (unless the client closed meanwhile, or it reached a replica)."""
+        if self._closed or any(isinstance(reply, ReadOnlyError) for reply in replies):
+            conn.close()
+        elif not conn.closed:
+            self._idle.append(conn)
+
     async def load_scripts(self, scripts: Iterable[str]) -> None:
         """Load ``scripts`` into the script cache of the server(s) holding the keys."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for src in scripts:
-                pipe.script_load(src)
-            await pipe.execute()
+        loads: list[tuple[Any, ...]] = [("SCRIPT", "LOAD", src) for src in scripts]
+        replies, _ = await self.execute(Batch(loads, [None] * len(loads), []), None)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
 
     async def pubsub_address(self) -> tuple[str, int]:
         """Where the listener subscribes next."""
@@ -117,8 +148,10 @@ class Standalone:
 
     async def aclose(self) -> None:
         """Close every connection."""
-        await self.redis.aclose()
-        await self.redis.connection_pool.disconnect()
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
 
 class SentinelPrimary(Standalone):
@@ -126,24 +159,28 @@ class SentinelPrimary(Standalone):
 
     def _command_client(self, max_connections: int) -> Any:
         endpoint = self.endpoint
-        data = {k: v for k, v in self.kwargs.items() if k != "connection_class"}
-        if endpoint.tls:
-            data["ssl"] = True
         assert endpoint.service is not None
+        kwargs = connection_kwargs(endpoint)
         self.sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            list(endpoint.hosts),
-            sentinel_kwargs=_sentinel_kwargs(endpoint, self.kwargs),
-            **data,
+            list(endpoint.hosts), sentinel_kwargs=_sentinel_kwargs(endpoint, kwargs)
         )
-        return self.sentinel.master_for(
-            endpoint.service,
-            connection_pool_class=_BlockingSentinelPool,
-            max_connections=max_connections,
-            timeout=None,
-        )
+        self._at: tuple[str, int] | None = None
+        return None
+
+    async def _primary(self) -> tuple[str, int]:
+        address = await self._discover()
+        if address != self._at:  # a failover: connections to the old primary go
+            self._at = address
+            idle, self._idle = self._idle, []
+            for conn in idle:
+                conn.close()
+        return address
 
     async def pubsub_address(self) -> tuple[str, int]:
         """The primary that the sentinels name now."""
+        return await self._discover()
+
+    async def _discover(self) -> tuple[str, int]:
         assert self.endpoint.service is not None
         host, port = await self.sentinel.discover_master(self.endpoint.service)
         return str(host), int(port)
@@ -217,10 +254,6 @@ def acked(reply: Any) -> int:
     return reply if isinstance(reply, int) else 0
 
 
-class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
-    """Sentinel's pool, waiting for a free connection instead of failing (as standalone)."""
-
-
 def accepted(*classes: type) -> set[str]:
     """Keyword arguments the ``__init__`` of ``classes`` (and their bases) take."""
     names: set[str] = set()
@@ -284,11 +317,3 @@ def _sentinel_kwargs(endpoint: RedisEndpoint, data: dict[str, Any]) -> dict[str,
     if endpoint.tls:
         kwargs["ssl"] = True
     return kwargs
-
-
-def new_pubsub_connection(kwargs: dict[str, Any], address: Sequence[Any]) -> Connection:
-    """An unconnected connection for the listener at ``address`` (no read timeout: idle
-    reads wait for messages, pings detect a loss)."""
-    options = dict(kwargs, host=address[0], port=address[1], socket_timeout=None)
-    cls: type[Connection] = options.pop("connection_class")
-    return cls(**options)

@@ -1,0 +1,336 @@
+"""A lean Redis connection (RESP2): pipelined commands on one socket, or a pub/sub stream.
+
+Why our own, for a measured reason: every rendezvous node has its own connections (separate
+hosts have nothing to share), so what one connection costs is paid per node. With redis-py's
+asyncio ``Connection`` (streams, a task per write under its socket timeout, a timeout context
+per read, an event dispatcher and re-auth listeners per connection) and ``Redis`` client (its
+pool's lock and checks, observability hooks), one ``PING`` cost ~140 µs of CPU, a connection
+~150 µs to open and ~30 objects for the garbage collector to walk; a join (two connections,
+a subscription, two scripts, one notification) cost ~2 ms, and 4,096 simulated nodes on two
+cores were bound by that. This protocol on asyncio's transport: ~22 µs a ``PING``, ~85 µs a
+connection, 8 objects (``benchmarks/rdzv_scale.py``; the figures in the README).
+
+What it keeps from redis-py: the exception classes (an error reply becomes the same
+``NoScriptError``, ``ReadOnlyError``, ``AuthenticationError``... through redis-py's own
+``parse_error``), the TLS context (``RedisSSLContext`` with redis-py's defaults), and the
+messages of connection failures. Sentinel discovery and Cluster routing stay redis-py's
+(:mod:`._servers`, :mod:`._cluster`).
+
+How it works: :class:`RespConnection` is an asyncio protocol. :meth:`~RespConnection.request`
+writes packed commands and gives one future per reply, answered in order as replies are
+parsed; an error reply is an exception *object* as the result (as redis-py's pipelines give
+them), a lost connection fails the pending futures. A connection opened with ``on_push`` is a
+subscriber: every reply goes to that callback instead (an error reply ends the connection
+with that error). :class:`Dialer` opens connections: TCP (or TLS), then ``AUTH`` and
+``SELECT`` in one round trip, all within :data:`CONNECT_TIMEOUT`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from redis._parsers.base import BaseParser
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    InvalidResponse,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ._endpoint import RedisEndpoint
+
+__all__ = ["CONNECT_TIMEOUT", "Dialer", "RespConnection", "pack"]
+
+#: Seconds to open a connection (TCP, TLS, AUTH) before that attempt counts as failed, and
+#: to wait for the replies of a batch before its connection counts as dead.
+CONNECT_TIMEOUT = 10.0
+
+_CRLF = b"\r\n"
+_PING = b"*1\r\n$4\r\nPING\r\n"
+
+
+def pack(args: Sequence[Any]) -> bytes:
+    """One command in the protocol's form (``str`` as UTF-8, ``int`` and ``float`` as text)."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, bytes):
+            data = arg
+        elif isinstance(arg, str):
+            data = arg.encode()
+        elif isinstance(arg, int | float) and not isinstance(arg, bool):
+            data = repr(arg).encode()
+        else:
+            raise TypeError(f"cannot send {type(arg).__name__} to Redis")
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+class _Incomplete(Exception):
+    """The buffer ends inside a reply."""
+
+
+def _parse(buf: bytearray, pos: int) -> tuple[Any, int]:
+    """The reply starting at ``pos`` and where the next one starts.
+
+    Raises:
+        _Incomplete: More bytes are needed.
+        InvalidResponse: The bytes are not the Redis protocol.
+    """
+    end = buf.find(_CRLF, pos)
+    if end < 0:
+        if len(buf) - pos > 65536:  # no reply header is that long
+            raise InvalidResponse(f"Protocol Error: {bytes(buf[pos : pos + 60])!r}")
+        raise _Incomplete
+    kind = buf[pos]
+    nxt = end + 2
+    if kind == 36:  # $ bulk string
+        size = _int(buf, pos, end)
+        if size < 0:
+            return None, nxt
+        if len(buf) < nxt + size + 2:
+            raise _Incomplete
+        return bytes(buf[nxt : nxt + size]), nxt + size + 2
+    if kind == 42:  # * array
+        count = _int(buf, pos, end)
+        if count < 0:
+            return None, nxt
+        items = []
+        for _ in range(count):
+            item, nxt = _parse(buf, nxt)
+            items.append(item)
+        return items, nxt
+    if kind == 58:  # : integer
+        return _int(buf, pos, end), nxt
+    if kind == 43:  # + simple string
+        return bytes(buf[pos + 1 : end]), nxt
+    if kind == 45:  # - error
+        said = buf[pos + 1 : end].decode("utf-8", "replace")
+        return BaseParser.parse_error(said), nxt  # type: ignore[no-untyped-call]
+    raise InvalidResponse(f"Protocol Error: {bytes(buf[pos:end])!r}")
+
+
+def _int(buf: bytearray, pos: int, end: int) -> int:
+    try:
+        return int(buf[pos + 1 : end])
+    except ValueError:
+        raise InvalidResponse(f"Protocol Error: {bytes(buf[pos:end])!r}") from None
+
+
+class RespConnection(asyncio.Protocol):
+    """One connection to a Redis server (see the module docstring).
+
+    Args:
+        where: ``host:port``, for messages.
+        on_push: Makes it a subscriber: called with every reply.
+    """
+
+    def __init__(self, where: str, on_push: Callable[[Any], None] | None = None) -> None:
+        self.where = where
+        self._on_push = on_push
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self._loop = asyncio.get_running_loop()
+        #: Resolved (with the reason) once the connection is lost.
+        self.lost: asyncio.Future[BaseException] = self._loop.create_future()
+        #: The loop's time when bytes last arrived.
+        self.received_at = self._loop.time()
+
+    # -- asyncio.Protocol -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.received_at = self._loop.time()
+        buf = self._buffer
+        buf += data
+        pos = 0
+        try:
+            while pos < len(buf):
+                reply, pos = _parse(buf, pos)
+                self._deliver(reply)
+        except _Incomplete:
+            pass
+        except InvalidResponse as exc:
+            self.close(exc)
+            return
+        del buf[:pos]
+
+    def eof_received(self) -> bool:
+        self.close(RedisConnectionError("Connection closed by server."))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is None:
+            reason: BaseException = RedisConnectionError("Connection closed by server.")
+        elif isinstance(exc, OSError):
+            reason = RedisConnectionError(f"Error while reading from {self.where} : {exc.args}")
+        else:
+            reason = exc
+        self._fail(reason)
+
+    # -- use ------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection is lost (or being closed)."""
+        return self.lost.done()
+
+    def request(self, packed: bytes, count: int) -> list[asyncio.Future[Any]]:
+        """Send ``count`` packed commands; a future for each reply, in order.
+
+        Raises:
+            redis.exceptions.ConnectionError: The connection is lost.
+        """
+        if self.lost.done() or self._transport is None:
+            raise RedisConnectionError(f"Connection to {self.where} is closed.")
+        futures = [self._loop.create_future() for _ in range(count)]
+        self._waiting.extend(futures)
+        self._transport.write(packed)
+        return futures
+
+    def send(self, packed: bytes) -> None:
+        """Send commands whose replies go to ``on_push`` (a subscriber's)."""
+        if not self.lost.done() and self._transport is not None:
+            self._transport.write(packed)
+
+    def ping(self) -> None:
+        """Send a ``PING`` (a subscriber's liveness check; the answer goes to ``on_push``)."""
+        self.send(_PING)
+
+    def close(self, reason: BaseException | None = None) -> None:
+        """Close the connection; pending replies fail with ``reason``."""
+        self._fail(reason or RedisConnectionError(f"Connection to {self.where} is closed."))
+
+    def _deliver(self, reply: Any) -> None:
+        if self._on_push is None:
+            if self._waiting:
+                future = self._waiting.popleft()
+                if not future.done():
+                    future.set_result(reply)
+            return
+        if isinstance(reply, Exception):  # e.g. a subscription the ACL refused
+            self.close(reply)
+            return
+        try:
+            self._on_push(reply)
+        except Exception as exc:  # the subscriber's owner sees it as the reason
+            self.close(exc)
+
+    def _fail(self, reason: BaseException) -> None:
+        if not self.lost.done():
+            self.lost.set_result(reason)
+        while self._waiting:
+            future = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(reason)
+        if self._transport is not None:
+            self._transport.close()
+
+
+async def _within(awaitable: Any, seconds: float) -> Any:
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)  # pragma: no cover (Python 3.10)
+
+
+class Dialer:
+    """Opens connections to the data nodes of an endpoint (same options for every node).
+
+    Args:
+        endpoint: Credentials, database, TLS options.
+    """
+
+    def __init__(self, endpoint: RedisEndpoint) -> None:
+        self._endpoint = endpoint
+        self._ssl: Any = None
+        handshake: list[tuple[Any, ...]] = []
+        if endpoint.password:
+            if endpoint.username:
+                handshake.append(("AUTH", endpoint.username, endpoint.password))
+            else:
+                handshake.append(("AUTH", endpoint.password))
+        self._auth = len(handshake)
+        if endpoint.db:
+            handshake.append(("SELECT", endpoint.db))
+        self._handshake = handshake
+        self._packed = b"".join(pack(c) for c in handshake)
+
+    def _ssl_context(self) -> Any:
+        if self._ssl is None:
+            from redis.asyncio.connection import SSLConnection  # redis-py's TLS defaults
+
+            e = self._endpoint
+            self._ssl = SSLConnection(
+                ssl_ca_certs=e.ssl_ca_certs,
+                ssl_certfile=e.ssl_certfile,
+                ssl_keyfile=e.ssl_keyfile,
+                ssl_cert_reqs=e.ssl_cert_reqs,
+            ).ssl_context.get()
+        return self._ssl
+
+    async def open(
+        self, address: tuple[str, int], on_push: Callable[[Any], None] | None = None
+    ) -> RespConnection:
+        """A connection to ``address``, logged in and on the endpoint's database.
+
+        Raises:
+            redis.exceptions.ConnectionError: It could not be opened.
+            redis.exceptions.TimeoutError: Not within :data:`CONNECT_TIMEOUT`.
+            redis.exceptions.AuthenticationError: The server refused the login.
+        """
+        host, port = address
+        where = f"{host}:{port}"
+        conn = RespConnection(where, None)
+        try:
+            await _within(self._connect(conn, host, port), CONNECT_TIMEOUT)
+        except asyncio.TimeoutError:
+            conn.close()
+            raise RedisTimeoutError("Timeout connecting to server") from None
+        except OSError as exc:
+            conn.close()
+            raise RedisConnectionError(_connect_error(where, exc)) from None
+        except BaseException:
+            conn.close()
+            raise
+        conn._on_push = on_push
+        return conn
+
+    async def _connect(self, conn: RespConnection, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        ssl = self._ssl_context() if self._endpoint.tls else None
+        transport, _ = await loop.create_connection(lambda: conn, host, port, ssl=ssl)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if not self._handshake:
+            return
+        replies = [await f for f in conn.request(self._packed, len(self._handshake))]
+        if self._auth and isinstance(replies[0], AuthenticationWrongNumberOfArgsError):
+            # A server before Redis 6 takes a password alone.
+            rest = self._handshake[1:]
+            packed = pack(("AUTH", self._endpoint.password)) + b"".join(pack(c) for c in rest)
+            replies = [await f for f in conn.request(packed, 1 + len(rest))]
+        for said in replies:
+            if isinstance(said, Exception):
+                raise said
+        if self._auth and replies[0] != b"OK":
+            raise AuthenticationError("Invalid Username or Password")
+
+
+def _connect_error(where: str, exc: OSError) -> str:
+    """redis-py's words for a failed connect (``Error 111 connecting to h:p. ...``)."""
+    if not exc.args:
+        return f"Error connecting to {where}."
+    if len(exc.args) == 1:
+        return f"Error {exc.args[0]} connecting to {where}."
+    return f"Error {exc.args[0]} connecting to {where}. {exc.args[1]}."
