@@ -562,12 +562,12 @@ async def test_pubsub_connection_killed_is_replaced(server: RedisServer, run_id:
         with anyio.fail_after(PROMPT):
             await watch.ready.wait()  # the subscription is made in the background
         assert watch.live
-        killed = shared._conn
+        killed = shared.listener.conn
         with server.client() as client:
             assert client.client_kill_filter(_type="pubsub") >= 1
 
         async def resubscribed() -> bool:  # on a new connection
-            return shared._conn is not killed and watch.live
+            return shared.listener.conn is not killed and watch.live
 
         await eventually(resubscribed)
         waiting = asyncio.ensure_future(b.wait_for_change(token, 60))

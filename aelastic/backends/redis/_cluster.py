@@ -57,6 +57,9 @@ class Cluster(Standalone):
         cluster.commands_parser = _CommandTable(self.endpoint.hosts)
         return cluster
 
+    def send_now(self, batch: Batch, done: Any) -> bool:
+        return False  # routed by redis-py's client: always :meth:`execute`
+
     async def execute(self, batch: Batch, wait: tuple[int, int] | None) -> tuple[list[Any], int]:
         cluster = self.redis
         try:

@@ -16,13 +16,13 @@ What it keeps from redis-py: the exception classes (an error reply becomes the s
 messages of connection failures. Sentinel discovery and Cluster routing stay redis-py's
 (:mod:`._servers`, :mod:`._cluster`).
 
-How it works: :class:`RespConnection` is an asyncio protocol. :meth:`~RespConnection.request`
-writes packed commands and gives one future per reply, answered in order as replies are
-parsed; an error reply is an exception *object* as the result (as redis-py's pipelines give
-them), a lost connection fails the pending futures. A connection opened with ``on_push`` is a
-subscriber: every reply goes to that callback instead (an error reply ends the connection
-with that error). :class:`Dialer` opens connections: TCP (or TLS), then ``AUTH`` and
-``SELECT`` in one round trip, all within :data:`CONNECT_TIMEOUT`.
+How it works: :class:`RespConnection` is an asyncio protocol. :meth:`~RespConnection.call`
+writes packed commands and calls back with their replies, in order as they are parsed (no
+task, no future per reply); an error reply is an exception *object* among them (as
+redis-py's pipelines give them), a lost connection calls back with the reason. A connection
+opened with ``on_push`` is a subscriber: every reply goes to that callback instead (an error
+reply ends the connection with that error). :class:`Dialer` opens connections: TCP (or
+TLS), then ``AUTH`` and ``SELECT`` in one round trip, all within :data:`CONNECT_TIMEOUT`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._endpoint import RedisEndpoint
 
-__all__ = ["CONNECT_TIMEOUT", "Dialer", "RespConnection", "pack"]
+__all__ = ["CONNECT_TIMEOUT", "Dialer", "Done", "RespConnection", "pack"]
 
 #: Seconds to open a connection (TCP, TLS, AUTH) before that attempt counts as failed, and
 #: to wait for the replies of a batch before its connection counts as dead.
@@ -122,6 +122,19 @@ def _int(buf: bytearray, pos: int, end: int) -> int:
         raise InvalidResponse(f"Protocol Error: {bytes(buf[pos:end])!r}") from None
 
 
+#: Called with a request's replies, or with why the connection was lost before they came.
+Done = Callable[[list[Any] | None, BaseException | None], None]
+
+
+class _Call:
+    __slots__ = ("count", "done", "replies")
+
+    def __init__(self, count: int, done: Done) -> None:
+        self.count = count
+        self.done = done
+        self.replies: list[Any] = []
+
+
 class RespConnection(asyncio.Protocol):
     """One connection to a Redis server (see the module docstring).
 
@@ -132,10 +145,10 @@ class RespConnection(asyncio.Protocol):
 
     def __init__(self, where: str, on_push: Callable[[Any], None] | None = None) -> None:
         self.where = where
-        self._on_push = on_push
+        self.on_push = on_push
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
-        self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self._calls: collections.deque[_Call] = collections.deque()
         self._loop = asyncio.get_running_loop()
         #: Resolved (with the reason) once the connection is lost.
         self.lost: asyncio.Future[BaseException] = self._loop.create_future()
@@ -184,18 +197,34 @@ class RespConnection(asyncio.Protocol):
         """Whether the connection is lost (or being closed)."""
         return self.lost.done()
 
-    def request(self, packed: bytes, count: int) -> list[asyncio.Future[Any]]:
-        """Send ``count`` packed commands; a future for each reply, in order.
+    def call(self, packed: bytes, count: int, done: Done) -> None:
+        """Send ``count`` packed commands; ``done(replies, None)`` once every reply came (in
+        order; an error reply is an exception object), or ``done(None, reason)`` if the
+        connection is lost first. ``done`` runs in the protocol's callback: it must not
+        block or raise.
 
         Raises:
             redis.exceptions.ConnectionError: The connection is lost.
         """
         if self.lost.done() or self._transport is None:
             raise RedisConnectionError(f"Connection to {self.where} is closed.")
-        futures = [self._loop.create_future() for _ in range(count)]
-        self._waiting.extend(futures)
+        self._calls.append(_Call(count, done))
         self._transport.write(packed)
-        return futures
+
+    async def request(self, packed: bytes, count: int) -> list[Any]:
+        """:meth:`call`, awaited: the replies (a lost connection raises its reason)."""
+        future: asyncio.Future[list[Any]] = self._loop.create_future()
+
+        def done(replies: list[Any] | None, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if replies is None:
+                future.set_exception(error or RedisConnectionError("Connection lost."))
+            else:
+                future.set_result(replies)
+
+        self.call(packed, count, done)
+        return await future
 
     def send(self, packed: bytes) -> None:
         """Send commands whose replies go to ``on_push`` (a subscriber's)."""
@@ -211,27 +240,28 @@ class RespConnection(asyncio.Protocol):
         self._fail(reason or RedisConnectionError(f"Connection to {self.where} is closed."))
 
     def _deliver(self, reply: Any) -> None:
-        if self._on_push is None:
-            if self._waiting:
-                future = self._waiting.popleft()
-                if not future.done():
-                    future.set_result(reply)
+        if self.on_push is None:
+            if not self._calls:
+                return
+            call = self._calls[0]
+            call.replies.append(reply)
+            if len(call.replies) == call.count:
+                self._calls.popleft()
+                call.done(call.replies, None)
             return
         if isinstance(reply, Exception):  # e.g. a subscription the ACL refused
             self.close(reply)
             return
         try:
-            self._on_push(reply)
+            self.on_push(reply)
         except Exception as exc:  # the subscriber's owner sees it as the reason
             self.close(exc)
 
     def _fail(self, reason: BaseException) -> None:
         if not self.lost.done():
             self.lost.set_result(reason)
-        while self._waiting:
-            future = self._waiting.popleft()
-            if not future.done():
-                future.set_exception(reason)
+        while self._calls:
+            self._calls.popleft().done(None, reason)
         if self._transport is not None:
             self._transport.close()
 
@@ -302,7 +332,7 @@ class Dialer:
         except BaseException:
             conn.close()
             raise
-        conn._on_push = on_push
+        conn.on_push = on_push
         return conn
 
     async def _connect(self, conn: RespConnection, host: str, port: int) -> None:
@@ -314,12 +344,12 @@ class Dialer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if not self._handshake:
             return
-        replies = [await f for f in conn.request(self._packed, len(self._handshake))]
+        replies = await conn.request(self._packed, len(self._handshake))
         if self._auth and isinstance(replies[0], AuthenticationWrongNumberOfArgsError):
             # A server before Redis 6 takes a password alone.
             rest = self._handshake[1:]
             packed = pack(("AUTH", self._endpoint.password)) + b"".join(pack(c) for c in rest)
-            replies = [await f for f in conn.request(packed, 1 + len(rest))]
+            replies = await conn.request(packed, 1 + len(rest))
         for said in replies:
             if isinstance(said, Exception):
                 raise said

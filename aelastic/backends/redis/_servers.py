@@ -39,6 +39,7 @@ from redis.exceptions import (
     RedisError,
     ResponseError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._endpoint import CLUSTER, SENTINEL, RedisEndpoint
@@ -69,6 +70,7 @@ class Standalone:
         self.endpoint = endpoint
         self.dialer = Dialer(endpoint)
         self._idle: list[RespConnection] = []
+        self._open: set[RespConnection] = set()
         self._closed = False
         self.redis: Any = self._command_client(max_connections)
 
@@ -79,45 +81,84 @@ class Standalone:
         self, address: tuple[str, int], on_push: Callable[[Any], None] | None = None
     ) -> RespConnection:
         """A new connection to ``address`` (a subscriber's with ``on_push``)."""
-        return await self.dialer.open(address, on_push)
-
-    async def _connection(self) -> RespConnection:
-        while self._idle:
-            conn = self._idle.pop()
-            if not conn.closed:
-                return conn
-        return await self.dial(await self._primary())
+        conn = await self.dialer.open(address, on_push)
+        if self._closed:
+            conn.close()
+            raise RedisConnectionError("The client is closed.")
+        self._open.add(conn)
+        conn.lost.add_done_callback(lambda _: self._open.discard(conn))
+        return conn
 
     async def _primary(self) -> tuple[str, int]:
         return self.endpoint.host, self.endpoint.port
 
+    def _reusable(self) -> RespConnection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    def send_now(self, batch: Batch, done: Callable[[Any], None]) -> bool:
+        """Send ``batch`` at once on an idle connection; ``done`` gets ``(replies, -1)`` or
+        the failure (an exception). ``False`` (nothing sent) when none is idle."""
+        conn = self._reusable()
+        if conn is None:
+            return False
+        self._send(conn, batch, None, done)
+        return True
+
     async def execute(self, batch: Batch, wait: tuple[int, int] | None) -> tuple[list[Any], int]:
         """Replies (or reply errors) of ``batch`` in one round trip, and the replicas that
         acknowledged its writes (``wait``: ``(replicas, ms)``; -1 when not asked)."""
+        conn = self._reusable() or await self.dial(await self._primary())
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def done(result: Any) -> None:
+            if not future.done():
+                future.set_result(result)
+
+        self._send(conn, batch, wait, done)
+        try:
+            result = await future
+        except BaseException:
+            conn.close()  # cancelled half-way: its replies would answer the next batch
+            raise
+        if isinstance(result, BaseException):
+            raise result
+        return result  # type: ignore[no-any-return]
+
+    def _send(
+        self,
+        conn: RespConnection,
+        batch: Batch,
+        wait: tuple[int, int] | None,
+        done: Callable[[Any], None],
+    ) -> None:
         commands = batch.commands
         waiting = wait is not None and bool(batch.durable)
         packed = b"".join([pack(args) for args in commands])
         count = len(commands)
         if waiting:
-            assert wait is not None
-            packed += pack(("WAIT", *wait))
+            packed += pack(("WAIT", *(wait or ())))
             count += 1
-        conn = await self._connection()
-        futures = conn.request(packed, count)
         # A batch unanswered this long: the connection is dead (a half-open socket).
         stalled = RedisTimeoutError(f"Timeout reading from {conn.where}")
         timer = asyncio.get_running_loop().call_later(CONNECT_TIMEOUT, conn.close, stalled)
-        try:
-            replies = [await future for future in futures]
-        except BaseException:
-            conn.close()  # cancelled half-way: its replies would answer the next batch
-            raise
-        finally:
+
+        def finished(replies: list[Any] | None, error: BaseException | None) -> None:
             timer.cancel()
-        self._keep(conn, replies)
-        if not waiting:
-            return replies, -1
-        return replies[:-1], acked(replies[-1])
+            if replies is None:
+                done(error or RedisConnectionError("Connection lost."))
+                return
+            self._keep(conn, replies)
+            done((replies[:-1], acked(replies[-1])) if waiting else (replies, -1))
+
+        try:
+            conn.call(packed, count, finished)
+        except RedisConnectionError as exc:
+            timer.cancel()
+            done(exc)
 
     def _keep(self, conn: RespConnection, replies: list[Any]) -> None:
         """Reuse ``conn`` (unless the client closed meanwhile, or it reached a replica)."""
@@ -149,8 +190,8 @@ class Standalone:
     async def aclose(self) -> None:
         """Close every connection."""
         self._closed = True
-        idle, self._idle = self._idle, []
-        for conn in idle:
+        self._idle = []
+        for conn in list(self._open):
             conn.close()
 
 

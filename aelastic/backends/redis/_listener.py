@@ -1,0 +1,214 @@
+"""The pub/sub listener of one Redis client: the runs' channels, and their watches.
+
+How it works: the listener task keeps one subscriber connection (:mod:`._resp`) to the
+server (the primary the sentinels name now, or a cluster node) subscribed to the channel of
+every run in use, and feeds each run's :class:`~aelastic.backends._watch.RunWatch`:
+``s<status JSON>`` messages become status news, ``k<key>`` messages wake the waiters of a
+store key. So a round transition costs one message per process however many nodes wait,
+and a heartbeat costs none. Messages are handled as the connection parses them (no task
+per message). The listener pings the server after an idle interval, reconnects with backoff
+(to the primary the sentinels name now, or to another cluster node), resubscribes, and
+tells every watch when notifications were lost (their waiters re-check with the server
+once resubscribed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import anyio
+from redis.exceptions import RedisClusterException, RedisError
+
+from ...core.state import Status
+from ...core.wire import WireError, status_from_json
+from .._watch import RunWatch
+from ._endpoint import STANDALONE
+from ._resp import CONNECT_TIMEOUT, RespConnection, pack
+from ._servers import Standalone
+
+__all__ = ["Listener"]
+
+log = logging.getLogger("aelastic.backends.redis")
+
+
+class Listener:
+    """The channels one client listens to (see the module docstring).
+
+    Args:
+        server: Where to subscribe.
+        health_interval: Idle seconds after which the listener pings the server.
+    """
+
+    def __init__(self, server: Standalone, health_interval: float) -> None:
+        self._server = server
+        self._endpoint = server.endpoint
+        self._health_interval = health_interval
+        #: Where the listener is subscribed (host, port), while it is.
+        self.subscribed_at: tuple[str, int] | None = None
+        #: Whether the last attempt to subscribe failed (and no later one succeeded).
+        self.failing = False
+        #: The subscriber connection, while there is one.
+        self.conn: RespConnection | None = None
+        self._watches: dict[bytes, tuple[RunWatch, int]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._sent: set[bytes] = set()
+        self._unacked: dict[bytes, int] = {}  # (UN)SUBSCRIBEs sent, not yet confirmed
+
+    def watch(self, channel: str) -> RunWatch:
+        """The watch of ``channel``, subscribed (or being subscribed) by the listener."""
+        key = channel.encode()
+        entry = self._watches.get(key)
+        watch = RunWatch() if entry is None else entry[0]
+        self._watches[key] = (watch, 1 if entry is None else entry[1] + 1)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._listen(), name=f"aelastic-redis-listener-{self._endpoint.display}"
+            )
+        self._send("SUBSCRIBE", key)
+        return watch
+
+    def unwatch(self, channel: str, watch: RunWatch) -> None:
+        """Drop one user of ``watch``; unsubscribe when it was the last."""
+        key = channel.encode()
+        entry = self._watches.get(key)
+        if entry is None or entry[0] is not watch:
+            return
+        if entry[1] > 1:
+            self._watches[key] = (watch, entry[1] - 1)
+            return
+        del self._watches[key]
+        watch.on_lost()
+        self._send("UNSUBSCRIBE", key)
+
+    def _send(self, command: str, channel: bytes) -> None:
+        conn = self.conn
+        subscribing = command == "SUBSCRIBE"
+        if conn is None or (channel in self._sent) == subscribing:
+            return  # not connected (the listener subscribes on connect) or nothing to do
+        (self._sent.add if subscribing else self._sent.discard)(channel)
+        self._unacked[channel] = self._unacked.get(channel, 0) + 1
+        conn.send(pack((command, channel)))
+
+    async def aclose(self) -> None:
+        """Stop listening; every watch is told that notifications stopped."""
+        for watch, _ in list(self._watches.values()):
+            watch.on_lost()
+        self._watches.clear()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+
+    # -- the task -------------------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        delay = 0.05
+        while True:
+            conn: RespConnection | None = None
+            try:
+                if self._endpoint.kind == STANDALONE:
+                    address = await self._server.pubsub_address()
+                else:
+                    with anyio.fail_after(CONNECT_TIMEOUT):  # never swallows a cancellation
+                        address = await self._server.pubsub_address()
+                conn = await self._server.dial(address, self._dispatch)
+                self._sent = set(self._watches)
+                self._unacked = dict.fromkeys(self._sent, 1)
+                if self._sent:
+                    conn.send(pack(("SUBSCRIBE", *self._sent)))
+                self.conn = conn
+                self.subscribed_at = address
+                if self.failing:
+                    log.info("pub/sub at %s is back", self._where(address))
+                self.failing = False
+                delay = 0.05
+                await self._read(conn)
+            except Exception as exc:
+                trouble = RedisError | RedisClusterException | OSError | asyncio.TimeoutError
+                if not isinstance(exc, trouble):
+                    log.exception("pub/sub listener at %s failed", self._endpoint.display)
+                elif not self.failing:
+                    log.warning(
+                        "pub/sub at %s failed (%s); waiters re-read on the safety-net period "
+                        "until it is back",
+                        self._endpoint.display,
+                        self._server.describe(exc),  # (redis-py's Sentinel errors: a page)
+                    )
+                self.failing = True
+            finally:
+                self.conn = None
+                self.subscribed_at = None
+                self._sent = set()
+                self._unacked = {}
+                for watch, _ in list(self._watches.values()):
+                    watch.on_lost()
+                if conn is not None:
+                    conn.close()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _where(self, address: tuple[str, int]) -> str:
+        if self._endpoint.kind == STANDALONE:
+            return self._endpoint.display
+        host = f"[{address[0]}]" if ":" in address[0] else address[0]
+        return f"{self._endpoint.display} (node {host}:{address[1]})"
+
+    async def _read(self, conn: RespConnection) -> None:
+        """Until ``conn`` is lost (its messages go to :meth:`_dispatch` as they come); a
+        ``PING`` after an idle interval, and the connection counts as lost when nothing
+        answers it within another."""
+        loop = asyncio.get_running_loop()
+        interval = self._health_interval
+        pinged_at: float | None = None
+        while True:
+            if pinged_at is not None and conn.received_at >= pinged_at:
+                pinged_at = None  # answered
+            due = (conn.received_at if pinged_at is None else pinged_at) + interval
+            now = loop.time()
+            if now < due:
+                done, _ = await asyncio.wait({conn.lost}, timeout=due - now)
+                if done:
+                    raise conn.lost.result()
+                continue
+            if pinged_at is not None:
+                raise asyncio.TimeoutError("no answer to PING")
+            pinged_at = now
+            conn.ping()
+
+    def _dispatch(self, response: Any) -> None:
+        if not isinstance(response, list) or len(response) < 2:
+            return
+        kind, channel = response[0], response[1]
+        if kind in (b"subscribe", b"unsubscribe"):
+            # Only the confirmation of the last (un)subscription sent counts: an old
+            # "subscribe" must not mark a channel live that was unsubscribed since.
+            left = self._unacked.get(channel, 0) - 1
+            if left > 0:
+                self._unacked[channel] = left
+                return
+            self._unacked.pop(channel, None)
+        entry = self._watches.get(channel)
+        if entry is None:
+            return
+        watch = entry[0]
+        if kind == b"message" and len(response) == 3:
+            _deliver(watch, response[2])
+        elif kind == b"subscribe":
+            watch.on_live()
+
+
+def _deliver(watch: RunWatch, payload: bytes) -> None:
+    """One message of a run's channel: a status change, or a store key written."""
+    kind, body = payload[:1], payload[1:]
+    if kind == b"k":
+        watch.on_key(body)
+    elif kind == b"s":
+        try:
+            status: Status = status_from_json(json.loads(body))
+        except (ValueError, WireError):
+            log.warning("ignored a malformed notification on a run's channel")
+            return
+        watch.on_status(status)
