@@ -6,16 +6,89 @@ awaited before it returns: nothing is left running, and cancelling the caller ca
 all. When several end in the same turn of the loop, the earliest in the argument list wins
 (callers list the work before the watcher, so finished work is never thrown away). An error
 is re-raised as it is, not wrapped in an exception group.
+
+Two cheaper pieces for the paths every rendezvous node takes at each heartbeat and each
+wait (a task group cost ~250 µs of CPU per race, anyio's deadline ~20 µs per beat, measured
+with 1,000 nodes in one process): :class:`Signal`, an event that also hands out a future (a
+wait can then race it without a task of its own), and :func:`fail_after`, asyncio's own
+deadline where Python has it (3.11+; anyio's before).
 """
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
 
-__all__ = ["first_of"]
+__all__ = ["Signal", "fail_after", "first_of"]
+
+
+def fail_after(seconds: float) -> AbstractAsyncContextManager[Any]:
+    """A deadline: the block is cancelled after ``seconds`` and ``TimeoutError`` raised (a
+    cancellation from outside is never swallowed). Use with ``async with``."""
+    if sys.version_info >= (3, 11):
+        return asyncio.timeout(seconds)
+    return _AnyioDeadline(seconds)  # pragma: no cover (Python 3.10)
+
+
+class _AnyioDeadline:  # pragma: no cover (Python 3.10)
+    def __init__(self, seconds: float) -> None:
+        self._scope = anyio.fail_after(seconds)
+
+    async def __aenter__(self) -> None:
+        self._scope.__enter__()
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return self._scope.__exit__(*exc_info)
+
+
+class Signal:
+    """An ``asyncio.Event`` (``set``, ``clear``, ``is_set``, ``wait``) that also gives a
+    future resolved when it is set (:meth:`future`), to race it without a task."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._futures: set[asyncio.Future[None]] = set()
+
+    def is_set(self) -> bool:
+        """Whether it is set."""
+        return self._set
+
+    def set(self) -> None:
+        """Set it: every waiter wakes."""
+        self._set = True
+        futures, self._futures = self._futures, set()
+        for future in futures:
+            if not future.done():
+                future.set_result(None)
+
+    def clear(self) -> None:
+        """Unset it."""
+        self._set = False
+
+    def future(self) -> asyncio.Future[None]:
+        """A future resolved when it is set (at once if it is); cancel it when done with it."""
+        future = asyncio.get_running_loop().create_future()
+        if self._set:
+            future.set_result(None)
+        else:
+            self._futures.add(future)
+            future.add_done_callback(self._futures.discard)
+        return future
+
+    async def wait(self) -> None:
+        """Until it is set."""
+        if self._set:
+            return
+        future = self.future()
+        try:
+            await future
+        finally:
+            future.cancel()
 
 
 async def first_of(*calls: Callable[[], Awaitable[Any]]) -> tuple[int, Any]:

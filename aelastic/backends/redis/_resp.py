@@ -59,16 +59,37 @@ def pack(args: Sequence[Any]) -> bytes:
     """One command in the protocol's form (``str`` as UTF-8, ``int`` and ``float`` as text)."""
     out = [b"*%d\r\n" % len(args)]
     for arg in args:
-        if isinstance(arg, bytes):
-            data = arg
+        kind = type(arg)
+        if kind is str or kind is int:
+            part = _PARTS.get(arg)
+            if part is None:
+                part = _part(arg.encode() if kind is str else b"%d" % arg)
+                if len(part) < 256:  # names, keys, script ids, small numbers recur
+                    if len(_PARTS) >= _PARTS_SIZE:
+                        _PARTS.clear()
+                    _PARTS[arg] = part
+            out.append(part)
+        elif kind is bytes:
+            out.append(_part(arg))
         elif isinstance(arg, str):
-            data = arg.encode()
+            out.append(_part(arg.encode()))
+        elif isinstance(arg, bytes | bytearray | memoryview):
+            out.append(_part(bytes(arg)))
         elif isinstance(arg, int | float) and not isinstance(arg, bool):
-            data = repr(arg).encode()
+            out.append(_part(repr(arg).encode()))
         else:
             raise TypeError(f"cannot send {type(arg).__name__} to Redis")
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
+
+
+def _part(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+#: Encoded arguments seen before (``str`` and ``int`` only; emptied when it holds
+#: :data:`_PARTS_SIZE`).
+_PARTS: dict[Any, bytes] = {}
+_PARTS_SIZE = 4096
 
 
 class _Incomplete(Exception):
