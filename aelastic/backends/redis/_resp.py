@@ -148,16 +148,22 @@ Done = Callable[[list[Any] | None, BaseException | None], None]
 
 
 class _Call:
-    __slots__ = ("count", "done", "replies")
+    __slots__ = ("count", "done", "replies", "sent_at")
 
-    def __init__(self, count: int, done: Done) -> None:
+    def __init__(self, count: int, done: Done, sent_at: float) -> None:
         self.count = count
         self.done = done
+        self.sent_at = sent_at
         self.replies: list[Any] = []
 
 
 class RespConnection(asyncio.Protocol):
     """One connection to a Redis server (see the module docstring).
+
+    A call unanswered for :data:`CONNECT_TIMEOUT` seconds means a dead connection (a
+    half-open socket): it is closed, and its calls fail with a timeout. One watchdog timer
+    per connection checks that (armed when a call goes out and none is armed), not one timer
+    per call.
 
     Args:
         where: ``host:port``, for messages.
@@ -170,6 +176,7 @@ class RespConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._calls: collections.deque[_Call] = collections.deque()
+        self._watchdog: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
         #: Resolved (with the reason) once the connection is lost.
         self.lost: asyncio.Future[BaseException] = self._loop.create_future()
@@ -229,8 +236,23 @@ class RespConnection(asyncio.Protocol):
         """
         if self.lost.done() or self._transport is None:
             raise RedisConnectionError(f"Connection to {self.where} is closed.")
-        self._calls.append(_Call(count, done))
+        now = self._loop.time()
+        self._calls.append(_Call(count, done, now))
+        if self._watchdog is None:
+            self._watchdog = self._loop.call_at(now + CONNECT_TIMEOUT, self._check)
         self._transport.write(packed)
+
+    def _check(self) -> None:
+        """The watchdog: close when the oldest call waited too long, else look again when
+        it would have."""
+        self._watchdog = None
+        if not self._calls or self.lost.done():
+            return
+        due = self._calls[0].sent_at + CONNECT_TIMEOUT
+        if self._loop.time() >= due:
+            self.close(RedisTimeoutError(f"Timeout reading from {self.where}"))
+        else:
+            self._watchdog = self._loop.call_at(due, self._check)
 
     async def request(self, packed: bytes, count: int) -> list[Any]:
         """:meth:`call`, awaited: the replies (a lost connection raises its reason)."""
@@ -279,6 +301,9 @@ class RespConnection(asyncio.Protocol):
             self.close(exc)
 
     def _fail(self, reason: BaseException) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if not self.lost.done():
             self.lost.set_result(reason)
         while self._calls:

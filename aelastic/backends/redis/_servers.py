@@ -40,7 +40,6 @@ from redis.exceptions import (
     ResponseError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._endpoint import CLUSTER, SENTINEL, RedisEndpoint
 from ._resp import CONNECT_TIMEOUT, Dialer, RespConnection, pack
@@ -142,12 +141,8 @@ class Standalone:
         if waiting:
             packed += pack(("WAIT", *(wait or ())))
             count += 1
-        # A batch unanswered this long: the connection is dead (a half-open socket).
-        stalled = RedisTimeoutError(f"Timeout reading from {conn.where}")
-        timer = asyncio.get_running_loop().call_later(CONNECT_TIMEOUT, conn.close, stalled)
 
         def finished(replies: list[Any] | None, error: BaseException | None) -> None:
-            timer.cancel()
             if replies is None:
                 done(error or RedisConnectionError("Connection lost."))
                 return
@@ -155,9 +150,8 @@ class Standalone:
             done((replies[:-1], acked(replies[-1])) if waiting else (replies, -1))
 
         try:
-            conn.call(packed, count, finished)
+            conn.call(packed, count, finished)  # (a dead connection: see its watchdog)
         except RedisConnectionError as exc:
-            timer.cancel()
             done(exc)
 
     def _keep(self, conn: RespConnection, replies: list[Any]) -> None:
