@@ -27,14 +27,18 @@ __all__ = ["RunWatch"]
 class _Waiter:
     __slots__ = ("future", "keys", "token")
 
-    def __init__(self, future: asyncio.Future[None], token: Token, keys: frozenset[bytes]):
+    def __init__(self, future: asyncio.Future[bool], token: Token, keys: frozenset[bytes]):
         self.future = future
         self.token = token
         self.keys = keys
 
     def wake(self) -> None:
         if not self.future.done():
-            self.future.set_result(None)
+            self.future.set_result(True)
+
+    def time_out(self) -> None:
+        if not self.future.done():
+            self.future.set_result(False)
 
 
 class RunWatch:
@@ -190,10 +194,14 @@ class RunWatch:
 
     @staticmethod
     async def _wait(waiter: _Waiter, period: float | None) -> bool:
+        """Whether ``waiter`` was woken (``False``: ``period`` passed first). One timer, no
+        task: every waiting node of a process sleeps here."""
         if waiter.future.done():
             return True
         if period is None:
-            await waiter.future
-            return True
-        done, _ = await asyncio.wait({waiter.future}, timeout=period)
-        return bool(done)
+            return await waiter.future
+        timer = asyncio.get_running_loop().call_later(period, waiter.time_out)
+        try:
+            return await waiter.future
+        finally:
+            timer.cancel()

@@ -9,8 +9,8 @@ is re-raised as it is, not wrapped in an exception group.
 
 Two cheaper pieces for the paths every rendezvous node takes at each heartbeat and each
 wait (a task group cost ~250 µs of CPU per race, anyio's deadline ~20 µs per beat, measured
-with 1,000 nodes in one process): :class:`Signal`, an event that also hands out a future (a
-wait can then race it without a task of its own), and :func:`fail_after`, asyncio's own
+with 1,000 nodes in one process): :class:`Signal`, an event that can also resolve a future
+(a wait can then race it without a task of its own), and :func:`fail_after`, asyncio's own
 deadline where Python has it (3.11+; anyio's before).
 """
 
@@ -47,8 +47,8 @@ class _AnyioDeadline:  # pragma: no cover (Python 3.10)
 
 
 class Signal:
-    """An ``asyncio.Event`` (``set``, ``clear``, ``is_set``, ``wait``) that also gives a
-    future resolved when it is set (:meth:`future`), to race it without a task."""
+    """An ``asyncio.Event`` (``set``, ``clear``, ``is_set``, ``wait``) that can also resolve
+    a future of the caller's when it is set (:meth:`add`), to race it without a task."""
 
     def __init__(self) -> None:
         self._set = False
@@ -70,25 +70,28 @@ class Signal:
         """Unset it."""
         self._set = False
 
-    def future(self) -> asyncio.Future[None]:
-        """A future resolved when it is set (at once if it is); cancel it when done with it."""
-        future = asyncio.get_running_loop().create_future()
+    def add(self, future: asyncio.Future[None]) -> None:
+        """Resolve ``future`` when it is set (at once if it is); :meth:`discard` it after."""
         if self._set:
-            future.set_result(None)
+            if not future.done():
+                future.set_result(None)
         else:
             self._futures.add(future)
-            future.add_done_callback(self._futures.discard)
-        return future
+
+    def discard(self, future: asyncio.Future[None]) -> None:
+        """Forget ``future``."""
+        self._futures.discard(future)
 
     async def wait(self) -> None:
         """Until it is set."""
         if self._set:
             return
-        future = self.future()
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._futures.add(future)
         try:
             await future
         finally:
-            future.cancel()
+            self._futures.discard(future)
 
 
 async def first_of(*calls: Callable[[], Awaitable[Any]]) -> tuple[int, Any]:

@@ -300,27 +300,30 @@ class NodeRequests:
         node's own requests bring news; or ``until`` is set)."""
         if isinstance(self._clock, SystemClock) and until is None:
             status = await self._wait_or_news(token, within, news)
-        else:  # the timeout runs on the clock (a test's), the change on the backend
-            backend = self._backend
-
-            async def change() -> Status | None:
-                with self.reporting():
-                    return await backend.wait_for_change(token, None)
-
-            calls: list[Callable[[], Awaitable[Any]]] = [
-                change,
-                lambda: self._clock.sleep(within),
-            ]
-            if news:
-                calls.append(self._news.wait)
-            if until is not None:
-                calls.append(until.wait)
-            index, status = await first_of(*calls)
-            status = status if index == 0 else None
+        else:
+            status = await self._wait_on_clock(token, within, news, until)
         if status is not None:
             if not news:
                 self.stats.wakeups += 1
             self._note(status)
+
+    async def _wait_on_clock(
+        self, token: str, within: float, news: bool, until: asyncio.Event | None
+    ) -> Status | None:
+        """The timeout runs on the clock (a test's), the change on the backend."""
+        backend = self._backend
+
+        async def change() -> Status | None:
+            with self.reporting():
+                return await backend.wait_for_change(token, None)
+
+        calls: list[Callable[[], Awaitable[Any]]] = [change, lambda: self._clock.sleep(within)]
+        if news:
+            calls.append(self._news.wait)
+        if until is not None:
+            calls.append(until.wait)
+        index, status = await first_of(*calls)
+        return status if index == 0 else None
 
     async def _backend_wait(self, token: str, within: float) -> Status | None:
         if self.hub.listened:
@@ -334,15 +337,23 @@ class NodeRequests:
         task group (this runs at every ``watch()`` of every node)."""
         if not news:
             return await self._backend_wait(token, within)
-        change = asyncio.get_running_loop().create_task(self._backend_wait(token, within))
-        flag = self._news.future()
+        loop = asyncio.get_running_loop()
+        change = loop.create_task(self._backend_wait(token, within))
+        woken: asyncio.Future[None] = loop.create_future()  # by the change or the news
+
+        def wake(_: object) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        change.add_done_callback(wake)
+        self._news.add(woken)
         try:
-            await asyncio.wait((change, flag), return_when=asyncio.FIRST_COMPLETED)
+            await woken
         except BaseException:
-            flag.cancel()
             await _settle(change)
             raise
-        flag.cancel()
+        finally:
+            self._news.discard(woken)
         if not change.done():  # news came first
             await _settle(change)
             return None

@@ -16,7 +16,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from .._watch import RunWatch
@@ -67,7 +66,6 @@ class RedisClient:
         self._wait_paused_until = 0.0
         self._replicas_short = False
         self.listener = Listener(self.server, health_interval)
-        self._loading: asyncio.Future[None] | None = None
         self._pending: list[_Pending] = []
         self._batches: set[asyncio.Task[None]] = set()
 
@@ -193,17 +191,6 @@ class RedisClient:
             )
         self._replicas_short = True
 
-    async def load_scripts(self, scripts: Iterable[str]) -> None:
-        """Load ``scripts`` into the server's script cache (one load at a time per client)."""
-        loading = self._loading
-        if loading is None or loading.done():
-            loading = self._loading = asyncio.ensure_future(self._load(list(scripts)))
-        await asyncio.shield(loading)
-
-    async def _load(self, scripts: list[str]) -> None:
-        async with self._slots:
-            await self.server.load_scripts(scripts)
-
     # -- runs -----------------------------------------------------------------------------
 
     async def watch(self, channel: str) -> RunWatch:
@@ -218,9 +205,6 @@ class RedisClient:
         """Stop the listener and close every connection."""
         await self.listener.aclose()
         tasks = list(self._batches)
-        loading, self._loading = self._loading, None
-        if loading is not None:
-            tasks.append(loading)  # type: ignore[arg-type]
         for task in tasks:
             task.cancel()
         for task in tasks:

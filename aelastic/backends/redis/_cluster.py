@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 from redis._parsers import AsyncCommandsParser
@@ -87,11 +86,6 @@ class Cluster(Standalone):
         if not nodes:
             return replies, -1
         return replies[:count], min(acked(reply) for reply in replies[count:])
-
-    async def load_scripts(self, scripts: Iterable[str]) -> None:
-        await self.redis.initialize()
-        for src in scripts:
-            await self.redis.script_load(src)  # on every primary
 
     async def pubsub_address(self) -> tuple[str, int]:
         """The next node of the cluster (the nodes given when none is known)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -157,26 +158,21 @@ class Listener:
         return f"{self._endpoint.display} (node {host}:{address[1]})"
 
     async def _read(self, conn: RespConnection) -> None:
-        """Until ``conn`` is lost (its messages go to :meth:`_dispatch` as they come); a
-        ``PING`` after an idle interval, and the connection counts as lost when nothing
-        answers it within another."""
-        loop = asyncio.get_running_loop()
-        interval = self._health_interval
-        pinged_at: float | None = None
-        while True:
-            if pinged_at is not None and conn.received_at >= pinged_at:
-                pinged_at = None  # answered
-            due = (conn.received_at if pinged_at is None else pinged_at) + interval
-            now = loop.time()
-            if now < due:
-                done, _ = await asyncio.wait({conn.lost}, timeout=due - now)
-                if done:
-                    raise conn.lost.result()
-                continue
-            if pinged_at is not None:
-                raise asyncio.TimeoutError("no answer to PING")
-            pinged_at = now
-            conn.ping()
+        """Until ``conn`` is lost (its messages go to :meth:`_dispatch` as they come), or
+        silent: a ``PING`` after an idle interval, and the connection counts as lost when
+        nothing answers it within another. A timer checks (no task wakes meanwhile)."""
+        ended: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+        def end(reason: BaseException) -> None:
+            if not ended.done():
+                ended.set_result(reason)
+
+        conn.on_lost(end)
+        liveness = _Liveness(conn, self._health_interval, end)
+        try:
+            raise await ended
+        finally:
+            liveness.stop()
 
     def _dispatch(self, response: Any) -> None:
         if not isinstance(response, list) or len(response) < 2:
@@ -198,6 +194,39 @@ class Listener:
             _deliver(watch, response[2])
         elif kind == b"subscribe":
             watch.on_live()
+
+
+class _Liveness:
+    """Pings ``conn`` after ``interval`` idle seconds; ``end`` when no answer came within
+    another interval."""
+
+    def __init__(
+        self, conn: RespConnection, interval: float, end: Callable[[BaseException], None]
+    ) -> None:
+        self._conn = conn
+        self._interval = interval
+        self._end = end
+        self._loop = asyncio.get_running_loop()
+        self._pinged_at: float | None = None
+        self._timer = self._loop.call_at(conn.received_at + interval, self._check)
+
+    def _check(self) -> None:
+        conn, pinged_at = self._conn, self._pinged_at
+        if pinged_at is not None and conn.received_at >= pinged_at:
+            pinged_at = self._pinged_at = None  # answered
+        due = (conn.received_at if pinged_at is None else pinged_at) + self._interval
+        now = self._loop.time()
+        if now < due:
+            self._timer = self._loop.call_at(due, self._check)
+        elif pinged_at is not None:
+            self._end(asyncio.TimeoutError("no answer to PING"))
+        else:
+            self._pinged_at = now
+            conn.ping()
+            self._timer = self._loop.call_at(now + self._interval, self._check)
+
+    def stop(self) -> None:
+        self._timer.cancel()
 
 
 def _deliver(watch: RunWatch, payload: bytes) -> None:

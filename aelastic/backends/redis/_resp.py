@@ -31,10 +31,9 @@ import asyncio
 import collections
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from redis._parsers.base import BaseParser
 from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
@@ -43,6 +42,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ._codec import PING, Incomplete, pack, parse
 from ._endpoint import RedisEndpoint
 
 __all__ = ["CONNECT_TIMEOUT", "Dialer", "Done", "RespConnection", "pack"]
@@ -50,98 +50,6 @@ __all__ = ["CONNECT_TIMEOUT", "Dialer", "Done", "RespConnection", "pack"]
 #: Seconds to open a connection (TCP, TLS, AUTH) before that attempt counts as failed, and
 #: to wait for the replies of a batch before its connection counts as dead.
 CONNECT_TIMEOUT = 10.0
-
-_CRLF = b"\r\n"
-_PING = b"*1\r\n$4\r\nPING\r\n"
-
-
-def pack(args: Sequence[Any]) -> bytes:
-    """One command in the protocol's form (``str`` as UTF-8, ``int`` and ``float`` as text)."""
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        kind = type(arg)
-        if kind is str or kind is int:
-            part = _PARTS.get(arg)
-            if part is None:
-                part = _part(arg.encode() if kind is str else b"%d" % arg)
-                if len(part) < 256:  # names, keys, script ids, small numbers recur
-                    if len(_PARTS) >= _PARTS_SIZE:
-                        _PARTS.clear()
-                    _PARTS[arg] = part
-            out.append(part)
-        elif kind is bytes:
-            out.append(_part(arg))
-        elif isinstance(arg, str):
-            out.append(_part(arg.encode()))
-        elif isinstance(arg, bytes | bytearray | memoryview):
-            out.append(_part(bytes(arg)))
-        elif isinstance(arg, int | float) and not isinstance(arg, bool):
-            out.append(_part(repr(arg).encode()))
-        else:
-            raise TypeError(f"cannot send {type(arg).__name__} to Redis")
-    return b"".join(out)
-
-
-def _part(data: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(data), data)
-
-
-#: Encoded arguments seen before (``str`` and ``int`` only; emptied when it holds
-#: :data:`_PARTS_SIZE`).
-_PARTS: dict[Any, bytes] = {}
-_PARTS_SIZE = 4096
-
-
-class _Incomplete(Exception):
-    """The buffer ends inside a reply."""
-
-
-def _parse(buf: bytearray, pos: int) -> tuple[Any, int]:
-    """The reply starting at ``pos`` and where the next one starts.
-
-    Raises:
-        _Incomplete: More bytes are needed.
-        InvalidResponse: The bytes are not the Redis protocol.
-    """
-    end = buf.find(_CRLF, pos)
-    if end < 0:
-        if len(buf) - pos > 65536:  # no reply header is that long
-            raise InvalidResponse(f"Protocol Error: {bytes(buf[pos : pos + 60])!r}")
-        raise _Incomplete
-    kind = buf[pos]
-    nxt = end + 2
-    if kind == 36:  # $ bulk string
-        size = _int(buf, pos, end)
-        if size < 0:
-            return None, nxt
-        if len(buf) < nxt + size + 2:
-            raise _Incomplete
-        return bytes(buf[nxt : nxt + size]), nxt + size + 2
-    if kind == 42:  # * array
-        count = _int(buf, pos, end)
-        if count < 0:
-            return None, nxt
-        items = []
-        for _ in range(count):
-            item, nxt = _parse(buf, nxt)
-            items.append(item)
-        return items, nxt
-    if kind == 58:  # : integer
-        return _int(buf, pos, end), nxt
-    if kind == 43:  # + simple string
-        return bytes(buf[pos + 1 : end]), nxt
-    if kind == 45:  # - error
-        said = buf[pos + 1 : end].decode("utf-8", "replace")
-        return BaseParser.parse_error(said), nxt  # type: ignore[no-untyped-call]
-    raise InvalidResponse(f"Protocol Error: {bytes(buf[pos:end])!r}")
-
-
-def _int(buf: bytearray, pos: int, end: int) -> int:
-    try:
-        return int(buf[pos + 1 : end])
-    except ValueError:
-        raise InvalidResponse(f"Protocol Error: {bytes(buf[pos:end])!r}") from None
-
 
 #: Called with a request's replies, or with why the connection was lost before they came.
 Done = Callable[[list[Any] | None, BaseException | None], None]
@@ -178,8 +86,9 @@ class RespConnection(asyncio.Protocol):
         self._calls: collections.deque[_Call] = collections.deque()
         self._watchdog: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
-        #: Resolved (with the reason) once the connection is lost.
-        self.lost: asyncio.Future[BaseException] = self._loop.create_future()
+        #: Why the connection was lost (``None`` while it is not).
+        self.reason: BaseException | None = None
+        self._on_lost: list[Callable[[BaseException], None]] = []
         #: The loop's time when bytes last arrived.
         self.received_at = self._loop.time()
 
@@ -196,9 +105,9 @@ class RespConnection(asyncio.Protocol):
         pos = 0
         try:
             while pos < len(buf):
-                reply, pos = _parse(buf, pos)
+                reply, pos = parse(buf, pos)
                 self._deliver(reply)
-        except _Incomplete:
+        except Incomplete:
             pass
         except InvalidResponse as exc:
             self.close(exc)
@@ -223,7 +132,7 @@ class RespConnection(asyncio.Protocol):
     @property
     def closed(self) -> bool:
         """Whether the connection is lost (or being closed)."""
-        return self.lost.done()
+        return self.reason is not None
 
     def call(self, packed: bytes, count: int, done: Done) -> None:
         """Send ``count`` packed commands; ``done(replies, None)`` once every reply came (in
@@ -234,7 +143,7 @@ class RespConnection(asyncio.Protocol):
         Raises:
             redis.exceptions.ConnectionError: The connection is lost.
         """
-        if self.lost.done() or self._transport is None:
+        if self.reason is not None or self._transport is None:
             raise RedisConnectionError(f"Connection to {self.where} is closed.")
         now = self._loop.time()
         self._calls.append(_Call(count, done, now))
@@ -246,7 +155,7 @@ class RespConnection(asyncio.Protocol):
         """The watchdog: close when the oldest call waited too long, else look again when
         it would have."""
         self._watchdog = None
-        if not self._calls or self.lost.done():
+        if not self._calls or self.reason is not None:
             return
         due = self._calls[0].sent_at + CONNECT_TIMEOUT
         if self._loop.time() >= due:
@@ -271,12 +180,19 @@ class RespConnection(asyncio.Protocol):
 
     def send(self, packed: bytes) -> None:
         """Send commands whose replies go to ``on_push`` (a subscriber's)."""
-        if not self.lost.done() and self._transport is not None:
+        if self.reason is None and self._transport is not None:
             self._transport.write(packed)
 
     def ping(self) -> None:
         """Send a ``PING`` (a subscriber's liveness check; the answer goes to ``on_push``)."""
-        self.send(_PING)
+        self.send(PING)
+
+    def on_lost(self, hook: Callable[[BaseException], None]) -> None:
+        """Call ``hook(reason)`` when the connection is lost (at once if it is)."""
+        if self.reason is not None:
+            hook(self.reason)
+        else:
+            self._on_lost.append(hook)
 
     def close(self, reason: BaseException | None = None) -> None:
         """Close the connection; pending replies fail with ``reason``."""
@@ -304,10 +220,15 @@ class RespConnection(asyncio.Protocol):
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        if not self.lost.done():
-            self.lost.set_result(reason)
+        first = self.reason is None
+        if first:
+            self.reason = reason
         while self._calls:
             self._calls.popleft().done(None, reason)
+        if first:
+            hooks, self._on_lost = self._on_lost, []
+            for hook in hooks:
+                hook(reason)
         if self._transport is not None:
             self._transport.close()
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
@@ -85,7 +85,7 @@ class Standalone:
             conn.close()
             raise RedisConnectionError("The client is closed.")
         self._open.add(conn)
-        conn.lost.add_done_callback(lambda _: self._open.discard(conn))
+        conn.on_lost(lambda _: self._open.discard(conn))
         return conn
 
     async def _primary(self) -> tuple[str, int]:
@@ -160,14 +160,6 @@ class Standalone:
             conn.close()
         elif not conn.closed:
             self._idle.append(conn)
-
-    async def load_scripts(self, scripts: Iterable[str]) -> None:
-        """Load ``scripts`` into the script cache of the server(s) holding the keys."""
-        loads: list[tuple[Any, ...]] = [("SCRIPT", "LOAD", src) for src in scripts]
-        replies, _ = await self.execute(Batch(loads, [None] * len(loads), []), None)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
 
     async def pubsub_address(self) -> tuple[str, int]:
         """Where the listener subscribes next."""
