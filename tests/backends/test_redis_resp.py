@@ -208,3 +208,55 @@ async def test_a_subscriber_gets_every_reply_and_ends_on_an_error_reply(
     with anyio.fail_after(PROMPT):
         await lost.wait()
     assert isinstance(reasons[0], ResponseError) and not isinstance(reasons[0], WatchError)
+
+
+# -- one connection per client (RESP3) ------------------------------------------------------
+
+
+async def _one_node_joins_and_is_woken(
+    url: str, run_id: str, admin: str | None = None, **config: Any
+) -> int:
+    """A backend of its own joins, waits, is woken by another node's join; the number of
+    connections it held meanwhile."""
+    from aelastic import RendezvousParameters
+    from aelastic.backends.redis import create_backend
+    from aelastic.core.params import Rules
+    from aelastic.core.state import NodeDesc, Op, Request
+
+    rules = Rules(2, 2, last_call_ms=60_000, window_ms=60_000)
+    params = RendezvousParameters("redis", url, run_id, 2, 2, share_connections=0, **config)
+    first, second = create_backend(params), create_backend(params)
+    try:
+        with server_client(url, admin) as client:
+            before = len(client.client_list())
+            reply = await first.apply(Request(Op.JOIN, NodeDesc("10.0.0.1", 1, 0), rules))
+            waiting = asyncio.ensure_future(first.wait_for_change(reply.status.token, 30))
+            await asyncio.sleep(0.2)
+            held = len(client.client_list()) - before
+            await second.apply(Request(Op.JOIN, NodeDesc("10.0.0.2", 2, 0), rules))
+            with anyio.fail_after(PROMPT):
+                status = await waiting
+            assert status is not None and status.complete
+        return held
+    finally:
+        await first.aclose()
+        await second.aclose()
+
+
+def server_client(url: str, password: str | None) -> Any:
+    import redis
+
+    return redis.Redis.from_url(url, password=password, protocol=2)
+
+
+async def test_a_node_holds_one_connection_to_a_server_speaking_resp3(
+    server: RedisServer, run_id: str
+) -> None:
+    assert await _one_node_joins_and_is_woken(server.url, run_id) == 1
+
+
+async def test_a_server_without_hello_gets_two_connections(run_id: str) -> None:
+    """Before Redis 6 (or behind a proxy without it): RESP2, and the subscriber takes no
+    command, so commands have a connection of their own."""
+    with RedisServer(extra_args=("--rename-command", "HELLO", "")) as old:
+        assert await _one_node_joins_and_is_woken(old.url, run_id) == 2

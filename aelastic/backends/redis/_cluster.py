@@ -43,6 +43,8 @@ _CLUSTER_REFRESH = (RedisConnectionError, RedisTimeoutError, ClusterDownError, S
 class Cluster(Standalone):
     """A Redis Cluster. See the module docstring."""
 
+    combines = False  # commands go through redis-py's client, routed by slot
+
     def _command_client(self, max_connections: int) -> Any:
         options = connection_kwargs(self.endpoint)
         kwargs = {k: v for k, v in options.items() if k in _cluster_options()}

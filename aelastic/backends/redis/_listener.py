@@ -15,14 +15,17 @@ once resubscribed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import anyio
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 
+from ...core.race import fail_after
 from ...core.state import Status
 from ...core.wire import WireError, status_from_json
 from .._watch import RunWatch
@@ -33,6 +36,10 @@ from ._servers import Standalone
 __all__ = ["Listener"]
 
 log = logging.getLogger("aelastic.backends.redis")
+
+#: After (un)subscribing on a RESP3 connection: its answer marks the end of the replies.
+_MARK = b"aelastic:subscribed"
+_SYNC = pack(("PING", _MARK))
 
 
 class Listener:
@@ -57,6 +64,7 @@ class Listener:
         self._task: asyncio.Task[None] | None = None
         self._sent: set[bytes] = set()
         self._unacked: dict[bytes, int] = {}  # (UN)SUBSCRIBEs sent, not yet confirmed
+        self._confirmed: asyncio.Future[None] | None = None  # every channel subscribed
 
     def watch(self, channel: str) -> RunWatch:
         """The watch of ``channel``, subscribed (or being subscribed) by the listener."""
@@ -91,7 +99,18 @@ class Listener:
             return  # not connected (the listener subscribes on connect) or nothing to do
         (self._sent.add if subscribing else self._sent.discard)(channel)
         self._unacked[channel] = self._unacked.get(channel, 0) + 1
-        conn.send(pack((command, channel)))
+        if conn.protocol == 2:
+            conn.send(pack((command, channel)))
+            return
+        # RESP3: confirmed by a push, refused by a reply: a PING marks where it ends.
+
+        def confirmed(replies: list[Any] | None, error: BaseException | None) -> None:
+            refused = [reply for reply in replies or () if isinstance(reply, Exception)]
+            if refused:  # (its commands are retried elsewhere; the listener starts again)
+                conn.close(RedisConnectionError(f"pub/sub refused: {refused[0]}"))
+
+        with contextlib.suppress(RedisConnectionError):
+            conn.call(pack((command, channel)) + _SYNC, 0, confirmed, _MARK)
 
     async def aclose(self) -> None:
         """Stop listening; every watch is told that notifications stopped."""
@@ -115,11 +134,14 @@ class Listener:
                 else:
                     with anyio.fail_after(CONNECT_TIMEOUT):  # never swallows a cancellation
                         address = await self._server.pubsub_address()
-                conn = await self._server.dial(address, self._dispatch)
-                self._sent = set(self._watches)
-                self._unacked = dict.fromkeys(self._sent, 1)
-                if self._sent:
-                    conn.send(pack(("SUBSCRIBE", *self._sent)))
+                self._server.expect()
+                try:
+                    conn = await self._server.dial(address, self._dispatch, self._server.combines)
+                    await self._subscribe(conn)
+                except BaseException:
+                    self._server.adopt(None)
+                    raise
+                self._server.adopt(conn)  # for commands too, if RESP3
                 self.conn = conn
                 self.subscribed_at = address
                 if self.failing:
@@ -150,6 +172,29 @@ class Listener:
                     conn.close()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+    async def _subscribe(self, conn: RespConnection) -> None:
+        """Subscribe ``conn`` to every channel in use; RESP3: until each is confirmed (a
+        refusal, a reply when nothing else was asked, ends the connection)."""
+        self._sent = set(self._watches)
+        self._unacked = dict.fromkeys(self._sent, 1)
+        if not self._sent:
+            return
+        conn.send(pack(("SUBSCRIBE", *self._sent)))
+        if conn.protocol == 2:
+            return  # refused: the connection ends with the error reply
+        confirmed = self._confirmed = asyncio.get_running_loop().create_future()
+
+        def lost(reason: BaseException) -> None:
+            if not confirmed.done():
+                confirmed.set_exception(reason)
+
+        conn.on_lost(lost)
+        try:
+            async with fail_after(CONNECT_TIMEOUT):
+                await confirmed
+        finally:
+            self._confirmed = None
 
     def _where(self, address: tuple[str, int]) -> str:
         if self._endpoint.kind == STANDALONE:
@@ -186,6 +231,9 @@ class Listener:
                 self._unacked[channel] = left
                 return
             self._unacked.pop(channel, None)
+            confirmed = self._confirmed
+            if confirmed is not None and not self._unacked and not confirmed.done():
+                confirmed.set_result(None)
         entry = self._watches.get(channel)
         if entry is None:
             return

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import socket
 import sys
 from collections.abc import Callable
@@ -38,11 +39,12 @@ from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
     InvalidResponse,
+    RedisError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._codec import PING, Incomplete, pack, parse
+from ._codec import PING, Incomplete, Push, pack, parse
 from ._endpoint import RedisEndpoint
 
 __all__ = ["CONNECT_TIMEOUT", "Dialer", "Done", "RespConnection", "pack"]
@@ -56,12 +58,13 @@ Done = Callable[[list[Any] | None, BaseException | None], None]
 
 
 class _Call:
-    __slots__ = ("count", "done", "replies", "sent_at")
+    __slots__ = ("count", "done", "marker", "replies", "sent_at")
 
-    def __init__(self, count: int, done: Done, sent_at: float) -> None:
+    def __init__(self, count: int, done: Done, sent_at: float, marker: bytes | None) -> None:
         self.count = count
         self.done = done
         self.sent_at = sent_at
+        self.marker = marker
         self.replies: list[Any] = []
 
 
@@ -74,13 +77,19 @@ class RespConnection(asyncio.Protocol):
     per call.
 
     Args:
-        where: ``host:port``, for messages.
-        on_push: Makes it a subscriber: called with every reply.
+        address: The server's host and port.
+        on_push: Makes it a subscriber: called with every push (RESP3), or with every
+            reply (RESP2: a subscribed connection takes no other command).
     """
 
-    def __init__(self, where: str, on_push: Callable[[Any], None] | None = None) -> None:
-        self.where = where
+    def __init__(
+        self, address: tuple[str, int], on_push: Callable[[Any], None] | None = None
+    ) -> None:
+        self.address = address
+        self.where = f"{address[0]}:{address[1]}"
         self.on_push = on_push
+        #: The protocol spoken (3 after ``HELLO 3``): RESP3 carries commands and pushes.
+        self.protocol = 2
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._calls: collections.deque[_Call] = collections.deque()
@@ -134,10 +143,12 @@ class RespConnection(asyncio.Protocol):
         """Whether the connection is lost (or being closed)."""
         return self.reason is not None
 
-    def call(self, packed: bytes, count: int, done: Done) -> None:
+    def call(self, packed: bytes, count: int, done: Done, marker: bytes | None = None) -> None:
         """Send ``count`` packed commands; ``done(replies, None)`` once every reply came (in
         order; an error reply is an exception object), or ``done(None, reason)`` if the
-        connection is lost first. ``done`` runs in the protocol's callback: it must not
+        connection is lost first. With ``marker``, the call takes every reply up to one
+        equal to it (commands whose replies may or may not come, such as ``SUBSCRIBE`` on
+        RESP3, then ``PING marker``). ``done`` runs in the protocol's callback: it must not
         block or raise.
 
         Raises:
@@ -146,7 +157,7 @@ class RespConnection(asyncio.Protocol):
         if self.reason is not None or self._transport is None:
             raise RedisConnectionError(f"Connection to {self.where} is closed.")
         now = self._loop.time()
-        self._calls.append(_Call(count, done, now))
+        self._calls.append(_Call(count, done, now, marker))
         if self._watchdog is None:
             self._watchdog = self._loop.call_at(now + CONNECT_TIMEOUT, self._check)
         self._transport.write(packed)
@@ -163,7 +174,7 @@ class RespConnection(asyncio.Protocol):
         else:
             self._watchdog = self._loop.call_at(due, self._check)
 
-    async def request(self, packed: bytes, count: int) -> list[Any]:
+    async def request(self, packed: bytes, count: int, marker: bytes | None = None) -> list[Any]:
         """:meth:`call`, awaited: the replies (a lost connection raises its reason)."""
         future: asyncio.Future[list[Any]] = self._loop.create_future()
 
@@ -175,17 +186,21 @@ class RespConnection(asyncio.Protocol):
             else:
                 future.set_result(replies)
 
-        self.call(packed, count, done)
+        self.call(packed, count, done, marker)
         return await future
 
     def send(self, packed: bytes) -> None:
-        """Send commands whose replies go to ``on_push`` (a subscriber's)."""
+        """Send commands whose replies go to ``on_push`` (a RESP2 subscriber's)."""
         if self.reason is None and self._transport is not None:
             self._transport.write(packed)
 
     def ping(self) -> None:
-        """Send a ``PING`` (a subscriber's liveness check; the answer goes to ``on_push``)."""
-        self.send(PING)
+        """Send a ``PING`` (a subscriber's liveness check; its answer is dropped)."""
+        if self.protocol == 3:
+            with contextlib.suppress(RedisConnectionError):
+                self.call(PING, 1, _dropped)
+        else:
+            self.send(PING)  # the answer goes to on_push
 
     def on_lost(self, hook: Callable[[BaseException], None]) -> None:
         """Call ``hook(reason)`` when the connection is lost (at once if it is)."""
@@ -199,20 +214,27 @@ class RespConnection(asyncio.Protocol):
         self._fail(reason or RedisConnectionError(f"Connection to {self.where} is closed."))
 
     def _deliver(self, reply: Any) -> None:
-        if self.on_push is None:
+        on_push = self.on_push
+        if on_push is None or (self.protocol == 3 and type(reply) is not Push):
             if not self._calls:
+                if on_push is not None and isinstance(reply, Exception):
+                    self.close(reply)  # a RESP3 subscription refused (nothing else asked)
                 return
             call = self._calls[0]
             call.replies.append(reply)
-            if len(call.replies) == call.count:
+            if call.marker is None:
+                complete = len(call.replies) == call.count
+            else:
+                complete = reply == call.marker
+            if complete:
                 self._calls.popleft()
                 call.done(call.replies, None)
             return
-        if isinstance(reply, Exception):  # e.g. a subscription the ACL refused
+        if isinstance(reply, Exception):  # RESP2: e.g. a subscription the ACL refused
             self.close(reply)
             return
         try:
-            self.on_push(reply)
+            on_push(reply)
         except Exception as exc:  # the subscriber's owner sees it as the reason
             self.close(exc)
 
@@ -231,6 +253,10 @@ class RespConnection(asyncio.Protocol):
                 hook(reason)
         if self._transport is not None:
             self._transport.close()
+
+
+def _dropped(replies: list[Any] | None, error: BaseException | None) -> None:
+    pass
 
 
 async def _within(awaitable: Any, seconds: float) -> Any:
@@ -261,6 +287,13 @@ class Dialer:
             handshake.append(("SELECT", endpoint.db))
         self._handshake = handshake
         self._packed = b"".join(pack(c) for c in handshake)
+        # RESP3: HELLO logs in too; None until a server said whether it speaks it.
+        hello: tuple[Any, ...] = ("HELLO", 3)
+        if endpoint.password:
+            hello += ("AUTH", endpoint.username or "default", endpoint.password)
+        self._hello = pack(hello) + b"".join(pack(c) for c in handshake[self._auth :])
+        self._hello_count = 1 + len(handshake) - self._auth
+        self.resp3: bool | None = None
 
     def _ssl_context(self) -> Any:
         if self._ssl is None:
@@ -276,9 +309,13 @@ class Dialer:
         return self._ssl
 
     async def open(
-        self, address: tuple[str, int], on_push: Callable[[Any], None] | None = None
+        self,
+        address: tuple[str, int],
+        on_push: Callable[[Any], None] | None = None,
+        resp3: bool = False,
     ) -> RespConnection:
-        """A connection to ``address``, logged in and on the endpoint's database.
+        """A connection to ``address``, logged in and on the endpoint's database; with
+        ``resp3``, speaking RESP3 if the server does (Redis 6 and later).
 
         Raises:
             redis.exceptions.ConnectionError: It could not be opened.
@@ -287,9 +324,9 @@ class Dialer:
         """
         host, port = address
         where = f"{host}:{port}"
-        conn = RespConnection(where, None)
+        conn = RespConnection((host, port), None)
         try:
-            await _within(self._connect(conn, host, port), CONNECT_TIMEOUT)
+            await _within(self._connect(conn, host, port, resp3), CONNECT_TIMEOUT)
         except asyncio.TimeoutError:
             conn.close()
             raise RedisTimeoutError("Timeout connecting to server") from None
@@ -302,13 +339,24 @@ class Dialer:
         conn.on_push = on_push
         return conn
 
-    async def _connect(self, conn: RespConnection, host: str, port: int) -> None:
+    async def _connect(self, conn: RespConnection, host: str, port: int, resp3: bool) -> None:
         loop = asyncio.get_running_loop()
         ssl = self._ssl_context() if self._endpoint.tls else None
         transport, _ = await loop.create_connection(lambda: conn, host, port, ssl=ssl)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if resp3 and self.resp3 is not False:
+            replies = await conn.request(self._hello, self._hello_count)
+            said = replies[0]
+            if not _no_hello(said):
+                for said in replies:
+                    if isinstance(said, Exception):
+                        raise said
+                self.resp3 = True
+                conn.protocol = 3
+                return
+            self.resp3 = False  # an older server: RESP2, the listener on a connection of its own
         if not self._handshake:
             return
         replies = await conn.request(self._packed, len(self._handshake))
@@ -322,6 +370,15 @@ class Dialer:
                 raise said
         if self._auth and replies[0] != b"OK":
             raise AuthenticationError("Invalid Username or Password")
+
+
+def _no_hello(said: Any) -> bool:
+    """Whether ``HELLO`` failed because the server does not have it (before Redis 6), the
+    user may not run it (ACL), or before a login it was not given (commands will say so)."""
+    if not isinstance(said, RedisError):
+        return False
+    text = str(said).lower()
+    return any(why in text for why in ("unknown command", "noproto", "authenticated", "hello"))
 
 
 def _connect_error(where: str, exc: OSError) -> str:

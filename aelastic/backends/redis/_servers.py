@@ -65,22 +65,31 @@ class Batch(NamedTuple):
 class Standalone:
     """One Redis server (or a proxy). See the module docstring."""
 
+    #: The listener's connection also carries commands (RESP3), where the server speaks it.
+    combines = True
+
     def __init__(self, endpoint: RedisEndpoint, max_connections: int) -> None:
         self.endpoint = endpoint
         self.dialer = Dialer(endpoint)
         self._idle: list[RespConnection] = []
         self._open: set[RespConnection] = set()
         self._closed = False
+        self._combined: RespConnection | None = None
+        self._coming: asyncio.Future[None] | None = None
         self.redis: Any = self._command_client(max_connections)
 
     def _command_client(self, max_connections: int) -> Any:
         return None  # connections of our own (:meth:`execute`)
 
     async def dial(
-        self, address: tuple[str, int], on_push: Callable[[Any], None] | None = None
+        self,
+        address: tuple[str, int],
+        on_push: Callable[[Any], None] | None = None,
+        resp3: bool = False,
     ) -> RespConnection:
-        """A new connection to ``address`` (a subscriber's with ``on_push``)."""
-        conn = await self.dialer.open(address, on_push)
+        """A new connection to ``address`` (a subscriber's with ``on_push``; RESP3 if asked
+        and the server speaks it)."""
+        conn = await self.dialer.open(address, on_push, resp3)
         if self._closed:
             conn.close()
             raise RedisConnectionError("The client is closed.")
@@ -88,20 +97,54 @@ class Standalone:
         conn.on_lost(lambda _: self._open.discard(conn))
         return conn
 
-    async def _primary(self) -> tuple[str, int]:
-        return self.endpoint.host, self.endpoint.port
+    # -- the listener's connection, for commands too --------------------------------------
 
-    def _reusable(self) -> RespConnection | None:
+    def expect(self) -> None:
+        """The listener opens its connection: batches wait for it rather than open one."""
+        if self.combines and (self._coming is None or self._coming.done()):
+            self._coming = asyncio.get_running_loop().create_future()
+
+    def adopt(self, conn: RespConnection | None) -> None:
+        """The listener's connection is up and subscribed (``conn``), or failed (``None``):
+        batches go on it from now on when it speaks RESP3 (one connection per client)."""
+        if self.combines and conn is not None and conn.protocol == 3 and self._may_adopt(conn):
+            self._combined = conn
+        coming, self._coming = self._coming, None
+        if coming is not None and not coming.done():
+            coming.set_result(None)
+
+    def _may_adopt(self, conn: RespConnection) -> bool:
+        return not self._closed and not conn.closed
+
+    def _reusable(self, exclusive: bool) -> RespConnection | None:
+        """A connection for a batch: the listener's (pipelined with whatever it carries),
+        unless the batch must have one to itself (it waits for replicas); else an idle one."""
+        combined = self._combined
+        if not exclusive and combined is not None and not combined.closed:
+            return combined
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed:
                 return conn
         return None
 
+    async def _connection(self, exclusive: bool) -> RespConnection:
+        conn = self._reusable(exclusive)
+        if conn is None and not exclusive and self._coming is not None:
+            await asyncio.wait({self._coming})  # (not cancelled with this caller)
+            conn = self._reusable(exclusive)
+        return conn or await self.dial(await self._primary())
+
+    async def _primary(self) -> tuple[str, int]:
+        return self.endpoint.host, self.endpoint.port
+
+    # -- batches --------------------------------------------------------------------------
+
     def send_now(self, batch: Batch, done: Callable[[Any], None]) -> bool:
-        """Send ``batch`` at once on an idle connection; ``done`` gets ``(replies, -1)`` or
-        the failure (an exception). ``False`` (nothing sent) when none is idle."""
-        conn = self._reusable()
+        """Send ``batch`` at once on a connection that is up; ``done`` gets
+        ``(replies, -1)`` or the failure (an exception). ``False`` (nothing sent) when none
+        is up and free."""
+        conn = self._reusable(False)
         if conn is None:
             return False
         self._send(conn, batch, None, done)
@@ -110,7 +153,8 @@ class Standalone:
     async def execute(self, batch: Batch, wait: tuple[int, int] | None) -> tuple[list[Any], int]:
         """Replies (or reply errors) of ``batch`` in one round trip, and the replicas that
         acknowledged its writes (``wait``: ``(replicas, ms)``; -1 when not asked)."""
-        conn = self._reusable() or await self.dial(await self._primary())
+        exclusive = wait is not None and bool(batch.durable)
+        conn = await self._connection(exclusive)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
         def done(result: Any) -> None:
@@ -118,11 +162,8 @@ class Standalone:
                 future.set_result(result)
 
         self._send(conn, batch, wait, done)
-        try:
-            result = await future
-        except BaseException:
-            conn.close()  # cancelled half-way: its replies would answer the next batch
-            raise
+        # (Cancelled meanwhile: the replies still come, in order, and are dropped.)
+        result = await future
         if isinstance(result, BaseException):
             raise result
         return result  # type: ignore[no-any-return]
@@ -158,7 +199,7 @@ class Standalone:
         """Reuse ``conn`` (unless the client closed meanwhile, or it reached a replica)."""
         if self._closed or any(isinstance(reply, ReadOnlyError) for reply in replies):
             conn.close()
-        elif not conn.closed:
+        elif not conn.closed and conn is not self._combined:
             self._idle.append(conn)
 
     async def pubsub_address(self) -> tuple[str, int]:
@@ -177,6 +218,8 @@ class Standalone:
         """Close every connection."""
         self._closed = True
         self._idle = []
+        self._combined = None
+        self.adopt(None)
         for conn in list(self._open):
             conn.close()
 
@@ -202,6 +245,11 @@ class SentinelPrimary(Standalone):
             for conn in idle:
                 conn.close()
         return address
+
+    def _may_adopt(self, conn: RespConnection) -> bool:
+        if self._at is None:
+            self._at = conn.address
+        return conn.address == self._at and super()._may_adopt(conn)
 
     async def pubsub_address(self) -> tuple[str, int]:
         """The primary that the sentinels name now."""
