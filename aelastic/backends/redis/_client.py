@@ -1,13 +1,16 @@
 """The Redis client of one event loop and endpoint: commands, and notifications of runs.
 
 How it works: the backends of one ``(event loop, endpoint)`` share a :class:`RedisClient`
-(see :mod:`aelastic.backends._shared`): at most ``max_connections`` commands connections
-and one pub/sub connection (:mod:`._listener`), to a standalone server, a Sentinel-managed
-primary or a Cluster (:mod:`._servers`). Commands issued in the same loop iteration go out
-as one pipeline (identical reads run once); a batch with writes that replicas should hold
-(``wait_replicas``) ends with one ``WAIT``. A batch goes out from the loop's callback at
-once when a connection is idle and its replies are handed out as they are parsed; only a
-batch that must wait (for a connection to open, a free slot, or replicas) runs as a task.
+(see :mod:`aelastic.backends._shared`), to a standalone server, a Sentinel-managed primary or
+a Cluster (:mod:`._servers`). Its listener's connection (:mod:`._listener`) is subscribed to
+the runs' channels and, where the server speaks RESP3, carries the commands too: one
+connection per client (``share_connections=false``: per node). Batches that must wait for
+replicas, and a server without RESP3, use up to ``max_connections`` more. Commands issued in
+the same loop iteration go out as one pipeline (identical reads run once); a batch with
+writes that replicas should hold (``wait_replicas``) ends with one ``WAIT``. A batch goes
+out from the loop's callback at once when a connection is up and its replies are handed
+out as they are parsed; only a batch that must wait (for a connection to open, a free slot,
+or replicas) runs as a task.
 """
 
 from __future__ import annotations

@@ -2,14 +2,17 @@
 
 How it works: the listener task keeps one subscriber connection (:mod:`._resp`) to the
 server (the primary the sentinels name now, or a cluster node) subscribed to the channel of
-every run in use, and feeds each run's :class:`~aelastic.backends._watch.RunWatch`:
+every run in use (on RESP3 the client's commands use it too: ``Standalone.adopt`` in
+:mod:`._servers`), and feeds each run's :class:`~aelastic.backends._watch.RunWatch`:
 ``s<status JSON>`` messages become status news, ``k<key>`` messages wake the waiters of a
 store key. So a round transition costs one message per process however many nodes wait,
-and a heartbeat costs none. Messages are handled as the connection parses them (no task
-per message). The listener pings the server after an idle interval, reconnects with backoff
-(to the primary the sentinels name now, or to another cluster node), resubscribes, and
-tells every watch when notifications were lost (their waiters re-check with the server
-once resubscribed).
+and a heartbeat costs none. Messages are handled as the connection parses them (no task per
+message). On RESP3 a refused subscription is a reply, not a push: the first ones are
+confirmed before the connection takes commands, and later ones are followed by a ``PING``
+that marks where their replies end. The listener pings the server after an idle interval (a
+timer checks; no task wakes), reconnects with backoff (to the primary the sentinels name
+now, or to another cluster node), resubscribes, and tells every watch when notifications
+were lost (their waiters re-check with the server once resubscribed).
 """
 
 from __future__ import annotations

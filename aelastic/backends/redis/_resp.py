@@ -1,28 +1,33 @@
-"""A lean Redis connection (RESP2): pipelined commands on one socket, or a pub/sub stream.
+"""A lean Redis connection: pipelined commands on one socket, with pub/sub on the same one.
 
-Why our own, for a measured reason: every rendezvous node has its own connections (separate
-hosts have nothing to share), so what one connection costs is paid per node. With redis-py's
+Why our own, for a measured reason: every rendezvous node has its own connection (separate
+hosts have nothing to share), so what a connection costs is paid per node. With redis-py's
 asyncio ``Connection`` (streams, a task per write under its socket timeout, a timeout context
 per read, an event dispatcher and re-auth listeners per connection) and ``Redis`` client (its
 pool's lock and checks, observability hooks), one ``PING`` cost ~140 µs of CPU, a connection
-~150 µs to open and ~30 objects for the garbage collector to walk; a join (two connections,
-a subscription, two scripts, one notification) cost ~2 ms, and 4,096 simulated nodes on two
-cores were bound by that. This protocol on asyncio's transport: ~22 µs a ``PING``, ~85 µs a
-connection, 8 objects (``benchmarks/rdzv_scale.py``; the figures in the README).
+~150 µs to open and ~30 objects for the garbage collector to walk, and a pub/sub connection
+takes no other command, so a node held two. A join cost ~2 ms of the node's CPU and 4,096
+simulated nodes on two cores were bound by it. This protocol on asyncio's transport: ~22 µs
+a ``PING``, ~85 µs a connection, 8 objects, and one connection per node where the server
+speaks RESP3; a join ~0.6 ms (``benchmarks/rdzv_scale.py``; the figures in the README).
 
 What it keeps from redis-py: the exception classes (an error reply becomes the same
 ``NoScriptError``, ``ReadOnlyError``, ``AuthenticationError``... through redis-py's own
-``parse_error``), the TLS context (``RedisSSLContext`` with redis-py's defaults), and the
-messages of connection failures. Sentinel discovery and Cluster routing stay redis-py's
-(:mod:`._servers`, :mod:`._cluster`).
+``parse_error``), the TLS context (redis-py's defaults), and the messages of connection
+failures. Sentinel discovery and Cluster routing stay redis-py's (:mod:`._servers`,
+:mod:`._cluster`); the encoding is in :mod:`._codec`.
 
 How it works: :class:`RespConnection` is an asyncio protocol. :meth:`~RespConnection.call`
 writes packed commands and calls back with their replies, in order as they are parsed (no
 task, no future per reply); an error reply is an exception *object* among them (as
-redis-py's pipelines give them), a lost connection calls back with the reason. A connection
-opened with ``on_push`` is a subscriber: every reply goes to that callback instead (an error
-reply ends the connection with that error). :class:`Dialer` opens connections: TCP (or
-TLS), then ``AUTH`` and ``SELECT`` in one round trip, all within :data:`CONNECT_TIMEOUT`.
+redis-py's pipelines give them), a lost connection calls back with the reason, and one
+watchdog timer per connection closes it when a call waits too long. A connection opened with
+``on_push`` is a subscriber: on RESP3 (``HELLO 3``, Redis 6 and later) pushes go to that
+callback and replies to the calls, so the one connection serves both; on RESP2 every reply
+goes to the callback (a subscribed RESP2 connection takes no other command). :class:`Dialer`
+opens connections: TCP (or TLS), then ``HELLO 3`` (with the login) or ``AUTH``, and
+``SELECT``, in one round trip, within :data:`CONNECT_TIMEOUT`; a server without ``HELLO``
+gets RESP2.
 """
 
 from __future__ import annotations

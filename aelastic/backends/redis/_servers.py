@@ -3,8 +3,10 @@
 How it works: :func:`make_server` gives :class:`~._client.RedisClient` one object per
 endpoint kind, all with the same small surface (discovery and routing are redis-py's):
 
-* :class:`Standalone`: lean connections of our own (:mod:`._resp`) kept for reuse (the
-  client bounds them to ``max_connections``); the listener subscribes on the server itself.
+* :class:`Standalone`: lean connections of our own (:mod:`._resp`): the listener's, which
+  subscribes on the server itself and, on RESP3, carries every batch that does not wait for
+  replicas (pipelined); others kept for reuse (the client bounds them to
+  ``max_connections``).
 * :class:`SentinelPrimary`: the same connections, each opened to the primary that redis-py's
   ``Sentinel`` names at that moment; a connection that finds the primary demoted
   (``READONLY``) is dropped, and a failed call is retried by :mod:`._calls`, so it reaches
