@@ -159,6 +159,7 @@ class RedisBackend(RedisCalls):
             RendezvousStateError: The run's keys hold something this aelastic did not write.
         """
         _, watch = await self._bind()
+        mark = watch.mark  # (a reply sent before the subscription took effect is not news)
         rules = request.rules
         args = [
             request.op.value,
@@ -187,7 +188,7 @@ class RedisBackend(RedisCalls):
             reply = reply_from_json(self._decode(raw, request.op.value))
         except WireError as exc:
             raise RendezvousStateError(f"Redis at {self.endpoint} answered {exc}") from None
-        watch.on_status(reply.status)
+        watch.on_reply(reply.status, mark)
         return reply
 
     async def _status_now(self) -> Status:
