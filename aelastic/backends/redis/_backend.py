@@ -158,8 +158,11 @@ class RedisBackend(RedisCalls):
             RendezvousConnectionError: Redis could not be reached within ``read_timeout``.
             RendezvousStateError: The run's keys hold something this aelastic did not write.
         """
-        _, watch = await self._bind()
-        mark = watch.mark  # (a reply sent before the subscription took effect is not news)
+        client, watch = await self._bind()
+        # The reply is news only if the request follows the subscription: once the listener
+        # is up (the request then goes on its connection, after the subscription).
+        await client.server.settled()
+        mark = watch.mark
         rules = request.rules
         args = [
             request.op.value,

@@ -89,8 +89,7 @@ class Standalone:
         on_push: Callable[[Any], None] | None = None,
         resp3: bool = False,
     ) -> RespConnection:
-        """A new connection to ``address`` (a subscriber's with ``on_push``; RESP3 if asked
-        and the server speaks it)."""
+        """A new connection to ``address`` (see :meth:`Dialer.open <._resp.Dialer.open>`)."""
         conn = await self.dialer.open(address, on_push, resp3)
         if self._closed:
             conn.close()
@@ -118,6 +117,11 @@ class Standalone:
     def _may_adopt(self, conn: RespConnection) -> bool:
         return not self._closed and not conn.closed
 
+    async def settled(self) -> None:
+        """Until the listener's connection is up (or failed), if it is being opened."""
+        if self._coming is not None:
+            await asyncio.wait({self._coming})  # (not cancelled with this caller)
+
     def _reusable(self, exclusive: bool) -> RespConnection | None:
         """A connection for a batch: the listener's (pipelined with whatever it carries),
         unless the batch must have one to itself (it waits for replicas); else an idle one."""
@@ -133,7 +137,7 @@ class Standalone:
     async def _connection(self, exclusive: bool) -> RespConnection:
         conn = self._reusable(exclusive)
         if conn is None and not exclusive and self._coming is not None:
-            await asyncio.wait({self._coming})  # (not cancelled with this caller)
+            await self.settled()
             conn = self._reusable(exclusive)
         return conn or await self.dial(await self._primary())
 
@@ -143,9 +147,8 @@ class Standalone:
     # -- batches --------------------------------------------------------------------------
 
     def send_now(self, batch: Batch, done: Callable[[Any], None]) -> bool:
-        """Send ``batch`` at once on a connection that is up; ``done`` gets
-        ``(replies, -1)`` or the failure (an exception). ``False`` (nothing sent) when none
-        is up and free."""
+        """Send ``batch`` at once on a connection that is up (``False``: none is); ``done``
+        gets ``(replies, -1)`` or the failure (an exception)."""
         conn = self._reusable(False)
         if conn is None:
             return False
