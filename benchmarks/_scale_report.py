@@ -50,8 +50,14 @@ def _case_row(case: dict[str, Any]) -> str:
         f"{_num(kill.get('median_s'), '.2f'):>9}",
         f"{case.get('spurious_watch_returns', '-'):>8}",
         f"{_num(formation.get('connections_per_node'), '.1f'):>6}",
+        f"{_ms_per_node(formation.get('nodes_cpu_s'), case['n']):>9}",
+        f"{_ms_per_node(formation.get('server_cpu_s'), case['n']):>10}",
     ]
     return " | ".join(cells)
+
+
+def _ms_per_node(seconds: float | None, n: int) -> str:
+    return "-" if seconds is None else f"{seconds / n * 1000:.2f}"
 
 
 _HEADER = " | ".join(
@@ -68,6 +74,8 @@ _HEADER = " | ".join(
         f"{'kill med':>9}",
         f"{'spurious':>8}",
         f"{'conns':>6}",
+        f"{'node CPU':>9}",
+        f"{'server CPU':>10}",
     ]
 )
 _UNITS = (
@@ -75,7 +83,8 @@ _UNITS = (
     "command Redis ran, inside scripts too; "
     "idle cmd / idle KB / wakeups: per node per second; kill max/med: s from SIGKILL until "
     "the survivors' watch() showed the node lost; spurious: watch() returns before the kill; "
-    "conns: connections opened per node during formation"
+    "conns: connections opened per node during formation; node CPU / server CPU: ms of CPU "
+    "per node during formation, of the node processes (user + system) and of the server"
 )
 
 

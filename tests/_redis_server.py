@@ -151,7 +151,8 @@ class RedisServer:
         if not ready.wait(_START_TIMEOUT) or process.poll() is not None:
             self.kill()
             raise RuntimeError(f"redis-server did not start: {self._log_tail()}")
-        client = self.client(socket_timeout=5.0, socket_connect_timeout=5.0)
+        # (RESP2: a server may be started without HELLO, as before Redis 6)
+        client = self.client(socket_timeout=5.0, socket_connect_timeout=5.0, protocol=2)
         try:
             client.ping()
         finally:

@@ -27,14 +27,18 @@ __all__ = ["RunWatch"]
 class _Waiter:
     __slots__ = ("future", "keys", "token")
 
-    def __init__(self, future: asyncio.Future[None], token: Token, keys: frozenset[bytes]):
+    def __init__(self, future: asyncio.Future[bool], token: Token, keys: frozenset[bytes]):
         self.future = future
         self.token = token
         self.keys = keys
 
     def wake(self) -> None:
         if not self.future.done():
-            self.future.set_result(None)
+            self.future.set_result(True)
+
+    def time_out(self) -> None:
+        if not self.future.done():
+            self.future.set_result(False)
 
 
 class RunWatch:
@@ -54,6 +58,13 @@ class RunWatch:
         self._status_waiters: set[_Waiter] = set()
         self._key_waiters: set[_Waiter] = set()
         self._on_first_waiter = on_first_waiter
+        self._mark = 0  # moves each time notifications start (again)
+
+    @property
+    def mark(self) -> int:
+        """Moves each time notifications start (again): take it before sending a request,
+        and hand the reply's status to :meth:`on_reply` with it."""
+        return self._mark
 
     @property
     def waiting(self) -> bool:
@@ -78,6 +89,14 @@ class RunWatch:
             if compare(waiter.token, status.token) is not Order.SAME:
                 waiter.wake()
 
+    def on_reply(self, status: Status, mark: int) -> None:
+        """``status`` came in the reply to a request sent at ``mark``: it is news only if
+        notifications did not start meanwhile. Otherwise the server may have made it before
+        the subscription took effect, and a later change may have gone unnotified: it is not
+        kept, so waiters ask the server instead of trusting it."""
+        if mark == self._mark:
+            self.on_status(status)
+
     def on_key(self, key: bytes) -> None:
         """Store key ``key`` was written: wake its waiters."""
         for waiter in list(self._key_waiters):
@@ -86,6 +105,7 @@ class RunWatch:
 
     def on_live(self) -> None:
         """Notifications flow (again): waiters re-check once, then sleep."""
+        self._mark += 1
         self.live = True
         self.latest = None
         self.ready.set()
@@ -125,10 +145,13 @@ class RunWatch:
             if order is Order.CHANGED:
                 return latest
             if order is Order.UNKNOWN or not self.live:
+                mark = self._mark
                 status = await fetch()
-                self.on_status(status)
+                self.on_reply(status, mark)
                 if status.token != token:
                     return status
+                if mark != self._mark:
+                    continue  # notifications started meanwhile: that read may predate them
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 return None
@@ -190,10 +213,14 @@ class RunWatch:
 
     @staticmethod
     async def _wait(waiter: _Waiter, period: float | None) -> bool:
+        """Whether ``waiter`` was woken (``False``: ``period`` passed first). One timer, no
+        task: every waiting node of a process sleeps here."""
         if waiter.future.done():
             return True
         if period is None:
-            await waiter.future
-            return True
-        done, _ = await asyncio.wait({waiter.future}, timeout=period)
-        return bool(done)
+            return await waiter.future
+        timer = asyncio.get_running_loop().call_later(period, waiter.time_out)
+        try:
+            return await waiter.future
+        finally:
+            timer.cancel()

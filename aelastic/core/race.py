@@ -12,19 +12,94 @@ over, without swallowing a cancellation of the caller arriving meanwhile (``awai
 under ``suppress(CancelledError)`` would: a process told to stop by SIGINT would go on).
 :func:`uncancellable` runs cleanup to its end when the caller is cancelled meanwhile, then
 passes the cancellation on.
+
+Two cheaper pieces for the paths every rendezvous node takes at each heartbeat and each
+wait (a task group cost ~250 µs of CPU per race, anyio's deadline ~20 µs per beat, measured
+with 1,000 nodes in one process): :class:`Signal`, an event that can also resolve a future
+(a wait can then race it without a task of its own), and :func:`fail_after`, asyncio's own
+deadline where Python has it (3.11+; anyio's before).
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
 import anyio
 
-__all__ = ["cancel_and_wait", "first_of", "uncancellable"]
+__all__ = ["Signal", "cancel_and_wait", "fail_after", "first_of", "uncancellable"]
 
 _T = TypeVar("_T")
+
+
+def fail_after(seconds: float) -> AbstractAsyncContextManager[Any]:
+    """A deadline: the block is cancelled after ``seconds`` and ``TimeoutError`` raised (a
+    cancellation from outside is never swallowed). Use with ``async with``."""
+    if sys.version_info >= (3, 11):
+        return asyncio.timeout(seconds)
+    return _AnyioDeadline(seconds)  # pragma: no cover (Python 3.10)
+
+
+class _AnyioDeadline:  # pragma: no cover (Python 3.10)
+    def __init__(self, seconds: float) -> None:
+        self._scope = anyio.fail_after(seconds)
+
+    async def __aenter__(self) -> None:
+        self._scope.__enter__()
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return self._scope.__exit__(*exc_info)
+
+
+class Signal:
+    """An ``asyncio.Event`` (``set``, ``clear``, ``is_set``, ``wait``) that can also resolve
+    a future of the caller's when it is set (:meth:`add`), to race it without a task."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._futures: set[asyncio.Future[None]] = set()
+
+    def is_set(self) -> bool:
+        """Whether it is set."""
+        return self._set
+
+    def set(self) -> None:
+        """Set it: every waiter wakes."""
+        self._set = True
+        futures, self._futures = self._futures, set()
+        for future in futures:
+            if not future.done():
+                future.set_result(None)
+
+    def clear(self) -> None:
+        """Unset it."""
+        self._set = False
+
+    def add(self, future: asyncio.Future[None]) -> None:
+        """Resolve ``future`` when it is set (at once if it is); :meth:`discard` it after."""
+        if self._set:
+            if not future.done():
+                future.set_result(None)
+        else:
+            self._futures.add(future)
+
+    def discard(self, future: asyncio.Future[None]) -> None:
+        """Forget ``future``."""
+        self._futures.discard(future)
+
+    async def wait(self) -> None:
+        """Until it is set."""
+        if self._set:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._futures.add(future)
+        try:
+            await future
+        finally:
+            self._futures.discard(future)
 
 
 async def first_of(*calls: Callable[[], Awaitable[Any]]) -> tuple[int, Any]:

@@ -21,12 +21,11 @@ import logging
 import random
 from typing import Protocol
 
-import anyio
-
 from ..core.clock import Clock
 from ..core.errors import RendezvousError
 from ..core.machine import expiry_ms
 from ..core.params import RendezvousSettings
+from ..core.race import fail_after
 from ..core.state import Reply, Status
 
 __all__ = ["Heartbeats"]
@@ -130,9 +129,9 @@ class Heartbeats:
                 hold = interval if check_at is None else max(check_at - asked, 0.0)
             self._hold(hold > 0)
             try:
-                # anyio's deadline, not asyncio.wait_for: on Python 3.11 that can swallow
-                # a cancellation arriving as the beat completes, and the loop never ends.
-                with anyio.fail_after(self._settings.heartbeat_timeout + hold):
+                # A structured deadline, not asyncio.wait_for: on Python 3.11 that can
+                # swallow a cancellation arriving as the beat completes (the loop never ends).
+                async with fail_after(self._settings.heartbeat_timeout + hold):
                     reply = await self._member.keep_alive(hold)
             except (RendezvousError, TimeoutError) as exc:
                 log.warning("%s failed to send a heartbeat: %s", self._name, exc)

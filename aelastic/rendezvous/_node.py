@@ -46,7 +46,7 @@ from ..core.events import (
 )
 from ..core.params import RendezvousSettings
 from ..core.protocol import RendezvousBackend
-from ..core.race import first_of
+from ..core.race import Signal, first_of
 from ..core.state import NodeDesc, Op, Outcome, Reply, Request, Status, Transition
 from ._heartbeat import Heartbeats
 
@@ -73,6 +73,23 @@ class _Round:
     number: int
     rank: int
     world: int
+
+
+async def _settle(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait until it is over, even if the caller is cancelled meanwhile
+    (its cancellation is raised then); what ``task`` raised is dropped."""
+    cancelled = False
+    task.cancel()
+    while not task.done():
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            cancelled = True
+            task.cancel()
+    if not task.cancelled():
+        task.exception()  # retrieved: not logged as never retrieved
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _free_port() -> int:
@@ -115,7 +132,7 @@ class NodeRequests:
         self._round: _Round | None = None
         self._joined = False
         self._removed = False
-        self._news = asyncio.Event()
+        self._news = Signal()
         self._heartbeats = Heartbeats(
             self, settings, clock, self._holds, f"aelastic-heartbeat-{self._node}"
         )
@@ -281,33 +298,66 @@ class NodeRequests:
     ) -> None:
         """Until the status's token moves or ``within`` seconds pass (or, with ``news``, this
         node's own requests bring news; or ``until`` is set)."""
-        backend = self._backend
-        if isinstance(self._clock, SystemClock) and not news and until is None:
-            if self.hub.listened:
-                with reporting(self.publish):
-                    status = await backend.wait_for_change(token, within)
-            else:
-                status = await backend.wait_for_change(token, within)
-        else:  # the timeout runs on the clock (a test's), the change on the backend
-
-            async def change() -> Status | None:
-                with self.reporting():
-                    return await backend.wait_for_change(token, None)
-
-            calls: list[Callable[[], Awaitable[Any]]] = [
-                change,
-                lambda: self._clock.sleep(within),
-            ]
-            if news:
-                calls.append(self._news.wait)
-            if until is not None:
-                calls.append(until.wait)
-            index, status = await first_of(*calls)
-            status = status if index == 0 else None
+        if isinstance(self._clock, SystemClock) and until is None:
+            status = await self._wait_or_news(token, within, news)
+        else:
+            status = await self._wait_on_clock(token, within, news, until)
         if status is not None:
             if not news:
                 self.stats.wakeups += 1
             self._note(status)
+
+    async def _wait_on_clock(
+        self, token: str, within: float, news: bool, until: asyncio.Event | None
+    ) -> Status | None:
+        """The timeout runs on the clock (a test's), the change on the backend."""
+        backend = self._backend
+
+        async def change() -> Status | None:
+            with self.reporting():
+                return await backend.wait_for_change(token, None)
+
+        calls: list[Callable[[], Awaitable[Any]]] = [change, lambda: self._clock.sleep(within)]
+        if news:
+            calls.append(self._news.wait)
+        if until is not None:
+            calls.append(until.wait)
+        index, status = await first_of(*calls)
+        return status if index == 0 else None
+
+    async def _backend_wait(self, token: str, within: float) -> Status | None:
+        if self.hub.listened:
+            with reporting(self.publish):
+                return await self._backend.wait_for_change(token, within)
+        return await self._backend.wait_for_change(token, within)
+
+    async def _wait_or_news(self, token: str, within: float, news: bool) -> Status | None:
+        """The backend's wait (its own timeout), cut short by this node's news (``news``):
+        one task and one future, where :func:`~aelastic.core.race.first_of` would take a
+        task group (this runs at every ``watch()`` of every node)."""
+        if not news:
+            return await self._backend_wait(token, within)
+        loop = asyncio.get_running_loop()
+        change = loop.create_task(self._backend_wait(token, within))
+        woken: asyncio.Future[None] = loop.create_future()  # by the change or the news
+
+        def wake(_: object) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        change.add_done_callback(wake)
+        self._news.add(woken)
+        try:
+            await woken
+        except BaseException:
+            await _settle(change)
+            raise
+        finally:
+            self._news.discard(woken)
+        if not change.done():  # news came first
+            await _settle(change)
+            return None
+        return change.result()
 
     def _error(self, outcome: Outcome) -> RendezvousError:
         run_id = self._settings.run_id

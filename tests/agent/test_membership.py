@@ -100,9 +100,14 @@ async def test_a_finished_node_does_not_restart_the_others(run_id: str) -> None:
             # The quick node's worker finishes; its barrier times out and it leaves.
             hub.release(quick.get_worker_group().workers[0].id)
             assert (await a).state is WorkerState.SUCCEEDED
-            # The slow node noticed the departure, ignored it, and kept its worker.
-            while not any(e.kind is EventKind.MEMBERSHIP_CHANGED for e in events):
-                await asyncio.wait_for(_next_event(slow), 30)
+            # The slow node noticed the departure, ignored it, and kept its worker. (The
+            # stream is subscribed before the first look: no event can fall in between.)
+            stream = slow.events()
+            try:
+                while not any(e.kind is EventKind.MEMBERSHIP_CHANGED for e in events):
+                    await asyncio.wait_for(stream.get(), 30)
+            finally:
+                await stream.aclose()
             assert hub.pending() == 0
             slow_pid = slow.get_worker_group().workers[0].id
             assert slow_pid in by_pid
@@ -117,14 +122,6 @@ async def test_a_finished_node_does_not_restart_the_others(run_id: str) -> None:
     handler = slow.spec.rdzv_handler
     state = await handler.backend.snapshot()
     assert state is not None and state.status.closed  # the job is done: closed
-
-
-async def _next_event(agent: ElasticAgent) -> None:
-    stream = agent.events()
-    try:
-        await stream.__anext__()
-    finally:
-        await stream.aclose()
 
 
 async def test_a_node_failing_for_good_closes_the_run_for_all(run_id: str) -> None:

@@ -28,6 +28,7 @@ from aelastic.backends.redis import (
     create_backend,
     parse_endpoint,
 )
+from aelastic.backends.redis._servers import Standalone
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Outcome, Request
 from aelastic.rendezvous import DynamicRendezvousHandler, RendezvousInfo
@@ -532,6 +533,47 @@ async def test_redis_lost_mid_rendezvous_then_fresh_rendezvous_works(
         assert_one_group(infos, 3)
 
 
+async def test_a_reply_made_before_the_subscription_is_not_trusted(
+    server: RedisServer, run_id: str
+) -> None:
+    """The first node's join is made by the server, the second node completes the round
+    (its notification goes out), and only then the first node's subscription takes effect;
+    the first join's reply (held by ``WAIT``: no replica here) arrives after that. Its
+    status predates the subscription: the node must ask the server rather than wait for a
+    notification that was sent before it listened (it would wait for its keep-alive)."""
+    conf: dict[str, Any] = dict(
+        share_connections=0, keep_alive_interval=30, heartbeat_timeout=60, last_call_timeout=60
+    )
+    async with (
+        group(server.url, run_id, 1, 2, 2, wait_replicas=1, **conf) as (first,),
+        group(server.url, run_id, 1, 2, 2, wait_replicas=0, **conf) as (second,),
+    ):
+        gate = asyncio.Event()
+        find = Standalone.pubsub_address
+        gated: list[Any] = []
+
+        async def held(self: Standalone) -> tuple[str, int]:
+            if not gated:  # the first client to subscribe: the first node's
+                gated.append(self)
+                await gate.wait()
+            return await find(self)
+
+        with server.client() as client:
+            client.script_load(_lua.OP)  # (a first EVALSHA refused would wait for WAIT too)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Standalone, "pubsub_address", held)
+            started = time.monotonic()
+            joining = asyncio.ensure_future(first.next_rendezvous())
+            await asyncio.sleep(0.3)  # its join is in; the reply waits for WAIT (1 s)
+            with anyio.fail_after(PROMPT):
+                await second.next_rendezvous()  # completes the round, notifies
+            assert time.monotonic() - started < 0.9 and not joining.done()
+            gate.set()  # subscribed now: after the notification, before the first reply
+            with anyio.fail_after(PROMPT):
+                await joining
+        assert time.monotonic() - started < 10  # not at the 30 s keep-alive
+
+
 async def test_listener_resubscribes_after_a_restart(own_server: RedisServer, run_id: str) -> None:
     async with backend(own_server.url, run_id, recheck_interval=60) as b:
         await b.apply(request(b, Op.JOIN, 0))
@@ -562,12 +604,12 @@ async def test_pubsub_connection_killed_is_replaced(server: RedisServer, run_id:
         with anyio.fail_after(PROMPT):
             await watch.ready.wait()  # the subscription is made in the background
         assert watch.live
-        killed = shared._conn
+        killed = shared.listener.conn
         with server.client() as client:
             assert client.client_kill_filter(_type="pubsub") >= 1
 
         async def resubscribed() -> bool:  # on a new connection
-            return shared._conn is not killed and watch.live
+            return shared.listener.conn is not killed and watch.live
 
         await eventually(resubscribed)
         waiting = asyncio.ensure_future(b.wait_for_change(token, 60))

@@ -160,7 +160,11 @@ class RedisBackend(RedisCalls):
             RendezvousConnectionError: Redis could not be reached within ``read_timeout``.
             RendezvousStateError: The run's keys hold something this aelastic did not write.
         """
-        _, watch = await self._bind()
+        client, watch = await self._bind()
+        # The reply is news only if the request follows the subscription: once the listener
+        # is up (the request then goes on its connection, after the subscription).
+        await client.server.settled()
+        mark = watch.mark
         rules = request.rules
         args = [
             request.op.value,
@@ -189,7 +193,7 @@ class RedisBackend(RedisCalls):
             reply = reply_from_json(self._decode(raw, request.op.value))
         except WireError as exc:
             raise RendezvousStateError(f"Redis at {self.endpoint} answered {exc}") from None
-        watch.on_status(reply.status)
+        watch.on_reply(reply.status, mark)
         return reply
 
     async def _status_now(self) -> Status:

@@ -8,8 +8,8 @@ endpoint (never the password). Trouble includes what a failover looks like from 
 a primary gone, sentinels naming no primary yet, a demoted primary (``READONLY``), a
 cluster down or its slots moving, a primary refusing writes without enough replicas
 (``NOREPLICAS``). A refused login, a server that does not speak Redis, a service name the
-sentinels do not know fail at once. Scripts run by their SHA; a server that lost them (a
-restart, a replica promoted) gets them again.
+sentinels do not know fail at once. Scripts run by their SHA; a server that does not know
+one (new, restarted, a replica promoted) gets its source once (``EVAL``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-import anyio
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
@@ -215,10 +214,11 @@ class RedisCalls:
         async def run(within: float) -> Any:
             try:
                 return await shared.command(*command, within=within, **options)
-            except NoScriptError:  # a new or restarted server: load them all, then run
-                with anyio.fail_after(within):
-                    await shared.load_scripts(lua.SCRIPTS.values())
-                return await shared.command(*command, within=within, **options)
+            except NoScriptError:
+                # A new or restarted server: this once the source itself (EVAL caches it
+                # there), one round trip where loading every script would take two more.
+                source = ("EVAL", src, *command[2:])
+                return await shared.command(*source, within=within, **options)
 
         try:
             return await self._call(what, run)

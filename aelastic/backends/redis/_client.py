@@ -1,38 +1,31 @@
 """The Redis client of one event loop and endpoint: commands, and notifications of runs.
 
 How it works: the backends of one ``(event loop, endpoint)`` share a :class:`RedisClient`
-(see :mod:`aelastic.backends._shared`): at most ``max_connections`` commands connections
-and one pub/sub connection, to a standalone server, a Sentinel-managed primary or a Cluster
-(:mod:`._servers`). Commands issued in the same loop iteration go out as one pipeline
-(identical reads run once); a batch with writes that replicas should hold (``wait_replicas``)
-ends with one ``WAIT``. The listener task subscribes to the channel of every run in use and
-feeds each run's :class:`~aelastic.backends._watch.RunWatch`: ``s<status JSON>`` messages
-become status news, ``k<key>`` messages wake the waiters of a store key. So a round
-transition costs one message per process however many nodes wait, and a heartbeat costs
-none. The listener pings the server when idle, reconnects with backoff (to the primary the
-sentinels name now, or to another cluster node), resubscribes, and tells every watch when
-notifications were lost (their waiters re-check with the server once resubscribed).
+(see :mod:`aelastic.backends._shared`), to a standalone server, a Sentinel-managed primary or
+a Cluster (:mod:`._servers`). Its listener's connection (:mod:`._listener`) is subscribed to
+the runs' channels and, where the server speaks RESP3, carries the commands too: one
+connection per client (``share_connections=false``: per node). Batches that must wait for
+replicas, and a server without RESP3, use up to ``max_connections`` more. Commands issued in
+the same loop iteration go out as one pipeline (identical reads run once); a batch with
+writes that replicas should hold (``wait_replicas``) ends with one ``WAIT``. A batch goes
+out from the loop's callback at once when a connection is up and its replies are handed
+out as they are parsed; only a batch that must wait (for a connection to open, a free slot,
+or replicas) runs as a task.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import json
 import logging
-from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-import anyio
-from redis.asyncio.connection import Connection
-from redis.exceptions import RedisClusterException, RedisError
-
 from ...core.race import cancel_and_wait
-from ...core.state import Status
-from ...core.wire import WireError, status_from_json
 from .._watch import RunWatch
 from ._endpoint import RedisEndpoint
-from ._servers import CONNECT_TIMEOUT, Batch, make_server, new_pubsub_connection
+from ._listener import Listener
+from ._servers import CONNECT_TIMEOUT, Batch, make_server
 
 __all__ = ["CONNECT_TIMEOUT", "RedisClient"]
 
@@ -71,25 +64,24 @@ class RedisClient:
         wait_replicas: int = 0,
     ):
         self.endpoint = endpoint
-        self._health_interval = health_interval
         self.server = make_server(endpoint, max_connections)
-        self._connection_kwargs = self.server.kwargs
-        self._slots = asyncio.Semaphore(max_connections)
+        self._slots = _Slots(max_connections)
         self.wait_replicas = wait_replicas
         self._wait_paused_until = 0.0
         self._replicas_short = False
-        #: Where the listener is subscribed (host, port), while it is.
-        self.subscribed_at: tuple[str, int] | None = None
-        self._watches: dict[bytes, tuple[RunWatch, int]] = {}
-        self._listener: asyncio.Task[None] | None = None
-        self._conn: Connection | None = None
-        self._sent: set[bytes] = set()
-        self._unacked: dict[bytes, int] = {}  # (UN)SUBSCRIBEs sent, not yet confirmed
-        self._send_lock = asyncio.Lock()
-        self.listener_failing = False
-        self._loading: asyncio.Future[None] | None = None
+        self.listener = Listener(self.server, health_interval)
         self._pending: list[_Pending] = []
         self._batches: set[asyncio.Task[None]] = set()
+
+    @property
+    def subscribed_at(self) -> tuple[str, int] | None:
+        """Where the listener is subscribed (host, port), while it is."""
+        return self.listener.subscribed_at
+
+    @property
+    def listener_failing(self) -> bool:
+        """Whether the listener's last attempt to subscribe failed."""
+        return self.listener.failing
 
     # -- commands -------------------------------------------------------------------------
 
@@ -128,23 +120,11 @@ class RedisClient:
     async def scan(self, pattern: str, limit: int) -> list[bytes]:
         """Keys matching ``pattern`` (``SCAN``, on every primary of a cluster), stopping
         after about ``limit`` of them."""
-        found: list[bytes] = []
         async with self._slots:
-            keys = self.server.redis.scan_iter(match=pattern, count=1000)
-            async with contextlib.aclosing(keys):
-                async for key in keys:
-                    found.append(key if isinstance(key, bytes) else str(key).encode())
-                    if len(found) >= limit:
-                        break
-        return found
+            return await self.server.scan(pattern, limit)
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
-        task = asyncio.get_running_loop().create_task(self._run_batch(batch))
-        self._batches.add(task)
-        task.add_done_callback(self._batches.discard)
-
-    async def _run_batch(self, batch: list[_Pending]) -> None:
         groups: dict[Any, list[asyncio.Future[Any]]] = {}
         commands = Batch([], [], [])
         for item in batch:
@@ -160,40 +140,46 @@ class RedisClient:
             groups[key].append(item.future)
         if not commands.commands:
             return
+        wait = self._wait_for(commands)
+        if wait is None and self._slots.take_now():
+            groups_ = list(groups.values())
+
+            def answered(result: Any) -> None:
+                self._slots.give()
+                _answer(groups_, result)
+
+            if self.server.send_now(commands, answered):
+                return
+            self._slots.give()
+        task = asyncio.get_running_loop().create_task(self._run_batch(groups, commands, wait))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    def _wait_for(self, batch: Batch) -> tuple[int, int] | None:
+        """``WAIT``'s arguments when ``batch`` has writes that replicas should hold."""
+        if self.wait_replicas <= 0 or not batch.durable:
+            return None
+        if asyncio.get_running_loop().time() < self._wait_paused_until:
+            return None
+        return self.wait_replicas, WAIT_TIMEOUT_MS
+
+    async def _run_batch(
+        self,
+        groups: dict[Any, list[asyncio.Future[Any]]],
+        batch: Batch,
+        wait: tuple[int, int] | None,
+    ) -> None:
         try:
-            replies = await self._execute(commands)
+            async with self._slots:
+                replies, acked = await self.server.execute(batch, wait)
         except BaseException as exc:
-            for futures in groups.values():
-                for future in futures:
-                    if future.done():
-                        continue
-                    if isinstance(exc, asyncio.CancelledError):
-                        future.cancel()
-                    else:
-                        future.set_exception(exc)
+            _answer(list(groups.values()), exc)
             if not isinstance(exc, Exception):
                 raise
             return
-        for futures, reply in zip(groups.values(), replies, strict=True):
-            for future in futures:
-                if future.done():
-                    continue
-                if isinstance(reply, Exception):
-                    future.set_exception(reply)
-                else:
-                    future.set_result(reply)
-
-    async def _execute(self, batch: Batch) -> list[Any]:
-        """Replies (or reply errors) of ``batch``, in one round trip (``WAIT`` included)."""
-        loop = asyncio.get_running_loop()
-        wait = None
-        if self.wait_replicas > 0 and batch.durable and loop.time() >= self._wait_paused_until:
-            wait = (self.wait_replicas, WAIT_TIMEOUT_MS)
-        async with self._slots:
-            replies, acked = await self.server.execute(batch, wait)
         if wait is not None:
-            self._replicas_acked(acked, loop.time())
-        return replies
+            self._replicas_acked(acked, asyncio.get_running_loop().time())
+        _answer(list(groups.values()), (replies, acked))
 
     def _replicas_acked(self, acked: int, now: float) -> None:
         if acked >= self.wait_replicas:
@@ -215,177 +201,88 @@ class RedisClient:
             )
         self._replicas_short = True
 
-    async def load_scripts(self, scripts: Iterable[str]) -> None:
-        """Load ``scripts`` into the server's script cache (one load at a time per client)."""
-        loading = self._loading
-        if loading is None or loading.done():
-            loading = self._loading = asyncio.ensure_future(self._load(list(scripts)))
-        await asyncio.shield(loading)
-
-    async def _load(self, scripts: list[str]) -> None:
-        async with self._slots:
-            await self.server.load_scripts(scripts)
-
     # -- runs -----------------------------------------------------------------------------
 
     async def watch(self, channel: str) -> RunWatch:
         """The watch of ``channel``, subscribed (or being subscribed) by the listener."""
-        key = channel.encode()
-        entry = self._watches.get(key)
-        watch = RunWatch() if entry is None else entry[0]
-        self._watches[key] = (watch, 1 if entry is None else entry[1] + 1)
-        if self._listener is None:
-            self._listener = asyncio.get_running_loop().create_task(
-                self._listen(), name=f"aelastic-redis-listener-{self.endpoint.display}"
-            )
-        await self._send("SUBSCRIBE", key)
-        return watch
+        return self.listener.watch(channel)
 
     async def unwatch(self, channel: str, watch: RunWatch) -> None:
         """Drop one user of ``watch``; unsubscribe when it was the last."""
-        key = channel.encode()
-        entry = self._watches.get(key)
-        if entry is None or entry[0] is not watch:
-            return
-        if entry[1] > 1:
-            self._watches[key] = (watch, entry[1] - 1)
-            return
-        del self._watches[key]
-        watch.on_lost()
-        await self._send("UNSUBSCRIBE", key)
-
-    async def _send(self, command: str, channel: bytes) -> None:
-        async with self._send_lock:
-            conn = self._conn
-            subscribing = command == "SUBSCRIBE"
-            if conn is None or (channel in self._sent) == subscribing:
-                return  # not connected (the listener subscribes on connect) or nothing to do
-            (self._sent.add if subscribing else self._sent.discard)(channel)
-            self._unacked[channel] = self._unacked.get(channel, 0) + 1
-            try:
-                await conn.send_command(command, channel, check_health=False)
-            except (RedisError, OSError) as exc:
-                log.debug("pub/sub %s at %s failed: %s", command, self.endpoint.display, exc)
-
-    # -- the listener ---------------------------------------------------------------------
-
-    async def _listen(self) -> None:
-        delay = 0.05
-        while True:
-            conn: Connection | None = None
-            try:
-                with anyio.fail_after(CONNECT_TIMEOUT):  # never swallows a cancellation
-                    address = await self.server.pubsub_address()
-                    conn = new_pubsub_connection(self._connection_kwargs, address)
-                    await conn.connect()  # type: ignore[no-untyped-call]
-                async with self._send_lock:
-                    self._sent = set(self._watches)
-                    self._unacked = dict.fromkeys(self._sent, 1)
-                    if self._sent:
-                        await conn.send_command("SUBSCRIBE", *self._sent, check_health=False)
-                    self._conn = conn
-                    self.subscribed_at = address
-                if self.listener_failing:
-                    log.info("pub/sub at %s is back", self._where(address))
-                self.listener_failing = False
-                delay = 0.05
-                await self._read(conn)
-            except Exception as exc:
-                trouble = RedisError | RedisClusterException | OSError | asyncio.TimeoutError
-                if not isinstance(exc, trouble):
-                    log.exception("pub/sub listener at %s failed", self.endpoint.display)
-                elif not self.listener_failing:
-                    log.warning(
-                        "pub/sub at %s failed (%s); waiters re-read on the safety-net period "
-                        "until it is back",
-                        self.endpoint.display,
-                        self.server.describe(exc),  # (redis-py's Sentinel errors: a page)
-                    )
-                self.listener_failing = True
-            finally:
-                self._conn = None
-                self.subscribed_at = None
-                self._sent = set()
-                self._unacked = {}
-                for watch, _ in list(self._watches.values()):
-                    watch.on_lost()
-                if conn is not None:
-                    with contextlib.suppress(Exception):
-                        await conn.disconnect(nowait=True)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-
-    def _where(self, address: tuple[str, int]) -> str:
-        if self.endpoint.kind == "standalone":
-            return self.endpoint.display
-        host = f"[{address[0]}]" if ":" in address[0] else address[0]
-        return f"{self.endpoint.display} (node {host}:{address[1]})"
-
-    async def _read(self, conn: Connection) -> None:
-        pinged = False
-        while True:
-            response = await conn.read_response(
-                timeout=self._health_interval, disconnect_on_error=False, push_request=True
-            )
-            if response is None:  # idle for a whole interval
-                if pinged:
-                    raise asyncio.TimeoutError("no answer to PING")
-                pinged = True
-                async with self._send_lock:
-                    await conn.send_command("PING", check_health=False)
-                continue
-            pinged = False
-            self._dispatch(response)
-
-    def _dispatch(self, response: Any) -> None:
-        if not isinstance(response, list) or len(response) < 2:
-            return
-        kind, channel = response[0], response[1]
-        if kind in (b"subscribe", b"unsubscribe"):
-            # Only the confirmation of the last (un)subscription sent counts: an old
-            # "subscribe" must not mark a channel live that was unsubscribed since.
-            left = self._unacked.get(channel, 0) - 1
-            if left > 0:
-                self._unacked[channel] = left
-                return
-            self._unacked.pop(channel, None)
-        entry = self._watches.get(channel)
-        if entry is None:
-            return
-        watch = entry[0]
-        if kind == b"message" and len(response) == 3:
-            _deliver(watch, response[2])
-        elif kind == b"subscribe":
-            watch.on_live()
+        self.listener.unwatch(channel, watch)
 
     async def aclose(self) -> None:
         """Stop the listener and close every connection."""
-        for watch, _ in list(self._watches.values()):
-            watch.on_lost()
-        self._watches.clear()
+        await self.listener.aclose()
         tasks = list(self._batches)
-        if self._listener is not None:
-            tasks.append(self._listener)
-        self._listener = None
-        loading, self._loading = self._loading, None
-        if loading is not None:
-            tasks.append(loading)  # type: ignore[arg-type]
         await cancel_and_wait(tasks)
         await self.server.aclose()
 
 
-def _deliver(watch: RunWatch, payload: bytes) -> None:
-    """One message of a run's channel: a status change, or a store key written."""
-    kind, body = payload[:1], payload[1:]
-    if kind == b"k":
-        watch.on_key(body)
-    elif kind == b"s":
-        try:
-            status: Status = status_from_json(json.loads(body))
-        except (ValueError, WireError):
-            log.warning("ignored a malformed notification on a run's channel")
+def _answer(groups: list[list[asyncio.Future[Any]]], result: Any) -> None:
+    """Hand each group of callers its reply (a reply error raised), or the batch's failure."""
+    if isinstance(result, BaseException):
+        for futures in groups:
+            for future in futures:
+                if future.done():
+                    continue
+                if isinstance(result, asyncio.CancelledError):
+                    future.cancel()
+                else:
+                    future.set_exception(result)
+        return
+    replies = result[0]
+    for futures, reply in zip(groups, replies, strict=True):
+        for future in futures:
+            if future.done():
+                continue
+            if isinstance(reply, Exception):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
+
+
+class _Slots:
+    """At most ``size`` batches in flight: a semaphore that can also be taken from a
+    callback, without waiting (:meth:`take_now`)."""
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def take_now(self) -> bool:
+        """Take a slot if one is free and nobody waits for one."""
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return True
+        return False
+
+    def give(self) -> None:
+        """Give a slot back (to the first waiter, if any)."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._free += 1
+
+    async def __aenter__(self) -> None:
+        if self.take_now():
             return
-        watch.on_status(status)
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.give()  # handed a slot as the caller was cancelled: pass it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+            raise
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.give()
 
 
 def _time_out(future: asyncio.Future[Any]) -> None:

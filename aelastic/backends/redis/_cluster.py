@@ -18,8 +18,8 @@ process and cluster: 1.0 s and 5.5-6.8 s then.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 from redis._parsers import AsyncCommandsParser
@@ -33,7 +33,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._servers import Batch, Standalone, accepted, acked
+from ._servers import Batch, Standalone, accepted, acked, connection_kwargs
 
 __all__ = ["Cluster", "is_retryable"]
 
@@ -44,8 +44,11 @@ _CLUSTER_REFRESH = (RedisConnectionError, RedisTimeoutError, ClusterDownError, S
 class Cluster(Standalone):
     """A Redis Cluster. See the module docstring."""
 
+    combines = False  # commands go through redis-py's client, routed by slot
+
     def _command_client(self, max_connections: int) -> Any:
-        kwargs = {k: v for k, v in self.kwargs.items() if k in _cluster_options()}
+        options = connection_kwargs(self.endpoint)
+        kwargs = {k: v for k, v in options.items() if k in _cluster_options()}
         kwargs["ssl"] = self.endpoint.tls
         self._turn = 0
         cluster = RedisCluster(
@@ -55,6 +58,21 @@ class Cluster(Standalone):
         )
         cluster.commands_parser = _CommandTable(self.endpoint.hosts)
         return cluster
+
+    def send_now(self, batch: Batch, done: Any) -> bool:
+        return False  # routed by redis-py's client: always :meth:`execute`
+
+    async def scan(self, pattern: str, limit: int) -> list[bytes]:
+        """Keys matching ``pattern`` on every primary (redis-py's ``scan_iter``)."""
+        found: list[bytes] = []
+        await self.redis.initialize()
+        keys = self.redis.scan_iter(match=pattern, count=1000)
+        async with contextlib.aclosing(keys):
+            async for key in keys:
+                found.append(key if isinstance(key, bytes) else str(key).encode())
+                if len(found) >= limit:
+                    break
+        return found
 
     async def execute(self, batch: Batch, wait: tuple[int, int] | None) -> tuple[list[Any], int]:
         cluster = self.redis
@@ -83,11 +101,6 @@ class Cluster(Standalone):
         if not nodes:
             return replies, -1
         return replies[:count], min(acked(reply) for reply in replies[count:])
-
-    async def load_scripts(self, scripts: Iterable[str]) -> None:
-        await self.redis.initialize()
-        for src in scripts:
-            await self.redis.script_load(src)  # on every primary
 
     async def pubsub_address(self) -> tuple[str, int]:
         """The next node of the cluster (the nodes given when none is known)."""

@@ -1,20 +1,22 @@
 """Where a run's keys live: a standalone server, a primary found by Sentinel, or a Cluster.
 
 How it works: :func:`make_server` gives :class:`~._client.RedisClient` one object per
-endpoint kind, all with the same small surface, built on redis-py's own clients (no
-discovery of our own):
+endpoint kind, all with the same small surface (discovery and routing are redis-py's):
 
-* :class:`Standalone`: ``Redis`` on a blocking pool of ``max_connections``; the listener
-  subscribes on the server itself.
-* :class:`SentinelPrimary`: ``Sentinel(...).master_for(service)``. Its pool asks the
-  sentinels for the primary on every new connection, and drops a connection that finds
-  the primary demoted (``READONLY``); a failed call is retried by :mod:`._calls`, so it
-  reaches the new primary once Sentinel has promoted one. The listener asks the sentinels
-  too, each time it (re)connects: it subscribes on the current primary (and Sentinel kills
-  the pub/sub clients of a demoted one, so it moves on a manual failover as well).
+* :class:`Standalone`: lean connections of our own (:mod:`._resp`): the listener's, which
+  subscribes on the server itself and, on RESP3, carries every batch that does not wait for
+  replicas (pipelined); others kept for reuse (the client bounds them to
+  ``max_connections``).
+* :class:`SentinelPrimary`: the same connections, each opened to the primary that redis-py's
+  ``Sentinel`` names at that moment; a connection that finds the primary demoted
+  (``READONLY``) is dropped, and a failed call is retried by :mod:`._calls`, so it reaches
+  the new primary once Sentinel has promoted one. The listener asks the sentinels too, each
+  time it (re)connects: it subscribes on the current primary (and Sentinel kills the pub/sub
+  clients of a demoted one, so it moves on a manual failover as well).
 * :class:`~._cluster.Cluster` (in :mod:`._cluster`): ``RedisCluster``, routing by the run's
   hash tag; the listener subscribes on any node.
 
+Every listener, whatever the kind, is a :class:`~._resp.RespConnection` (:meth:`dial`).
 :meth:`execute` runs a batch of commands in one round trip (a pipeline) and, when asked,
 ends it with ``WAIT <replicas> <ms>`` on the same connection, so the reply comes only once
 that many replicas hold the batch's writes. :meth:`explain` turns what retrying cannot fix
@@ -25,26 +27,26 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     AuthenticationError,
+    ReadOnlyError,
     RedisError,
     ResponseError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ._endpoint import CLUSTER, SENTINEL, RedisEndpoint
+from ._resp import CONNECT_TIMEOUT, Dialer, RespConnection, pack
 
-__all__ = ["Batch", "SentinelPrimary", "Standalone", "make_server"]
-
-#: Seconds to open a connection (TCP, TLS, AUTH) before that attempt counts as failed.
-CONNECT_TIMEOUT = 10.0
+__all__ = ["CONNECT_TIMEOUT", "Batch", "SentinelPrimary", "Standalone", "make_server"]
 
 
 class Batch(NamedTuple):
@@ -65,43 +67,159 @@ class Batch(NamedTuple):
 class Standalone:
     """One Redis server (or a proxy). See the module docstring."""
 
+    #: The listener's connection also carries commands (RESP3), where the server speaks it.
+    combines = True
+
     def __init__(self, endpoint: RedisEndpoint, max_connections: int) -> None:
         self.endpoint = endpoint
-        self.kwargs = connection_kwargs(endpoint)
+        self.dialer = Dialer(endpoint)
+        self._idle: list[RespConnection] = []
+        self._open: set[RespConnection] = set()
+        self._closed = False
+        self._combined: RespConnection | None = None
+        self._coming: asyncio.Future[None] | None = None
         self.redis: Any = self._command_client(max_connections)
 
     def _command_client(self, max_connections: int) -> Any:
-        kwargs = dict(self.kwargs, host=self.endpoint.host, port=self.endpoint.port)
-        pool = BlockingConnectionPool(max_connections=max_connections, timeout=None, **kwargs)
-        return Redis(connection_pool=pool)
+        return None  # connections of our own (:meth:`execute`)
+
+    async def dial(
+        self,
+        address: tuple[str, int],
+        on_push: Callable[[Any], None] | None = None,
+        resp3: bool = False,
+    ) -> RespConnection:
+        """A new connection to ``address`` (see :meth:`Dialer.open <._resp.Dialer.open>`)."""
+        conn = await self.dialer.open(address, on_push, resp3)
+        if self._closed:
+            conn.close()
+            raise RedisConnectionError("The client is closed.")
+        self._open.add(conn)
+        conn.on_lost(lambda _: self._open.discard(conn))
+        return conn
+
+    # -- the listener's connection, for commands too --------------------------------------
+
+    def expect(self) -> None:
+        """The listener opens its connection: batches wait for it rather than open one."""
+        if self.combines and (self._coming is None or self._coming.done()):
+            self._coming = asyncio.get_running_loop().create_future()
+
+    def adopt(self, conn: RespConnection | None) -> None:
+        """The listener's connection is up and subscribed (``conn``), or failed (``None``):
+        batches go on it from now on when it speaks RESP3 (one connection per client)."""
+        if self.combines and conn is not None and conn.protocol == 3 and self._may_adopt(conn):
+            self._combined = conn
+        coming, self._coming = self._coming, None
+        if coming is not None and not coming.done():
+            coming.set_result(None)
+
+    def _may_adopt(self, conn: RespConnection) -> bool:
+        return not self._closed and not conn.closed
+
+    async def settled(self) -> None:
+        """Until the listener's connection is up (or failed), if it is being opened."""
+        if self._coming is not None:
+            await asyncio.wait({self._coming})  # (not cancelled with this caller)
+
+    def _reusable(self, exclusive: bool) -> RespConnection | None:
+        """A connection for a batch: the listener's (pipelined with whatever it carries),
+        unless the batch must have one to itself (it waits for replicas); else an idle one."""
+        combined = self._combined
+        if not exclusive and combined is not None and not combined.closed:
+            return combined
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    async def _connection(self, exclusive: bool) -> RespConnection:
+        conn = self._reusable(exclusive)
+        if conn is None and not exclusive and self._coming is not None:
+            await self.settled()
+            conn = self._reusable(exclusive)
+        return conn or await self.dial(await self._primary())
+
+    async def _primary(self) -> tuple[str, int]:
+        return self.endpoint.host, self.endpoint.port
+
+    # -- batches --------------------------------------------------------------------------
+
+    def send_now(self, batch: Batch, done: Callable[[Any], None]) -> bool:
+        """Send ``batch`` at once on a connection that is up (``False``: none is); ``done``
+        gets ``(replies, -1)`` or the failure (an exception)."""
+        conn = self._reusable(False)
+        if conn is None:
+            return False
+        self._send(conn, batch, None, done)
+        return True
 
     async def execute(self, batch: Batch, wait: tuple[int, int] | None) -> tuple[list[Any], int]:
         """Replies (or reply errors) of ``batch`` in one round trip, and the replicas that
         acknowledged its writes (``wait``: ``(replicas, ms)``; -1 when not asked)."""
+        exclusive = wait is not None and bool(batch.durable)
+        conn = await self._connection(exclusive)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def done(result: Any) -> None:
+            if not future.done():
+                future.set_result(result)
+
+        self._send(conn, batch, wait, done)
+        # (Cancelled meanwhile: the replies still come, in order, and are dropped.)
+        result = await future
+        if isinstance(result, BaseException):
+            raise result
+        return result  # type: ignore[no-any-return]
+
+    def _send(
+        self,
+        conn: RespConnection,
+        batch: Batch,
+        wait: tuple[int, int] | None,
+        done: Callable[[Any], None],
+    ) -> None:
         commands = batch.commands
         waiting = wait is not None and bool(batch.durable)
-        if len(commands) == 1 and not waiting:
-            try:
-                return [await self.redis.execute_command(*commands[0])], -1
-            except ResponseError as exc:
-                return [exc], -1
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for args in commands:
-                pipe.execute_command(*args)
-            if waiting:
-                assert wait is not None
-                pipe.execute_command("WAIT", *wait)
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
-        if not waiting:
-            return replies, -1
-        return replies[:-1], acked(replies[-1])
+        packed = b"".join([pack(args) for args in commands])
+        count = len(commands)
+        if waiting:
+            packed += pack(("WAIT", *(wait or ())))
+            count += 1
 
-    async def load_scripts(self, scripts: Iterable[str]) -> None:
-        """Load ``scripts`` into the script cache of the server(s) holding the keys."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for src in scripts:
-                pipe.script_load(src)
-            await pipe.execute()
+        def finished(replies: list[Any] | None, error: BaseException | None) -> None:
+            if replies is None:
+                done(error or RedisConnectionError("Connection lost."))
+                return
+            self._keep(conn, replies)
+            done((replies[:-1], acked(replies[-1])) if waiting else (replies, -1))
+
+        try:
+            conn.call(packed, count, finished)  # (a dead connection: see its watchdog)
+        except RedisConnectionError as exc:
+            done(exc)
+
+    def _keep(self, conn: RespConnection, replies: list[Any]) -> None:
+        """Reuse ``conn`` (unless the client closed meanwhile, or it reached a replica)."""
+        if self._closed or any(isinstance(reply, ReadOnlyError) for reply in replies):
+            conn.close()
+        elif not conn.closed and conn is not self._combined:
+            self._idle.append(conn)
+
+    async def scan(self, pattern: str, limit: int) -> list[bytes]:
+        """Keys matching ``pattern`` (``SCAN``), stopping after about ``limit`` of them."""
+        found: list[bytes] = []
+        cursor: Any = 0
+        while True:
+            batch = Batch([("SCAN", cursor, "MATCH", pattern, "COUNT", 1000)], [None], [])
+            (reply,), _ = await self.execute(batch, None)
+            if isinstance(reply, Exception):
+                raise reply
+            cursor, keys = reply
+            found.extend(k if isinstance(k, bytes) else str(k).encode() for k in keys)
+            if len(found) >= limit or int(cursor) == 0:
+                return found
 
     async def pubsub_address(self) -> tuple[str, int]:
         """Where the listener subscribes next."""
@@ -117,8 +235,12 @@ class Standalone:
 
     async def aclose(self) -> None:
         """Close every connection."""
-        await self.redis.aclose()
-        await self.redis.connection_pool.disconnect()
+        self._closed = True
+        self._idle = []
+        self._combined = None
+        self.adopt(None)
+        for conn in list(self._open):
+            conn.close()
 
 
 class SentinelPrimary(Standalone):
@@ -126,24 +248,33 @@ class SentinelPrimary(Standalone):
 
     def _command_client(self, max_connections: int) -> Any:
         endpoint = self.endpoint
-        data = {k: v for k, v in self.kwargs.items() if k != "connection_class"}
-        if endpoint.tls:
-            data["ssl"] = True
         assert endpoint.service is not None
+        kwargs = connection_kwargs(endpoint)
         self.sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            list(endpoint.hosts),
-            sentinel_kwargs=_sentinel_kwargs(endpoint, self.kwargs),
-            **data,
+            list(endpoint.hosts), sentinel_kwargs=_sentinel_kwargs(endpoint, kwargs)
         )
-        return self.sentinel.master_for(
-            endpoint.service,
-            connection_pool_class=_BlockingSentinelPool,
-            max_connections=max_connections,
-            timeout=None,
-        )
+        self._at: tuple[str, int] | None = None
+        return None
+
+    async def _primary(self) -> tuple[str, int]:
+        address = await self._discover()
+        if address != self._at:  # a failover: connections to the old primary go
+            self._at = address
+            idle, self._idle = self._idle, []
+            for conn in idle:
+                conn.close()
+        return address
+
+    def _may_adopt(self, conn: RespConnection) -> bool:
+        if self._at is None:
+            self._at = conn.address
+        return conn.address == self._at and super()._may_adopt(conn)
 
     async def pubsub_address(self) -> tuple[str, int]:
         """The primary that the sentinels name now."""
+        return await self._discover()
+
+    async def _discover(self) -> tuple[str, int]:
         assert self.endpoint.service is not None
         host, port = await self.sentinel.discover_master(self.endpoint.service)
         return str(host), int(port)
@@ -217,10 +348,6 @@ def acked(reply: Any) -> int:
     return reply if isinstance(reply, int) else 0
 
 
-class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
-    """Sentinel's pool, waiting for a free connection instead of failing (as standalone)."""
-
-
 def accepted(*classes: type) -> set[str]:
     """Keyword arguments the ``__init__`` of ``classes`` (and their bases) take."""
     names: set[str] = set()
@@ -284,11 +411,3 @@ def _sentinel_kwargs(endpoint: RedisEndpoint, data: dict[str, Any]) -> dict[str,
     if endpoint.tls:
         kwargs["ssl"] = True
     return kwargs
-
-
-def new_pubsub_connection(kwargs: dict[str, Any], address: Sequence[Any]) -> Connection:
-    """An unconnected connection for the listener at ``address`` (no read timeout: idle
-    reads wait for messages, pings detect a loss)."""
-    options = dict(kwargs, host=address[0], port=address[1], socket_timeout=None)
-    cls: type[Connection] = options.pop("connection_class")
-    return cls(**options)
