@@ -6,6 +6,7 @@ import itertools
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -41,10 +42,14 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _skipped and exitstatus == 0:
-        print(f"\n{len(_skipped)} test(s) skipped for a missing part (AELASTIC_TESTS_NO_SKIP=1):")
-        for nodeid in _skipped:
-            print(f"  {nodeid}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _skipped:
+        terminalreporter.section("skipped for a missing part (AELASTIC_TESTS_NO_SKIP=1)")
+        for nodeid in _skipped:
+            terminalreporter.line(nodeid)
 
 
 @pytest.fixture
