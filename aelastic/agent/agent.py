@@ -37,14 +37,7 @@ from ._publish import AgentPublisher
 from ._services import agent_services, last_word
 from ._signals import forwarding, free_signals, raise_for, sigint_interrupts, signals_to_handle
 from ._supervise import supervise
-from .api import (
-    DEFAULT_ROLE,
-    ProcessFailure,
-    RunResult,
-    WorkerGroup,
-    WorkerSpec,
-    WorkerState,
-)
+from .api import DEFAULT_ROLE, ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from .errors import format_failures, kept_failures, logs_disposable
 from .events import (
     AgentMetrics,

@@ -33,7 +33,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._servers import Batch, Standalone, accepted, acked, connection_kwargs
+from ._options import accepted, connection_kwargs
+from ._servers import Batch, Standalone, acked
 
 __all__ = ["Cluster", "is_retryable"]
 
