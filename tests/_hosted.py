@@ -5,18 +5,12 @@ thread of the test process."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from typing import Any
 
 from aelastic import RendezvousParameters
 from aelastic.backends import create_backend
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from tests._ports import free_port
 
 
 class HostingAgent:

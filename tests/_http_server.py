@@ -37,6 +37,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from tests._ports import free_port
+
 __all__ = ["HttpServer", "free_port", "serve_in_loop"]
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -49,13 +51,6 @@ _SERVE_WITH_MAX_BODY = (
     "host, port, persist, max_body = sys.argv[1:]\n"
     "run_server(host, int(port), persist_path=persist or None, max_body=int(max_body))\n"
 )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (never the same twice)."""
-    from tests._redis_server import free_port as unique_free_port
-
-    return unique_free_port()
 
 
 class HttpServer:
@@ -189,7 +184,11 @@ class HttpServer:
             self._stderr = None
 
     def __enter__(self) -> HttpServer:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()  # (its log file too: __exit__ is not called)
+            raise
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -31,7 +31,6 @@ polling). Tests are skipped (not failed) when ``redis-server`` is not on PATH.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -42,25 +41,11 @@ from typing import Any
 import pytest
 import redis
 
+from tests._ports import free_port
+
 __all__ = ["RedisServer", "free_port", "redis_server_fixture"]
 
 _START_TIMEOUT = 20.0
-
-
-_issued: set[int] = set()
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now, never one this process was given before
-    (servers started one after the other, e.g. a cluster's ports and bus ports, would
-    otherwise sometimes get the same port twice)."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port: int = sock.getsockname()[1]
-        if port not in _issued:
-            _issued.add(port)
-            return port
 
 
 class RedisServer:

@@ -12,6 +12,7 @@ import pytest
 
 from aelastic.agent import ElasticAgent
 from aelastic.agent._health import PORT_VAR, HealthServer, health_port
+from tests._ports import free_port
 
 from .helpers import WorkerHub, make_handler, running, worker_spec
 
@@ -34,13 +35,6 @@ def document(answer: bytes) -> dict[str, Any]:
     assert b"Content-Type: application/json" in head
     data: dict[str, Any] = json.loads(body)
     return data
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def test_every_request_gets_the_answer_a_tcp_probe_just_connects() -> None:

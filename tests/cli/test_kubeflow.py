@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._ports import free_port
+
 from ._proc import Cli, alive
 
 pytest.importorskip("torch")
@@ -41,12 +43,6 @@ if int(os.environ["WORLD_SIZE"]) != int(sys.argv[1]):
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _pod(tmp_path: Path, env: dict[str, str], *args: str) -> Cli:
     return Cli([*args], tmp_path, env={"PET_NPROC_PER_NODE": "1", **env})
 
@@ -59,7 +55,7 @@ def _script(tmp_path: Path, name: str, text: str) -> str:
 def test_static_job_from_pet_variables(tmp_path: Path) -> None:
     script = _script(tmp_path, "train.py", ALL_REDUCE)
     master = {"PET_NNODES": "2", "PET_MASTER_ADDR": "127.0.0.1"}
-    master["PET_MASTER_PORT"] = str(_free_port())
+    master["PET_MASTER_PORT"] = str(free_port())
     # The worker pod comes first: it waits for the master's rendezvous to appear.
     with (
         _pod(tmp_path, {**master, "PET_NODE_RANK": "1"}, "run", script) as one,
@@ -77,7 +73,7 @@ def test_c10d_job_from_pet_variables(tmp_path: Path) -> None:
     env = {
         "PET_NNODES": "2",
         "PET_RDZV_BACKEND": "c10d",
-        "PET_RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}",
+        "PET_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
         "PET_RDZV_ID": "kubeflow-job",
     }
     with _pod(tmp_path, env, "run", script) as a, _pod(tmp_path, env, "run", script) as b:
@@ -93,7 +89,7 @@ def test_elastic_c10d_survivor_reforms_alone(tmp_path: Path) -> None:
     env = {
         "PET_NNODES": "1:2",
         "PET_RDZV_BACKEND": "c10d",
-        "PET_RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}",
+        "PET_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
         "PET_RDZV_ID": "kubeflow-elastic",
         "PET_RDZV_CONF": "last_call_timeout=3,keep_alive_interval=0.3,keep_alive_max_attempt=3",
         "PET_MAX_RESTARTS": "3",
@@ -116,7 +112,7 @@ def test_elastic_c10d_survivor_reforms_alone(tmp_path: Path) -> None:
 
 def test_static_node_whose_master_never_comes_fails_naming_it(tmp_path: Path) -> None:
     script = _script(tmp_path, "train.py", ALL_REDUCE)
-    port = _free_port()
+    port = free_port()
     env = {
         "PET_NNODES": "2",
         "PET_NODE_RANK": "1",
@@ -136,7 +132,7 @@ def test_two_static_nodes_with_one_node_rank_are_told(tmp_path: Path) -> None:
     env = {
         "PET_NNODES": "3",
         "PET_MASTER_ADDR": "127.0.0.1",
-        "PET_MASTER_PORT": str(_free_port()),
+        "PET_MASTER_PORT": str(free_port()),
         "PET_RDZV_CONF": "join_timeout=30",
     }
     with _pod(tmp_path, {**env, "PET_NODE_RANK": "0"}, "run", script) as zero:
