@@ -170,8 +170,8 @@ class HostedBackend:
 
     # -- the protocol ---------------------------------------------------------------------
 
-    async def apply(self, request: Request, hold: float = 0.0) -> Reply:
-        reply: Reply = await self._reach(self._client.apply, request, hold)
+    async def apply(self, request: Request, hold: float = 0.0, seen: Token | None = None) -> Reply:
+        reply: Reply = await self._reach(self._client.apply, request, hold, seen)
         if self._rank is None or reply.rank is None:
             return reply
         if request.op is Op.JOIN:

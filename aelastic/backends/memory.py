@@ -54,7 +54,7 @@ class MemoryBackend:
     def endpoint(self) -> str:
         return self._endpoint or "memory"
 
-    async def apply(self, request: Request, hold: float = 0.0) -> Reply:
+    async def apply(self, request: Request, hold: float = 0.0, seen: Token | None = None) -> Reply:
         now = request.now_ms if request.now_ms is not None else now_ms()
         return self._engine.apply(self._run_id, request, now)
 

@@ -88,14 +88,15 @@ class RendezvousBackend(KeyValueBackend, Protocol):
     def endpoint(self) -> str:
         """Where the backend is, for messages (never with credentials)."""
 
-    async def apply(self, request: Request, hold: float = 0.0) -> Reply:
+    async def apply(self, request: Request, hold: float = 0.0, seen: Token | None = None) -> Reply:
         """Carry out ``request`` atomically and answer.
 
         A backend whose server can wait (HTTP) may, when the outcome is *wait*, hold the
         answer up to ``hold`` seconds until the status changes (or the reply's ``wake_at``)
         and carry out the request again before answering; one with a true class attribute
-        ``holds_keep_alive`` also holds a keep-alive until the status changes. Others
-        answer at once.
+        ``holds_keep_alive`` also holds a keep-alive until the status changes, but answers
+        it at once when the status is already past ``seen`` (the token the caller knows:
+        the news is in this answer). Others answer at once.
 
         Raises:
             RendezvousConnectionError: The backend could not be reached.

@@ -197,6 +197,7 @@ class NodeRequests:
         finished: bool = False,
         port: int = 0,
         hold: float = 0.0,
+        seen: str | None = None,
     ) -> Reply:
         request = Request(
             op,
@@ -211,9 +212,9 @@ class NodeRequests:
         try:
             if listened:
                 with reporting(self.publish):
-                    reply = await self._backend.apply(request, hold)
+                    reply = await self._backend.apply(request, hold, seen)
             else:  # the common case without an agent: nothing to install
-                reply = await self._backend.apply(request, hold)
+                reply = await self._backend.apply(request, hold, seen)
         except RendezvousConnectionError as exc:
             self._failed(exc)
             raise
@@ -233,7 +234,8 @@ class NodeRequests:
 
     async def keep_alive(self, hold: float) -> Reply:
         """Send this node's keep-alive (the heartbeat task's request)."""
-        return await self._request(Op.KEEP_ALIVE, hold=hold)
+        seen = None if self._status is None else self._status.token
+        return await self._request(Op.KEEP_ALIVE, hold=hold, seen=seen)
 
     def lost_membership(self) -> None:
         """The heartbeat learned that this node is no longer a member."""

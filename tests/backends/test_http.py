@@ -233,6 +233,29 @@ async def test_requests_and_replies(server: HttpServer, run_id: str) -> None:
         assert late.outcome is Outcome.ERROR_CLOSED
 
 
+async def test_held_keep_alive_answers_at_once_with_news_the_node_has_not_seen(
+    server: HttpServer, run_id: str
+) -> None:
+    async with backend(server.url, run_id) as b:
+        for i in range(3):  # max_nodes: complete
+            done = await b.apply(request(Op.JOIN, i))
+        assert done.status.complete
+        seen = done.status.token
+        # Held: nothing changed since the token this node knows.
+        start = time.monotonic()
+        beat = await b.apply(request(Op.KEEP_ALIVE, 0), hold=0.5, seen=seen)
+        assert beat.status.token == seen and time.monotonic() - start >= 0.4
+        await b.apply(request(Op.LEAVE, 2, finished=True))  # a change between two beats
+        start = time.monotonic()
+        beat = await b.apply(request(Op.KEEP_ALIVE, 0), hold=30, seen=seen)
+        assert beat.status.token != seen and beat.status.finished == 1
+        assert time.monotonic() - start < 10  # not held for 30 s: the news is in it
+        # Without ``seen``, the status at arrival is what the node is taken to know.
+        start = time.monotonic()
+        beat = await b.apply(request(Op.KEEP_ALIVE, 0), hold=0.5)
+        assert time.monotonic() - start >= 0.4
+
+
 async def test_status_snapshot_and_delete_routes(server: HttpServer, run_id: str) -> None:
     base = f"{server.url}/v1/runs/{run_id}"
     status, doc = await raw("GET", f"{base}/status")
@@ -959,6 +982,7 @@ JOIN = _join_with()
         ("POST", "/rendezvous?hold=301", JOIN),
         ("POST", "/rendezvous?hold=nan", JOIN),
         ("POST", "/rendezvous?hold=1&hold=2", JOIN),
+        ("POST", "/rendezvous?hold=1&seen=not-a-token", JOIN),
         ("POST", "/rendezvous?wait=1", JOIN),
         ("GET", "/status?wait=5", b""),
         ("GET", "/status?token=x&wait=5", b""),

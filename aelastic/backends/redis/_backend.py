@@ -153,7 +153,7 @@ class RedisBackend(RedisCalls):
             f"{where} is foreign or corrupt (not written by aelastic); it was left as it is."
         )
 
-    async def apply(self, request: Request, hold: float = 0.0) -> Reply:
+    async def apply(self, request: Request, hold: float = 0.0, seen: Token | None = None) -> Reply:
         """Carry out ``request`` atomically (one script) and answer at once (no ``hold``).
 
         Raises:

@@ -138,11 +138,13 @@ class HttpBackend:
 
     # -- the rendezvous -------------------------------------------------------------------
 
-    async def apply(self, request: Request, hold: float = 0.0) -> Reply:
+    async def apply(self, request: Request, hold: float = 0.0, seen: Token | None = None) -> Reply:
         """Carry out ``request`` on the server (one request, applied atomically).
 
         With ``hold``, the server keeps a *wait* answer up to that long, until the status
-        changes, and applies the request again: a join is then one request per round.
+        changes, and applies the request again: a join is then one request per round. A
+        keep-alive is held until the status changes, or answered at once when it is past
+        ``seen`` already.
 
         Raises:
             RendezvousConnectionError: The server refused the request or was unreachable.
@@ -152,7 +154,7 @@ class HttpBackend:
         answer = await conn.call(
             "POST", self._path + "/rendezvous", self._read_timeout,
             body=request_to_json(request), accept=frozenset({200, 404, 405}),
-            query={"hold": f"{hold:.3f}"} if hold > 0 else None, hold=hold,
+            query=_hold_query(hold, seen), hold=hold,
         )  # fmt: skip
         assert answer is not None
         status, doc = answer
@@ -363,3 +365,9 @@ def create_backend(params: RendezvousParameters) -> HttpBackend:
         read_timeout=read_timeout,
         share_connections=bool(params.get_as_bool("share_connections", True)),
     )
+
+
+def _hold_query(hold: float, seen: Token | None) -> dict[str, str] | None:
+    if hold <= 0:
+        return None
+    return {"hold": f"{hold:.3f}"} if seen is None else {"hold": f"{hold:.3f}", "seen": seen}

@@ -175,8 +175,9 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _rendezvous(request: web.Request) -> web.Response:
     run_id = _run_id(request)
-    query = _query(request, {"hold"})
+    query = _query(request, {"hold", "seen"})
     hold = require_seconds(query["hold"], "'hold'") if "hold" in query else 0.0
+    seen = require_token(query["seen"], "'seen'") if "seen" in query else None
     try:
         rdzv_request = request_from_json(await _json(request))
     except WireError as exc:
@@ -191,7 +192,9 @@ async def _rendezvous(request: web.Request) -> web.Response:
     # the node would; a join is then one request.
     held = rdzv_request.op is Op.KEEP_ALIVE and reply.known and hold > 0 and not store.closing
     # A held heartbeat is also this node's notification channel: it answers when the
-    # status's token moves (a round transition), or when the next beat is due.
+    # status's token moves (a round transition), or when the next beat is due; at once
+    # when the node has not seen the status it carries (a change came between two beats).
+    held = held and (seen is None or seen == reply.status.token)
     if held and await engine.wait_status(run_id, reply.status.token, hold):
         reply = replace(reply, status=engine.status(run_id, now_ms()))
     while reply.outcome is Outcome.WAIT and not store.closing:
