@@ -315,6 +315,23 @@ async def test_slow_headers_and_a_slow_body_are_dropped() -> None:
         assert_clean_log(server)
 
 
+async def test_a_client_gone_mid_body_is_no_error_in_the_log() -> None:
+    body = b'{"key": "k", "value": "dg=="}'
+    head = (
+        b"POST /v1/runs/r/kv/set HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    with HttpServer() as server:
+        for _ in range(3):  # a node killed while sending its request
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                sock.sendall(head + body[:5])
+                await asyncio.sleep(0.2)
+        await asyncio.sleep(0.5)
+        status, doc = post(server.url + "/v1/runs/r/kv/get", {"keys": ["k"]})
+        assert (status, doc) == (200, {"values": [None]})
+        assert_clean_log(server)
+
+
 def _slowly_on(
     sock: socket.socket, data: bytes, gap: float, limit: float
 ) -> tuple[int, bytes, float]:

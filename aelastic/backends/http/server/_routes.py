@@ -129,6 +129,8 @@ async def _json(request: web.Request) -> Any:
         raise web.HTTPRequestTimeout(
             text=f"the request body did not arrive within {timeout:g} s"
         ) from None
+    except ConnectionResetError:  # the client went away mid-body (a node killed meanwhile)
+        raise web.HTTPBadRequest(reason="the client closed the connection mid-body") from None
     try:
         return json.loads(raw)
     except (ValueError, RecursionError):
