@@ -123,10 +123,14 @@ class Heartbeats:
                 check_at = None  # news came first (another survivor pruned): no need
                 continue
             asked = clock.monotonic()
-            # Held (HTTP): the answer comes when the status moves or the next beat is due.
+            # Held (HTTP): the answer comes when the status moves or the next beat is due
+            # (or the planned check, which the next beat makes). The check's own beat is
+            # held too: if its prune moved the status, the node has not seen that status
+            # and the server answers at once; so the beat stays this node's news channel.
             hold = 0.0
             if self._holds:
-                hold = interval if check_at is None else max(check_at - asked, 0.0)
+                until_check = interval if check_at is None else check_at - asked
+                hold = until_check if until_check > 0.001 else interval
             self._hold(hold > 0)
             try:
                 # A structured deadline, not asyncio.wait_for: on Python 3.11 that can

@@ -91,7 +91,7 @@ def test_elastic_c10d_survivor_reforms_alone(tmp_path: Path) -> None:
         "PET_RDZV_BACKEND": "c10d",
         "PET_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
         "PET_RDZV_ID": "kubeflow-elastic",
-        "PET_RDZV_CONF": "last_call_timeout=3,keep_alive_interval=0.3,keep_alive_max_attempt=3",
+        "PET_RDZV_CONF": "last_call_timeout=3,keep_alive_interval=0.5,keep_alive_max_attempt=3",
         "PET_MAX_RESTARTS": "3",
     }
     port = int(env["PET_RDZV_ENDPOINT"].rsplit(":", 1)[1])
