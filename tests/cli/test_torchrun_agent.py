@@ -103,7 +103,9 @@ def _run_on_cpu0(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]
 
 
 def test_numa_binding_reaches_the_workers(tmp_path: Path) -> None:
-    script = _script(tmp_path, "import os; print('cpus', sorted(os.sched_getaffinity(0)))\n")
+    # One write per worker: the two share the pipe (print's pieces could interleave).
+    line = "os.write(1, f'cpus {sorted(os.sched_getaffinity(0))}\\n'.encode())"
+    script = _script(tmp_path, f"import os; {line}\n")
     done = _run_on_cpu0(tmp_path, "--nproc-per-node", "2", "--numa-binding", "node", script)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["cpus [0]", "cpus [0]"]

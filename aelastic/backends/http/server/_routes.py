@@ -122,6 +122,8 @@ def _query(request: web.Request, allowed: set[str]) -> Mapping[str, str]:
 
 
 async def _json(request: web.Request) -> Any:
+    if request.content.is_eof():  # the whole body came with the head (the usual case)
+        return _parse(await request.read())
     timeout = request.app[BODY_TIMEOUT]
     try:
         raw = await asyncio.wait_for(request.read(), timeout)
@@ -131,6 +133,10 @@ async def _json(request: web.Request) -> Any:
         ) from None
     except ConnectionResetError:  # the client went away mid-body (a node killed meanwhile)
         raise web.HTTPBadRequest(reason="the client closed the connection mid-body") from None
+    return _parse(raw)
+
+
+def _parse(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except (ValueError, RecursionError):
