@@ -21,6 +21,7 @@ steps so that there is time to kill or add nodes.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import sys
@@ -124,6 +125,10 @@ def main(argv: list[str]) -> None:
             log(f"step {done}/{args.steps}  loss {loss.item():.4f}  (checkpoint saved)")
         if args.step_time:
             time.sleep(args.step_time)
+    # DDP's reducer holds gloo work objects: let it go while the interpreter is whole (at
+    # exit, tearing them down after the process group can abort the process: SIGABRT).
+    del ddp
+    gc.collect()
     weight = model.weight.detach().cpu().flatten().tolist()
     log(
         f"done: {args.steps} steps, loss {loss.item():.4f}, learned y = {weight[0]:.2f}*x0 "
