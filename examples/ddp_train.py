@@ -27,13 +27,18 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel
+# torch warns on import when NumPy is missing (it is not one of torch's requirements, and
+# this example does not use it).
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 GLOBAL_BATCH = 64
 TRUE_WEIGHT = torch.tensor([3.0, -2.0])
