@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks._plots import pyplot
+
 __all__ = ["format_report", "plot", "save"]
 
 
@@ -236,15 +238,7 @@ def plot(documents: list[dict[str, Any]], path: Path) -> None:
     Raises:
         SystemExit: matplotlib is not installed.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit(
-            "--plot needs matplotlib: pip install 'aelastic[bench]' (or pip install matplotlib)"
-        ) from None
+    plt = pyplot()
     from matplotlib.ticker import ScalarFormatter
 
     figure, axes = plt.subplots(figsize=(7, 4.5))

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ipaddress
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 from ..backends.http.wire import TOKEN_ENV
+from ..core._signals import stop_on_signals
 from ..core.errors import RendezvousError
 from ..core.redact import known_secrets, redact, redact_endpoint
 from ..web import DEFAULT_PORT
@@ -56,16 +54,9 @@ def build_parser(prog: str = "aelastic dashboard") -> argparse.ArgumentParser:
     return p
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 async def _serve(args: argparse.Namespace, backend: str, config: dict[str, str]) -> int:
     try:
-        from ..backends.http.server import resolve_token
+        from ..backends.http.server import is_loopback, resolve_token
         from ..web.dashboard import serve_dashboard
         from ..web.sources import BackendSource
     except ImportError as exc:
@@ -83,17 +74,13 @@ async def _serve(args: argparse.Namespace, backend: str, config: dict[str, str])
         except BaseException:
             await source.aclose()
             raise
-    if token is None and not _is_loopback(args.host):
+    if token is None and not is_loopback(args.host):
         log.warning(
             "serving on %s without a token: anyone who can reach it can see the runs (set %s)",
             args.host,
             TOKEN_ENV,
         )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signum, stop.set)
+    stop = stop_on_signals()
 
     def announce(url: str) -> None:
         print(f"aelastic dashboard listening on {url}", flush=True)

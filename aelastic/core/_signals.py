@@ -17,12 +17,24 @@ What remains is the interpreter's own start and ``import aelastic`` (a fraction 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["sigint_interrupts"]
+__all__ = ["sigint_interrupts", "stop_on_signals"]
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event the running loop sets on SIGINT or SIGTERM: a server command's ``stop``
+    (where the loop cannot take signal handlers, e.g. off the main thread, it is never set)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signum, stop.set)
+    return stop
 
 
 @contextlib.contextmanager

@@ -62,11 +62,11 @@ import contextlib
 import ipaddress
 import logging
 import os
-import signal
 from collections.abc import Callable
 
 from aiohttp import web
 
+from ....core._signals import stop_on_signals
 from ..wire import DEFAULT_PORT, MAX_BODY, TOKEN_ENV
 from ._app import DEFAULT_MAX_RUNS, DEFAULT_RUN_TTL, OWN_AUTH, Pages, create_app, resolve_token
 from ._guard import (
@@ -92,6 +92,7 @@ __all__ = [
     "Pages",
     "PersistenceError",
     "create_app",
+    "is_loopback",
     "resolve_token",
     "run_server",
     "serve",
@@ -107,7 +108,8 @@ def _url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this machine's loopback."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -159,7 +161,7 @@ async def serve(
         read_timeout=read_timeout,
         pages=pages,
     )
-    if secret is None and not _is_loopback(host):
+    if secret is None and not is_loopback(host):
         log.warning(
             "serving on %s without a token: anyone who can reach it can change the runs (set %s)",
             host,
@@ -236,11 +238,7 @@ def run_server(
     raise_open_file_limit()
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(signum, stop.set)
+        stop = stop_on_signals()
 
         def announce(url: str) -> None:
             print(f"aelastic rendezvous server listening on {url}", flush=True)
