@@ -3,9 +3,11 @@
 Serves the same application as ``aelastic serve`` (``create_app()``, no token, no
 persistence) on a loopback port, with one more middleware, outermost, that counts every
 answered request and the bytes of its answer: the body exactly, the head (status line and
-headers) as aiohttp writes it, up to a few bytes. ``GET /_bench/stats`` (not counted itself)
-answers ``{"requests", "bytes_out", "connections"}``, where ``connections`` is the number of
-distinct client sockets that sent a request.
+headers) as aiohttp writes it, up to a few bytes; opening a rendezvous channel (a WebSocket)
+is a request (its ``101`` answer the bytes), and so is each answer on it (its frame the
+bytes). ``GET /_bench/stats`` (not counted itself) answers ``{"requests", "bytes_out",
+"connections"}``, where ``connections`` is the number of distinct client sockets that sent
+a request.
 
 Run: ``python -m benchmarks._counting_http_server [--port 0]``; prints
 ``listening on http://127.0.0.1:PORT`` once it accepts connections, serves until SIGTERM.
@@ -23,6 +25,7 @@ from typing import Any
 from aiohttp import http, web
 
 from aelastic.backends.http.server import create_app
+from aelastic.backends.http.server._channel import CHANNEL_PATH, TAPS
 from benchmarks._scale_node import raise_fd_limit
 
 STATS_PATH = "/_bench/stats"
@@ -30,6 +33,15 @@ STATS_PATH = "/_bench/stats"
 #: Head bytes aiohttp adds when it sends an answer: ``Date: <29 chars>\r\n`` and ``Server``.
 _ADDED_HEAD = len("Date: Sun, 06 Nov 1994 08:49:37 GMT\r\n") + len(
     f"Server: {http.SERVER_SOFTWARE}\r\n"
+)
+
+#: Bytes of the answer opening a channel: ``101 Switching Protocols`` and its headers.
+_UPGRADE_HEAD = (
+    len("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: upgrade\r\n")
+    + len("Sec-WebSocket-Accept: \r\n")
+    + 28  # base64 of a SHA-1
+    + _ADDED_HEAD
+    + 2
 )
 
 
@@ -57,6 +69,12 @@ class Counters:
         async def counting(
             request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
         ) -> web.StreamResponse:
+            if request.path.endswith(CHANNEL_PATH):  # counted when it opens, not when it ends
+                self.requests += 1
+                self.bytes_out += _UPGRADE_HEAD
+                if request.transport is not None:
+                    self.peers.add(request.transport.get_extra_info("peername"))
+                return await handler(request)
             response = await handler(request)
             if request.path != STATS_PATH:
                 self.requests += 1
@@ -68,6 +86,11 @@ class Counters:
 
         return counting
 
+    def channel_answer(self, status: int, size: int) -> None:
+        """An answer on a channel (WebSocket): counted as a request, its frame as bytes."""
+        self.requests += 1
+        self.bytes_out += size + (2 if size < 126 else 4 if size < 65536 else 10)
+
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response(
             {"requests": self.requests, "bytes_out": self.bytes_out, "connections": len(self.peers)}
@@ -78,6 +101,7 @@ async def serve(port: int) -> None:
     counters = Counters()
     app = create_app(token="")
     app.middlewares.insert(0, counters.middleware())
+    app[TAPS].append(counters.channel_answer)
     app.router.add_get(STATS_PATH, counters.stats)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()

@@ -186,8 +186,10 @@ def _run_group(nodes: list[Node], registered: Callable[[], None]) -> None:
 
 def main() -> int:
     # Warnings of aelastic's loggers (a heartbeat that failed...) reach the worker's log
-    # with their level, where the harness counts them.
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # with their level and time, where the harness counts them.
+    logging.basicConfig(
+        level=logging.WARNING, format="%(created).3f %(levelname)s %(name)s: %(message)s"
+    )
     spec = json.loads(sys.argv[1])
     raise_fd_limit()
     emit = Emitter()

@@ -121,7 +121,7 @@ BUILTINS: tuple[BackendInfo, ...] = (
         "host:port, http://host:port[/prefix] or https://...",
         multi_node=True,
         torchrun_alias="aelastic-http",
-        config_keys=("token",),
+        config_keys=("token", "channel"),
     ),
     BackendInfo(
         "c10d",

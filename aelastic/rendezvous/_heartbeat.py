@@ -2,7 +2,8 @@
 
 How it works: after its round completes, the handler starts one :class:`Heartbeats` task.
 It sends this node's keep-alive once an interval (the first at a random point of the first
-interval, so members that completed together do not beat in step). The answer says when the
+interval, so members that completed together do not beat in step; held beats: the first at
+once, held until that point). The answer says when the
 oldest heartbeat of the run expires, by the backend's clock; the task asks the backend to
 prune at that moment (plus a little spread), so a dead member is seen within the heartbeat
 window, and skips the check when news came first (another survivor pruned). A backend that
@@ -87,6 +88,9 @@ class Heartbeats:
     def start(self) -> None:
         """Start beating (on the running loop)."""
         self._task = asyncio.get_running_loop().create_task(self._beat(), name=self._name)
+        # Held beats: the first goes at once, so a watcher relies on them from the start
+        # (it never asks the backend for news meanwhile).
+        self._hold(self._holds)
 
     async def stop(self) -> None:
         """Stop beating and wait until the task is over (an error of the task is raised)."""
@@ -111,7 +115,11 @@ class Heartbeats:
         interval = self._settings.keep_alive_interval
         window = self._settings.heartbeat_window
         clock = self._clock
-        next_beat = clock.monotonic() + interval * random.uniform(0.05, 1.0)
+        # This node's beats fall at a random point of the interval, so that members that
+        # completed together do not beat in step. Held beats: the first goes at once and
+        # is held until that point (the node hears of changes from the start).
+        phase = interval * random.uniform(0.05, 1.0)
+        next_beat = clock.monotonic() + (0.0 if self._holds else phase)
         check_at: float | None = None
         seen = ""  # the status token when the check was planned
         while True:
@@ -129,8 +137,9 @@ class Heartbeats:
             # and the server answers at once; so the beat stays this node's news channel.
             hold = 0.0
             if self._holds:
-                until_check = interval if check_at is None else check_at - asked
+                until_check = (phase or interval) if check_at is None else check_at - asked
                 hold = until_check if until_check > 0.001 else interval
+                phase = 0.0
             self._hold(hold > 0)
             try:
                 # A structured deadline, not asyncio.wait_for: on Python 3.11 that can

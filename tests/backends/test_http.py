@@ -423,17 +423,19 @@ async def test_backends_of_one_loop_share_one_session(server: HttpServer, run_id
 
 
 async def test_a_held_join_is_one_request_per_node(run_id: str) -> None:
-    conf = {"keep_alive_interval": 30}
+    conf = {"keep_alive_interval": 30, "channel": False}  # over HTTP (the channel's: elsewhere)
     async with counted_server() as (url, traffic):
         async with group(url, run_id, 3, 3, 3, **conf) as nodes:
             assert_one_group(await join_all(nodes), 3)
             assert [h.stats.requests for h in nodes] == [1, 1, 1]
-        assert traffic.seen["POST rendezvous"] == 3
+        # The joins, and each member's first heartbeat (sent at once, held).
+        assert 3 <= traffic.seen["POST rendezvous"] <= 3 + 3
+        before = traffic.seen["POST rendezvous"]
         # With a last call: the server asks again for the node when it ends.
         async with group(url, run_id + "-lc", 2, 2, 3, last_call_timeout=0.3, **conf) as nodes:
             assert_one_group(await join_all(nodes), 2)
             assert [h.stats.requests for h in nodes] == [1, 1]
-        assert traffic.seen["POST rendezvous"] == 5
+        assert 2 <= traffic.seen["POST rendezvous"] - before <= 2 + 2
 
 
 async def test_a_held_join_whose_node_left_is_not_joined_again(
@@ -458,7 +460,10 @@ async def test_a_held_join_whose_node_left_is_not_joined_again(
 
 
 async def test_a_cancelled_held_join_is_never_joined_again(run_id: str) -> None:
-    async with counted_server() as (url, traffic), group(url, run_id, 3, 2, 2) as nodes:
+    async with (
+        counted_server() as (url, traffic),
+        group(url, run_id, 3, 2, 2, channel=False) as nodes,
+    ):
         gone, first, second = nodes
         join = asyncio.ensure_future(gone.next_rendezvous())
         await traffic.until(lambda: traffic.in_flight["POST rendezvous"] == 1)  # held

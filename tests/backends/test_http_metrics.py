@@ -56,14 +56,16 @@ async def test_metrics_follow_runs_nodes_and_requests(run_id: str, tmp_path: Pat
     assert after[("aelastic_server_runs", ())] == 1
     assert after[("aelastic_server_nodes", (("state", "participant"),))] == 2
     assert after[("aelastic_server_nodes", (("state", "waiting"),))] == 0
-    joins = [
+    # The joins went as messages on the channel (one WebSocket: one request) of the
+    # handlers' connection (shared: one event loop).
+    assert after[("aelastic_server_channel_answers_total", (("status", "200"),))] >= 2
+    channels = [
         value
         for (name, labels), value in after.items()
-        if name == "aelastic_server_requests_total"
-        and ("route", "/v1/runs/{run_id}/rendezvous") in labels
-        and ("status", "200") in labels
+        if name == "aelastic_server_requests_total" and ("route", "/v1/channel") in labels
     ]
-    assert joins and sum(joins) >= 2  # by route pattern: no run id in a label
+    assert not channels or sum(channels) <= 2  # counted once a channel closes
+    assert after[("aelastic_server_requests_in_progress", ())] >= 1  # the open channel
     assert not any(run_id in str(labels) for (_, labels) in after)
     assert after[("aelastic_server_persist_seconds_count", ())] >= 1
 

@@ -1,13 +1,15 @@
 """The ``http`` rendezvous backend: a client of the aelastic HTTP rendezvous server.
 
 How it works: :class:`HttpBackend` implements the backend protocol over the server's API
-(see :mod:`aelastic.backends.http.server`): a rendezvous request is one ``POST`` the server
-applies atomically; waiting for a change uses the run's :class:`~._feed.RunFeed` (one
-long-poll while somebody waits, answered when a round transition moves the status's token,
-never on a heartbeat). On first use inside an event loop it takes the loop's connection to
-the server (one aiohttp session, shared through :mod:`aelastic.backends._shared`, or its own
-with ``share_connections=false``); :meth:`HttpBackend.aclose` gives it back. Failures that
-may be transient are retried with backoff for ``read_timeout`` seconds (config key, default
+(see :mod:`aelastic.backends.http.server`): a rendezvous request is one message on the
+connection's channel (a WebSocket, :mod:`._channel`; a held heartbeat or join waits there)
+or, when the channel cannot carry it, one ``POST``; the server applies it atomically.
+Waiting for a change uses the run's :class:`~._feed.RunFeed` (one long-poll while somebody
+waits, answered when a round transition moves the status's token, never on a heartbeat).
+On first use inside an event loop it takes the loop's connection to the server (one aiohttp
+session, shared through :mod:`aelastic.backends._shared`, or its own with
+``share_connections=false``); :meth:`HttpBackend.aclose` gives it back. Failures that may
+be transient are retried with backoff for ``read_timeout`` seconds (config key, default
 60), then raise ``RendezvousConnectionError`` naming the server; a refused token (401)
 raises at once.
 """
@@ -62,6 +64,7 @@ class HttpBackend:
         token: Bearer token (default: ``AELASTIC_HTTP_TOKEN`` from the environment).
         read_timeout: Seconds the server may keep failing before a call raises.
         share_connections: Share the loop's session with the other backends of the server.
+        channel: Send rendezvous requests on the connection's channel (one WebSocket).
 
     Raises:
         ValueError: The endpoint, the token or ``read_timeout`` is invalid.
@@ -80,6 +83,7 @@ class HttpBackend:
         token: str | None = None,
         read_timeout: float = 60.0,
         share_connections: bool = True,
+        channel: bool = True,
     ) -> None:
         if not read_timeout > 0:
             raise ValueError(f"The read timeout ({read_timeout}) must be positive.")
@@ -91,6 +95,7 @@ class HttpBackend:
         self._read_timeout = float(read_timeout)
         key: Any = (str(self._base), self._token)
         self._share_key = ("http", key if share_connections else (key, next(_private)))
+        self._channel = channel
         self._conn: Connection | None = None
         self._feed: RunFeed | None = None
         self._closed = False
@@ -151,13 +156,22 @@ class HttpBackend:
         """
         conn, feed = self._open()
         hold = min(max(hold, 0.0), LONG_POLL)
-        answer = await conn.call(
-            "POST", self._path + "/rendezvous", self._read_timeout,
-            body=request_to_json(request), accept=frozenset({200, 404, 405}),
-            query=_hold_query(hold, seen), hold=hold,
-        )  # fmt: skip
-        assert answer is not None
-        status, doc = answer
+        body = request_to_json(request)
+        # On the connection's channel, a message on an open WebSocket (a held heartbeat a
+        # beat per node, a held join); over HTTP when the channel cannot carry it.
+        doc = None
+        if self._channel:
+            doc = await conn.channel.send(self._run_id, body, hold, seen)
+        if doc is None:
+            answer = await conn.call(
+                "POST", self._path + "/rendezvous", self._read_timeout,
+                body=body, accept=frozenset({200, 404, 405}),
+                query=_hold_query(hold, seen), hold=hold,
+            )  # fmt: skip
+            assert answer is not None
+            status, doc = answer
+        else:
+            status = 200
         if status != 200:
             raise RendezvousStateError(
                 f"The server at {self._endpoint} does not serve rendezvous state format "
@@ -350,7 +364,7 @@ def create_backend(params: RendezvousParameters) -> HttpBackend:
     """Create the HTTP backend for ``params.run_id`` at ``params.endpoint``.
 
     Config keys: ``token`` (default: ``AELASTIC_HTTP_TOKEN``), ``read_timeout`` (seconds,
-    default 60), ``share_connections`` (default true).
+    default 60), ``share_connections`` (default true), ``channel`` (default true).
 
     Raises:
         ValueError: The endpoint or a config value is invalid.
@@ -364,6 +378,7 @@ def create_backend(params: RendezvousParameters) -> HttpBackend:
         token=None if token is None else str(token),
         read_timeout=read_timeout,
         share_connections=bool(params.get_as_bool("share_connections", True)),
+        channel=bool(params.get_as_bool("channel", True)),
     )
 
 

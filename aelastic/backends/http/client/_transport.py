@@ -24,6 +24,7 @@ from yarl import URL
 from ....core.errors import RendezvousConnectionError
 from ....core.events import BackendRetry, report
 from ..wire import TOKEN_ENV
+from ._channel import Channel
 
 if TYPE_CHECKING:
     from ._feed import RunFeed
@@ -54,6 +55,8 @@ class Connection:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
         self.session = aiohttp.ClientSession(connector=connector, headers=headers)
+        #: The rendezvous channel (keep-alives as WebSocket messages), opened on first use.
+        self.channel = Channel(self.session, base, endpoint)
 
     async def call(
         self,
@@ -174,6 +177,7 @@ class Connection:
         self.feeds.clear()
         for feed in feeds:
             await feed.aclose()
+        await self.channel.aclose()
         await self.session.close()
 
     def protocol_error(self, what: str) -> RendezvousConnectionError:

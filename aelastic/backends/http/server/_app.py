@@ -24,6 +24,7 @@ from aiohttp import web
 
 from ..._engine import Engine
 from ..wire import MAX_BODY, TOKEN_ENV, SchemaError
+from ._channel import add_channel
 from ._guard import DEFAULT_READ_TIMEOUT, RateLimitedLog
 from ._metrics import install as install_metrics
 from ._routes import BODY_TIMEOUT, REPLAYS, STORE, Replays, add_routes
@@ -185,13 +186,16 @@ def create_app(
     app[STORE] = store
     app[REPLAYS] = Replays()
     app[BODY_TIMEOUT] = read_timeout
+
+    async def on_shutdown(app: web.Application) -> None:
+        store.close()  # first: held requests answer, then the channels close
+
+    app.on_shutdown.append(on_shutdown)
     add_routes(app)
+    add_channel(app, store, max_body)
     install_metrics(app, store)
     if pages is not None:
         pages(app, store.engine, secret)
-
-    async def on_shutdown(app: web.Application) -> None:
-        store.close()
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         sweeper = asyncio.get_running_loop().create_task(_sweep(store, run_ttl))
@@ -202,7 +206,6 @@ def create_app(
         with contextlib.suppress(PersistenceError):
             await store.durable()
 
-    app.on_shutdown.append(on_shutdown)
     app.cleanup_ctx.append(lifetime)
     return app
 

@@ -2,7 +2,8 @@
 
 How it works: :func:`install` adds a middleware that counts every answered request by route
 pattern (never the raw path: run ids would make the series unbounded), method and status,
-and a gauge of the requests being answered (held long-polls and held heartbeats included); a
+a gauge of the requests being answered (held long-polls included; an open channel is one
+request), and the requests answered on channels (:mod:`._channel`) by status; a
 collector reads the runs and their nodes per state (participants, waiting, redundant) from
 the store at each scrape; the store reports each persistence write's duration. Everything
 lives in a registry of this application's own (several servers in one process never clash).
@@ -20,6 +21,7 @@ from aiohttp import web
 
 from ....core.machine import snapshot_of
 from ..._engine import now_ms
+from ._channel import TAPS
 from ._runs import RunStore
 
 __all__ = ["install"]
@@ -41,6 +43,7 @@ def install(app: web.Application, store: RunStore) -> None:
         return
     metrics = _Metrics(store)
     app.middlewares.insert(0, metrics.middleware)  # outermost: sees every final status
+    app[TAPS].append(metrics.channel_answer)
     app.router.add_get("/metrics", metrics.scrape)
 
 
@@ -58,6 +61,12 @@ class _Metrics:
         self.in_progress = Gauge(
             "aelastic_server_requests_in_progress",
             "Requests being answered, held long-polls and heartbeats included.",
+            registry=self.registry,
+        )
+        self.channel_answers = Counter(
+            "aelastic_server_channel_answers",
+            "Rendezvous requests answered on channels (WebSockets), by status.",
+            ["status"],
             registry=self.registry,
         )
         self.persist = Histogram(
@@ -85,6 +94,9 @@ class _Metrics:
         finally:
             self.in_progress.dec()
             self.requests.labels(_route(request), request.method, str(status)).inc()
+
+    def channel_answer(self, status: int, size: int) -> None:
+        self.channel_answers.labels(str(status)).inc()
 
     async def scrape(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -18,12 +18,11 @@ import asyncio
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
-from ....core.state import FORMAT, FORMAT_VERSION, Op, Outcome
+from ....core.state import FORMAT, FORMAT_VERSION
 from ....core.wire import (
     WireError,
     reply_to_json,
@@ -48,6 +47,7 @@ from ..wire import (
     require_seconds,
     require_token,
 )
+from ._answer import answer
 from ._runs import RunStore
 
 __all__ = ["BODY_TIMEOUT", "REPLAYS", "STORE", "Replays", "add_routes"]
@@ -190,36 +190,11 @@ async def _rendezvous(request: web.Request) -> web.Response:
         rdzv_request = request_from_json(await _json(request))
     except WireError as exc:
         raise SchemaError(str(exc)) from None
-    store = _store(request)
-    store.admit(run_id)
-    engine = store.engine
-    reply = engine.apply(run_id, rdzv_request, now_ms())
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + hold
-    # Held: wait for the status to change (or the last call to end), then ask again, as
-    # the node would; a join is then one request.
-    held = rdzv_request.op is Op.KEEP_ALIVE and reply.known and hold > 0 and not store.closing
-    # A held heartbeat is also this node's notification channel: it answers when the
-    # status's token moves (a round transition), or when the next beat is due; at once
-    # when the node has not seen the status it carries (a change came between two beats).
-    held = held and (seen is None or seen == reply.status.token)
-    if held and await engine.wait_status(run_id, reply.status.token, hold):
-        reply = replace(reply, status=engine.status(run_id, now_ms()))
-    while reply.outcome is Outcome.WAIT and not store.closing:
-        remaining = deadline - loop.time()
-        if reply.wake_at_ms is not None:
-            remaining = min(remaining, (reply.wake_at_ms - reply.status.now_ms) / 1000 + 0.002)
-        if remaining <= 0:
-            break
-        await store.durable()
-        changed = await engine.wait_status(run_id, reply.status.token, remaining)
-        if not changed and (reply.wake_at_ms is None or loop.time() >= deadline):
-            break
-        gone = request.transport is None or request.transport.is_closing()
-        if gone or not engine.knows(run_id, rdzv_request.node):
-            break  # the node went away (a cancelled join that left): never join it again
-        reply = engine.apply(run_id, rdzv_request, now_ms())
-    await store.durable()
+
+    def gone() -> bool:
+        return request.transport is None or request.transport.is_closing()
+
+    reply = await answer(_store(request), run_id, rdzv_request, hold, seen, gone)
     return web.json_response(reply_to_json(reply))
 
 
