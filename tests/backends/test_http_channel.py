@@ -20,8 +20,8 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from aelastic import RendezvousConnectionError
 from aelastic.backends.http.client import HttpBackend
-from aelastic.backends.http.server import create_app
 from aelastic.backends.http.server import _channel as server_channel
+from aelastic.backends.http.server import create_app
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Outcome, Request, Transition
 from aelastic.core.wire import reply_from_json, request_to_json
@@ -53,7 +53,7 @@ class Seen:
 
 @asynccontextmanager
 async def server(
-    *, token: str = "", refuse_channel: bool = False
+    *, token: str = "", refuse_channel: bool = False, **kwargs: Any
 ) -> AsyncIterator[tuple[str, Seen, web.AppRunner]]:
     """The rendezvous server in this loop; ``refuse_channel`` makes it an older one (404)."""
     seen = Seen()
@@ -69,7 +69,7 @@ async def server(
         response: web.StreamResponse = await handler(request)
         return response
 
-    app = create_app(token=token)
+    app = create_app(token=token, **kwargs)
     app.middlewares.insert(0, count)
     app[server_channel.TAPS].append(lambda status, size: seen.answers.update([status]))
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
@@ -279,6 +279,18 @@ async def test_bad_messages_are_refused_and_change_nothing(
                 assert await closed_with(ws, broken) == code
         assert seen.answers[400] == len(refused)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_message_larger_than_a_body_closes_the_channel(run_id: str) -> None:
+    async with server(max_body=4096) as (url, _, _), aiohttp.ClientSession() as session:
+        message = {"id": 1, "run": run_id, "request": {"junk": "x" * 8192}}
+        async with session.ws_connect(url + "/v1/channel") as ws:
+            assert await closed_with(ws, json.dumps(message)) == WSCloseCode.MESSAGE_TOO_BIG
+        b = HttpBackend(run_id, url)  # the server goes on
+        try:
+            assert (await b.apply(request(Op.JOIN, 0))).known
+        finally:
+            await b.aclose()
 
 
 async def test_requests_held_past_the_limit_are_refused(

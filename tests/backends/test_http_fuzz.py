@@ -9,6 +9,7 @@ object (with ``error`` when it is a rejection), never a 5xx, and the server stay
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import http.client
 import json
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
+import aiohttp
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -364,6 +366,75 @@ def test_garbage_on_the_socket_changes_nothing(
             pass
     assert (journal.read_bytes(), seeded(srv)) == before
     assert request(srv, "GET", "/v1/health", None, auth())[0] == 200
+
+
+@st.composite
+def channel_messages(draw: st.DrawFn) -> str | bytes:
+    """A message for ``/v1/channel``: mostly a plausible request (maybe mutated), sometimes
+    anything."""
+    choice = draw(st.integers(0, 9))
+    if choice == 0:
+        return draw(st.binary(max_size=60))
+    if choice == 1:
+        return draw(st.one_of(st.text(max_size=60), json_values.map(json.dumps)))
+    message: dict[str, Any] = {
+        "id": draw(st.integers(0, 2**53 - 1) if draw(st.integers(0, 4)) else json_scalars),
+        "run": draw(runs),
+        "request": draw(rendezvous_requests),
+    }
+    if draw(st.booleans()):
+        message["hold"] = draw(st.one_of(st.floats(0, 0.05), small_seconds))
+    if draw(st.booleans()):
+        message["seen"] = draw(tokens)
+    return draw(mutated(message)).decode()
+
+
+async def _on_channel(port: int, message: str | bytes) -> tuple[str, Any]:
+    """Send ``message`` on a fresh channel: ("answer", doc) or ("closed", close code)."""
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    url = f"http://127.0.0.1:{port}/v1/channel"
+    async with (
+        aiohttp.ClientSession(headers=headers) as session,
+        session.ws_connect(url) as ws,
+    ):
+        if isinstance(message, bytes):
+            await ws.send_bytes(message)
+        else:
+            await ws.send_str(message)
+        answer = await asyncio.wait_for(ws.receive(), 20)
+        if answer.type is aiohttp.WSMsgType.TEXT:
+            return "answer", json.loads(answer.data)
+        return "closed", ws.close_code
+
+
+def _valid_id(message: str | bytes) -> Any:
+    try:
+        doc = json.loads(message)
+    except ValueError:
+        return None
+    value = doc.get("id") if isinstance(doc, dict) else None
+    return value if type(value) is int and 0 <= value < 2**53 else None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(message=channel_messages())
+def test_rejected_channel_messages_change_nothing(
+    fuzz_server: tuple[HttpServer, Path], message: str | bytes
+) -> None:
+    srv, journal = fuzz_server
+    before = journal.read_bytes(), seeded(srv)
+    kind, what = asyncio.run(_on_channel(srv.port, message))
+    msg_id = None if isinstance(message, bytes) else _valid_id(message)
+    event(f"{kind} {what.get('status') if kind == 'answer' else what}")
+    if msg_id is None:  # not the channel's protocol: closed, the reason given
+        assert (kind, what) in [("closed", 1003), ("closed", 1007)], (kind, what)
+        assert (journal.read_bytes(), seeded(srv)) == before
+    else:
+        assert kind == "answer" and what["id"] == msg_id, (kind, what)
+        if "reply" not in what:
+            assert what["status"] == 400 and isinstance(what["error"], str), what
+            assert (journal.read_bytes(), seeded(srv)) == before
+    assert srv.running
 
 
 def test_server_is_up_and_answers_every_route(fuzz_server: tuple[HttpServer, Path]) -> None:
