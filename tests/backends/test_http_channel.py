@@ -53,9 +53,10 @@ class Seen:
 
 @asynccontextmanager
 async def server(
-    *, token: str = "", refuse_channel: bool = False, **kwargs: Any
+    *, token: str = "", refuse_channel: int = 0, **kwargs: Any
 ) -> AsyncIterator[tuple[str, Seen, web.AppRunner]]:
-    """The rendezvous server in this loop; ``refuse_channel`` makes it an older one (404)."""
+    """The rendezvous server in this loop; ``refuse_channel`` answers the channel's opening
+    with that status (404: an older server; 400: a proxy that dropped the upgrade)."""
     seen = Seen()
 
     @web.middleware
@@ -63,7 +64,7 @@ async def server(
         seen.http[f"{request.method} {request.path.rsplit('/', 1)[-1]}"] += 1
         if request.path.endswith("/channel"):
             if refuse_channel:
-                return web.json_response({"error": "not found"}, status=404)
+                return web.json_response({"error": "refused"}, status=refuse_channel)
             if request.transport is not None:
                 seen.channels.append(request.transport)
         response: web.StreamResponse = await handler(request)
@@ -166,9 +167,12 @@ async def test_a_cancelled_held_join_on_the_channel_is_never_joined_again(run_id
         assert set(snapshot.ranks()) == {first.node, second.node}
 
 
-async def test_an_older_server_without_the_channel_gets_them_over_http(run_id: str) -> None:
+@pytest.mark.parametrize("refused", [404, 400])
+async def test_an_older_server_or_a_proxy_without_the_channel_gets_them_over_http(
+    run_id: str, refused: int
+) -> None:
     async with (
-        server(refuse_channel=True) as (url, seen, _),
+        server(refuse_channel=refused) as (url, seen, _),
         backends(url, run_id, {}) as (b,),
     ):
         await complete(b)

@@ -11,8 +11,9 @@ server has no channel: an older ``aelastic serve``, or a proxy refusing WebSocke
 socket closes or fails; no answer within the hold and a margin; a 5xx answer) makes
 :meth:`Channel.send` return ``None``: the caller then sends that request over HTTP, which
 has the retries and the error messages (rendezvous requests are idempotent). After a failed
-open the channel is tried again after a backoff (1 s doubling to 30 s; an older server: 10
-minutes). A 4xx answer raises, as over HTTP.
+open the channel is tried again after a backoff (1 s doubling to 30 s; no channel there,
+an older server or a proxy that does not pass WebSockets on: 10 minutes). A 4xx answer
+raises, as over HTTP.
 """
 
 from __future__ import annotations
@@ -130,7 +131,9 @@ class Channel:
                 async with fail_after(_OPEN_TIMEOUT):
                     ws = await self._session.ws_connect(self._url, autoping=True)
             except aiohttp.WSServerHandshakeError as exc:
-                self._failed(_NO_CHANNEL_BACKOFF if exc.status in (404, 405) else None)
+                # No channel there: an older server (404, 405), or a proxy on the way that
+                # does not pass WebSockets on (the server sees a plain GET: 400).
+                self._failed(_NO_CHANNEL_BACKOFF if exc.status in (400, 404, 405) else None)
                 return None
             except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError):
                 self._failed(None)
