@@ -83,6 +83,12 @@ class HttpServer:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def pid(self) -> int:
+        """The server process's id (it must have been started)."""
+        assert self._proc is not None, "the server was never started"
+        return self._proc.pid
+
+    @property
     def running(self) -> bool:
         """Whether the server process is alive."""
         return self._proc is not None and self._proc.poll() is None

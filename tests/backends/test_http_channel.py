@@ -4,8 +4,11 @@ WebSocket per connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -19,12 +22,14 @@ import pytest
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from aelastic import RendezvousConnectionError
+from aelastic.backends._engine import now_ms
 from aelastic.backends.http.client import HttpBackend
 from aelastic.backends.http.server import _channel as server_channel
 from aelastic.backends.http.server import create_app
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Outcome, Request, Transition
 from aelastic.core.wire import reply_from_json, request_to_json
+from tests._http_server import HttpServer
 from tests._rendezvous_helpers import PROMPT, assert_one_group, handler_group, join_all
 
 pytestmark = pytest.mark.anyio
@@ -315,3 +320,39 @@ async def test_requests_held_past_the_limit_are_refused(
             await asyncio.sleep(0.2)
             doc = await exchange(ws, {"id": 3, "run": run_id, "request": beat})
             assert doc["id"] == 3 and doc["status"] == 503
+
+
+async def test_a_server_frozen_under_its_members_never_hangs_them(run_id: str) -> None:
+    """``aelastic serve`` stopped (SIGSTOP) for longer than the heartbeat window while two
+    members beat on their channels, then resumed: nobody hangs; the round either survived
+    (both still beat) or both see the change and form a round again."""
+    conf = {"keep_alive_interval": 0.3, "heartbeat_timeout": 1.0, "last_call_timeout": 0.1}
+    with HttpServer() as srv:
+        async with handler_group("http", srv.url, run_id, 2, 2, 2, **conf) as nodes:
+            assert_one_group(await join_all(nodes), 2)
+            await asyncio.sleep(0.5)  # beating on the channel
+            os.kill(srv.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(3.0)  # the window is 0.9 s
+            finally:
+                os.kill(srv.pid, signal.SIGCONT)
+            resumed = now_ms()
+
+            async def change(handler: Any) -> Any:
+                with contextlib.suppress(TimeoutError):
+                    with anyio.fail_after(3.0):
+                        return await handler.watch()
+                return None
+
+            views = await asyncio.gather(*(change(h) for h in nodes))
+            if any(view is not None for view in views):
+                assert_one_group(await join_all(nodes), 2)  # formed again
+            with anyio.fail_after(PROMPT):
+                while True:  # both members beat again
+                    snapshot = await nodes[0].backend.snapshot()
+                    assert snapshot is not None
+                    beats = [e.beat_ms for e in snapshot.participants]
+                    if len(beats) == 2 and min(beats) > resumed:
+                        break
+                    await asyncio.sleep(0.05)
+        assert srv.running
