@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -356,3 +357,47 @@ async def test_a_server_frozen_under_its_members_never_hangs_them(run_id: str) -
                         break
                     await asyncio.sleep(0.05)
         assert srv.running
+
+
+FROZEN_CLIENT = """
+import asyncio, os, signal, sys
+import aiohttp
+
+async def main():
+    async with aiohttp.ClientSession() as session:
+        sockets = [await session.ws_connect(sys.argv[1]) for _ in range(5)]
+        print("ready", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: never answers a close
+        await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def process_state(pid: int) -> str:
+    """The state letter of a process (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+async def test_shutdown_is_not_held_up_by_frozen_clients(run_id: str) -> None:
+    async with server() as (url, seen, runner):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", FROZEN_CLIENT, url + "/v1/channel",
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            with anyio.fail_after(PROMPT):
+                assert (await proc.stdout.readline()).strip() == b"ready"
+                while True:
+                    if process_state(proc.pid) == "T":  # frozen
+                        break
+                    await asyncio.sleep(0.02)
+            assert seen.http["GET channel"] == 5
+            start = time.monotonic()
+            await runner.cleanup()  # closing the frozen clients' channels takes no time
+            assert time.monotonic() - start < 4.0
+        finally:
+            proc.kill()
+            await proc.wait()

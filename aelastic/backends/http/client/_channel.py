@@ -90,6 +90,8 @@ class Channel:
             message["hold"] = round(hold, 3)
             if seen is not None:
                 message["seen"] = seen
+        if socket.reader is None or socket.reader.done():
+            return None  # closed meanwhile: nobody would hand the answer out
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         socket.pending[msg_id] = future
         try:

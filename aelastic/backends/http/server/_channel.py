@@ -220,10 +220,12 @@ def add_channel(app: web.Application, store: RunStore, max_body: int = MAX_BODY)
         held = set().union(*(c.held for c in channels))
         if held:  # answered at once now that the store is closing: let them go out
             await asyncio.wait(held, timeout=_SHUTDOWN_GRACE)
-        for channel in list(channels):
-            await channel.ws.close(
-                code=WSCloseCode.GOING_AWAY, message=b"the server is shutting down"
-            )
+        # All at once (a close may wait up to a second for its client's answer).
+        going = b"the server is shutting down"
+        await asyncio.gather(
+            *(c.ws.close(code=WSCloseCode.GOING_AWAY, message=going) for c in list(channels)),
+            return_exceptions=True,
+        )
 
     app.router.add_get(CHANNEL_PATH, channel)
     app.on_shutdown.append(close_all)
