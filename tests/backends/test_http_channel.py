@@ -401,3 +401,64 @@ async def test_shutdown_is_not_held_up_by_frozen_clients(run_id: str) -> None:
         finally:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_withdrawn_held_join_is_never_applied_again(run_id: str) -> None:
+    rules = Rules(2, 3, last_call_ms=60_000, window_ms=60_000)
+    join = request_to_json(Request(Op.JOIN, node(0), rules))
+    async with server() as (url, seen, _), aiohttp.ClientSession() as session:
+        b = HttpBackend(run_id, url)
+        try:
+            async with session.ws_connect(url + "/v1/channel") as ws:
+                message = {"id": 1, "run": run_id, "request": join, "hold": 30}
+                await ws.send_str(json.dumps(message))
+                with anyio.fail_after(PROMPT):
+                    while True:  # joined, held
+                        snapshot = await b.snapshot()
+                        if snapshot is not None and snapshot.knows(node(0)):
+                            break
+                        await asyncio.sleep(0.02)
+                (joined,) = snapshot.participants
+                await ws.send_str(json.dumps({"id": 1, "cancel": True}))
+                await asyncio.sleep(0.2)  # a later beat time would show a join applied again
+                await b.apply(Request(Op.JOIN, node(1), rules))  # the last call starts
+                await asyncio.sleep(0.3)
+                snapshot = await b.snapshot()
+                assert snapshot is not None
+                beats = {e.node: e.beat_ms for e in snapshot.participants}
+                assert beats[node(0)] == joined.beat_ms  # not joined again on the change
+                with pytest.raises(TimeoutError):  # and never answered
+                    with anyio.fail_after(0.3):
+                        await ws.receive()
+        finally:
+            await b.aclose()
+        assert seen.answers[200] >= 1
+
+
+async def test_a_cancelled_send_withdraws_its_held_join(run_id: str) -> None:
+    rules = Rules(2, 3, last_call_ms=60_000, window_ms=60_000)
+    async with (
+        server() as (url, _, _),
+        backends(url, run_id, {}, {"share_connections": False}) as (
+            b,
+            other,
+        ),
+    ):
+        held = asyncio.ensure_future(b.apply(Request(Op.JOIN, node(0), rules), hold=30))
+        with anyio.fail_after(PROMPT):
+            while True:
+                snapshot = await other.snapshot()
+                if snapshot is not None and snapshot.knows(node(0)):
+                    break
+                await asyncio.sleep(0.02)
+        (joined,) = snapshot.participants
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        await asyncio.sleep(0.2)
+        await other.apply(Request(Op.JOIN, node(1), rules))  # the last call starts
+        await asyncio.sleep(0.3)
+        snapshot = await other.snapshot()
+        assert snapshot is not None
+        beats = {e.node: e.beat_ms for e in snapshot.participants}
+        assert beats[node(0)] == joined.beat_ms  # withdrawn: not joined again on the change
+        assert (await b.apply(request(Op.KEEP_ALIVE, 0))).known  # the channel goes on

@@ -6,7 +6,8 @@ rendezvous request opens a WebSocket to the server (``GET /v1/channel``, see
 carries the requests of every node of the connection: joins, leaves and, once a round is
 complete, a held heartbeat a beat. :meth:`Channel.send` writes one message with a fresh id
 and awaits the answer with that id (one reader task hands the answers out); held requests
-are answered when the status moves or the hold ends, as over HTTP. Whatever goes wrong (the
+are answered when the status moves or the hold ends, as over HTTP, and a cancelled send
+withdraws its request (as closing an HTTP connection would). Whatever goes wrong (the
 server has no channel: an older ``aelastic serve``, or a proxy refusing WebSockets; the
 socket closes or fails; no answer within the hold and a margin; a 5xx answer) makes
 :meth:`Channel.send` return ``None``: the caller then sends that request over HTTP, which
@@ -49,6 +50,7 @@ class _Socket:
     ws: aiohttp.ClientWebSocketResponse[bool]
     pending: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     reader: asyncio.Task[None] | None = None
+    notes: set[asyncio.Task[None]] = field(default_factory=set)  # withdrawals being sent
 
 
 class Channel:
@@ -104,6 +106,12 @@ class Channel:
             with contextlib.suppress(aiohttp.ClientError, ConnectionError):
                 await socket.ws.close()
             return None
+        except asyncio.CancelledError:
+            # (Cancelling this task cancels the future it awaits.) No answer yet: withdraw
+            # the request, a held join must not be applied again.
+            if future.cancelled() or not future.done():
+                self._withdraw(socket, msg_id)
+            raise
         finally:
             socket.pending.pop(msg_id, None)
         reply = doc.get("reply")
@@ -116,6 +124,15 @@ class Channel:
                 f"channel ({status}: {error})."
             )
         return None  # 5xx or an answer that does not fit: over HTTP, with its retries
+
+    def _withdraw(self, socket: _Socket, msg_id: int) -> None:
+        if socket.ws.closed or socket.reader is None or socket.reader.done():
+            return
+        note = json.dumps({"id": msg_id, "cancel": True}, separators=(",", ":"))
+        task = asyncio.get_running_loop().create_task(socket.ws.send_str(note))
+        socket.notes.add(task)  # kept until sent; cancelled if the socket closes first
+        task.add_done_callback(socket.notes.discard)
+        task.add_done_callback(_retrieve)
 
     async def _open(self) -> _Socket | None:
         loop = asyncio.get_running_loop()
@@ -189,3 +206,10 @@ class Channel:
             await socket.ws.close()
         if socket.reader is not None:
             await cancel_and_wait(socket.reader)
+        if socket.notes:
+            await cancel_and_wait(socket.notes)
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # a withdrawal the closing socket refused: nothing to do

@@ -3,8 +3,10 @@
 How it works: ``GET /v1/channel`` upgrades to a WebSocket (behind the same token check as
 every route, once per connection). Each text message the client sends is one rendezvous
 request: ``{"id": <int>, "run": <run id>, "request": {...}, "hold": <s>, "seen": <token>}``
-(``hold`` and ``seen`` optional, as the query of ``POST .../rendezvous``). The server answers
-each with ``{"id": <same>, "reply": {...}}``, or ``{"id": <same>, "status": <int>, "error":
+(``hold`` and ``seen`` optional, as the query of ``POST .../rendezvous``); ``{"id": <int>,
+"cancel": true}`` withdraws a request still held (its node gave up on it, as a client
+closing its HTTP connection: a held join is never applied again). The server answers
+each request with ``{"id": <same>, "reply": {...}}``, or ``{"id": <same>, "status": <int>, "error":
 <text>}`` when it cannot (400 for a request that does not fit the schema, 503 at the limit
 of runs or when the journal cannot be written); answers may come in any order. The request
 is answered exactly as over HTTP (:func:`._answer.answer`): a held keep-alive waits until
@@ -98,6 +100,7 @@ class _Channel:
         self.store = store
         self.taps = taps
         self.held: set[asyncio.Task[None]] = set()
+        self._by_id: dict[int, asyncio.Task[None]] = {}  # requests being answered
         self._loop = asyncio.get_running_loop()
         # Idle: one timer a channel, pushed back lazily (a timeout on every receive cost
         # a tenth of the server's time per message, measured).
@@ -113,7 +116,13 @@ class _Channel:
         self._closer = self._loop.create_task(self.ws.close(code=WSCloseCode.OK, message=b"idle"))
 
     def take(self, msg_id: int, doc: dict[str, Any]) -> None:
-        """Answer the request in ``doc`` (in a task of its own: it may be held)."""
+        """Answer the request in ``doc`` (in a task of its own: it may be held), or cancel
+        request ``msg_id`` (``{"id", "cancel": true}``: its node gave up on it)."""
+        if doc.get("cancel") is True and len(doc) == 2:
+            task = self._by_id.get(msg_id)
+            if task is not None:
+                task.cancel()  # a held join is never applied again; no answer
+            return
         if len(self.held) >= MAX_IN_FLIGHT:
             self._later(self._error(msg_id, 503, f"more than {MAX_IN_FLIGHT} requests held"))
             return
@@ -131,12 +140,15 @@ class _Channel:
         except SchemaError as exc:
             self._later(self._error(msg_id, 400, str(exc)))
             return
-        self._later(self._answer(msg_id, run_id, request, hold, seen))
+        task = self._later(self._answer(msg_id, run_id, request, hold, seen))
+        self._by_id[msg_id] = task
+        task.add_done_callback(lambda _: self._by_id.pop(msg_id, None))
 
-    def _later(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+    def _later(self, coro: Any) -> asyncio.Task[None]:
+        task = self._loop.create_task(coro)
         self.held.add(task)
         task.add_done_callback(self.held.discard)
+        return task
 
     async def _answer(self, msg_id: int, run_id: str, request: Any, hold: float, seen: Any) -> None:
         try:
