@@ -462,3 +462,26 @@ async def test_a_cancelled_send_withdraws_its_held_join(run_id: str) -> None:
         beats = {e.node: e.beat_ms for e in snapshot.participants}
         assert beats[node(0)] == joined.beat_ms  # withdrawn: not joined again on the change
         assert (await b.apply(request(Op.KEEP_ALIVE, 0))).known  # the channel goes on
+
+
+async def test_a_held_beat_brought_early_by_news_counts_as_of_its_answer(run_id: str) -> None:
+    async with server() as (url, _, _), backends(url, run_id, {}, {"channel": False}) as (b, h):
+        token = await complete(b)
+        for sender in (b, h):  # on the channel, and as an HTTP request: the same answer
+            sent = now_ms()
+            held = asyncio.ensure_future(
+                sender.apply(request(Op.KEEP_ALIVE, 0), hold=30, seen=token)
+            )
+            await asyncio.sleep(0.4)
+            news = now_ms()
+            # A member finished, then one left: round transitions, news for node 0.
+            finished = sender is b
+            left = await b.apply(request(Op.LEAVE, 2 if finished else 1, finished=finished))
+            token = left.status.token
+            with anyio.fail_after(PROMPT):
+                beat = await held
+            assert beat.known and beat.status.token == token
+            snapshot = await b.snapshot()
+            assert snapshot is not None
+            (entry,) = [e for e in snapshot.participants if e.node == node(0)]
+            assert entry.beat_ms >= news > sent + 300  # applied again when answered

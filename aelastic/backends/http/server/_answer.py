@@ -1,10 +1,11 @@
 """Answering one rendezvous request on the server: apply, hold, apply again, wait until durable.
 
-How it works: :func:`answer` is what ``POST /v1/runs/<id>/rendezvous`` and the heartbeat
+How it works: :func:`answer` is what ``POST /v1/runs/<id>/rendezvous`` and the rendezvous
 channel (:mod:`._channel`) both do with a request. It applies the request at once. A held
 keep-alive then waits until the run's status token moves (a round transition) or the hold
-ends, and answers with the fresh status; it answers at once when the node has not seen the
-status it carries (``seen``: a change came between two beats). A *wait* answer (a join
+ends, and answers with the fresh status (brought early by a change, the keep-alive is
+applied again, as of its answer); it answers at once when the node has not seen the status
+it carries (``seen``: a change came between two beats). A *wait* answer (a join
 waiting for nodes or for the last call) is held the same way and the request applied again
 after each change, as the node would; a join is then one request. Before answering it
 waits until the change is durable (``--persist``). :func:`failure` says how an error raised
@@ -60,7 +61,14 @@ async def answer(
     # when the node has not seen the status it carries (a change came between two beats).
     held = held and (seen is None or seen == reply.status.token)
     if held and await engine.wait_status(run_id, reply.status.token, hold):
-        reply = replace(reply, status=engine.status(run_id, now_ms()))
+        if gone():
+            reply = replace(reply, status=engine.status(run_id, now_ms()))
+        else:
+            # Brought early by news: applied again now, as the node, still holding its
+            # request, would send it. The news answers every member at once, and their next
+            # beats come in a burst a moment later; on a busy server a beat counted from
+            # before the news could then expire (seen at 4,096 nodes on 2 cores).
+            reply = engine.apply(run_id, request, now_ms())
     while reply.outcome is Outcome.WAIT and not store.closing:
         remaining = deadline - loop.time()
         if reply.wake_at_ms is not None:
