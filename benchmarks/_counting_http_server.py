@@ -25,7 +25,8 @@ from typing import Any
 from aiohttp import http, web
 
 from aelastic.backends.http.server import create_app
-from aelastic.backends.http.server._channel import CHANNEL_PATH, TAPS
+from aelastic.backends.http.server._channel import TAPS
+from aelastic.backends.http.wire import CHANNEL_PATH
 from benchmarks._scale_node import raise_fd_limit
 
 STATS_PATH = "/_bench/stats"

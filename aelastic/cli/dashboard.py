@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
 from ..backends.http.wire import TOKEN_ENV
 from ..core._signals import stop_on_signals
@@ -27,20 +26,16 @@ from ..core.redact import known_secrets, redact, redact_endpoint
 from ..web import DEFAULT_PORT
 from .options import UsageError, parse_rdzv_conf
 from .reading import add_backend_flags, backend_of
+from .rules import UsageParser
 
 __all__ = ["build_parser", "main"]
 
 log = logging.getLogger("aelastic.web")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
 def build_parser(prog: str = "aelastic dashboard") -> argparse.ArgumentParser:
     """The parser of ``aelastic dashboard``."""
-    p = _Parser(
+    p = UsageParser(
         prog=prog,
         description="Serve live pages of the runs on a backend (read-only; token from "
         f"${TOKEN_ENV} when set).",

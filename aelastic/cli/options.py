@@ -19,7 +19,7 @@ import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, NoReturn
+from typing import Any
 
 from ..core.redact import redact
 from .conf_keys import unknown_key_warnings
@@ -27,6 +27,7 @@ from .devices import determine_local_world_size
 from .rules import (
     BACKEND_ALIASES,
     UsageError,
+    UsageParser,
     parse_local_ranks,
     parse_nnodes,
     parse_rdzv_conf,
@@ -49,13 +50,6 @@ __all__ = [
 ]
 
 #: Names ``--rdzv-backend`` accepts for the built-ins (and their torchrun names) -> backend.
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        if "required: training_script" in message:
-            message = f"no training script given (usage: {self.prog} [options] script [args])"
-        raise UsageError(message)
 
 
 def _env_default(dest: str, default: Any, kind: Callable[[str], Any]) -> Any:
@@ -133,7 +127,7 @@ def build_parser(prog: str = "aelastic run") -> argparse.ArgumentParser:
     Raises:
         UsageError: A ``PET_*`` flag variable is not 0 or 1.
     """
-    p = _Parser(
+    p = UsageParser(
         prog=prog,
         description="Launch an elastic distributed job (torchrun's flags and defaults).",
         allow_abbrev=True,  # torchrun's argparse allows abbreviations of long flags

@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import signal
 import uuid
+from typing import NoReturn
 
 from ..backends.registry import BUILTINS, backend_info
 
 __all__ = [
     "BACKEND_ALIASES",
     "UsageError",
+    "UsageParser",
     "parse_local_ranks",
     "parse_nnodes",
     "parse_rdzv_conf",
@@ -43,6 +45,15 @@ _TORCH_ONLY = {
 
 class UsageError(Exception):
     """A bad flag or value: reported on one line, exit code 2."""
+
+
+class UsageParser(argparse.ArgumentParser):
+    """An argument parser of the commands: a mistake raises :class:`UsageError`."""
+
+    def error(self, message: str) -> NoReturn:
+        if "required: training_script" in message:
+            message = f"no training script given (usage: {self.prog} [options] script [args])"
+        raise UsageError(message)
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

@@ -15,22 +15,18 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from ..backends.http.wire import DEFAULT_PORT
 from .options import UsageError
+from .rules import UsageParser
 
 __all__ = ["build_parser", "main"]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
 def build_parser(prog: str = "aelastic serve") -> argparse.ArgumentParser:
     """The parser of ``aelastic serve``."""
-    p = _Parser(
+    p = UsageParser(
         prog=prog,
         description="Serve aelastic rendezvous state over HTTP, and live pages of its runs at "
         "http://HOST:PORT/ (token from $AELASTIC_HTTP_TOKEN when set).",

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from ..backends.registry import create_backend
 from ..core._signals import sigint_interrupts
@@ -34,19 +34,15 @@ from ..core.redact import known_secrets, redact, redact_endpoint
 from ..core.state import MemberEntry, Snapshot
 from .options import UsageError, parse_rdzv_conf
 from .reading import add_backend_flags, backend_of
+from .rules import UsageParser
 from .status_list import show_runs
 
 __all__ = ["build_parser", "format_snapshot", "main", "snapshot_to_json"]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
 def build_parser(prog: str = "aelastic status") -> argparse.ArgumentParser:
     """The parser of ``aelastic status``."""
-    p = _Parser(prog=prog, description="Show the rendezvous state of a job (read-only).")
+    p = UsageParser(prog=prog, description="Show the rendezvous state of a job (read-only).")
     # Like ``aelastic run``: a flag not given is read from PET_<NAME> (a job's own variables).
     add_backend_flags(p, run_id=True)
     p.add_argument("--json", action="store_true", help="print JSON")

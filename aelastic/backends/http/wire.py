@@ -20,6 +20,7 @@ from ...core.token import is_valid
 __all__ = [
     "API_PREFIX",
     "API_VERSION",
+    "CHANNEL_PATH",
     "DEFAULT_PORT",
     "MAX_BODY",
     "MAX_KEYS",
@@ -62,6 +63,8 @@ _MAX_TOKEN_LENGTH = 96
 _MAX_AMOUNT = 2**63 - 1
 #: Version of the API (routes under ``/v1``; version 2 of the rendezvous state).
 API_VERSION = 2
+#: The rendezvous channel: a WebSocket carrying a client's rendezvous requests as messages.
+CHANNEL_PATH = API_PREFIX + "/channel"
 
 
 class SchemaError(ValueError):

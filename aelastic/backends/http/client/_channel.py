@@ -32,10 +32,10 @@ from yarl import URL
 
 from ....core.errors import RendezvousConnectionError
 from ....core.race import cancel_and_wait, fail_after
+from ..wire import CHANNEL_PATH
 
 __all__ = ["Channel"]
 
-CHANNEL_PATH = "/v1/channel"
 #: Seconds an open may take, and an answer beyond its hold.
 _OPEN_TIMEOUT = 10.0
 _ANSWER_MARGIN = 10.0

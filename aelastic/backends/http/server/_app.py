@@ -24,6 +24,7 @@ from aiohttp import web
 
 from ..._engine import Engine
 from ..wire import MAX_BODY, TOKEN_ENV, SchemaError
+from ._answer import failure
 from ._channel import add_channel
 from ._guard import DEFAULT_READ_TIMEOUT, RateLimitedLog
 from ._metrics import install as install_metrics
@@ -78,8 +79,10 @@ def _errors_middleware() -> Any:
 async def _answer(request: web.Request, handler: _Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except SchemaError as exc:
-        return _error(400, str(exc))
+    except (SchemaError, PersistenceError) as exc:
+        known = failure(exc)
+        assert known is not None
+        return _error(*known)
     except web.HTTPRequestTimeout as exc:
         response = _error(408, exc.text or "the request body came too slowly")
         response.force_close()  # what is left of the body is not worth reading
@@ -90,8 +93,6 @@ async def _answer(request: web.Request, handler: _Handler) -> web.StreamResponse
         if exc.status < 400:
             raise
         return _error(exc.status, exc.reason)
-    except PersistenceError as exc:
-        return _error(503, str(exc))
     except (asyncio.CancelledError, RunLimitError):
         raise  # a full server is answered (and logged, rate-limited) one level up
     except Exception:

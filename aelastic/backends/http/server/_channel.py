@@ -40,7 +40,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from ....core.wire import WireError, reply_to_json, request_from_json
 from ..wire import (
-    API_PREFIX,
+    CHANNEL_PATH,
     MAX_BODY,
     SchemaError,
     require_object,
@@ -51,11 +51,10 @@ from ..wire import (
 from ._answer import answer, failure
 from ._runs import RunStore
 
-__all__ = ["CHANNEL_PATH", "IDLE_TIMEOUT", "MAX_IN_FLIGHT", "TAPS", "add_channel"]
+__all__ = ["IDLE_TIMEOUT", "MAX_IN_FLIGHT", "TAPS", "add_channel"]
 
 log = logging.getLogger("aelastic.backends.http.server")
 
-CHANNEL_PATH = API_PREFIX + "/channel"
 #: Requests held on one channel at most; more are answered 503.
 MAX_IN_FLIGHT = 4096
 #: Seconds a channel may carry nothing before the server closes it.
