@@ -6,6 +6,7 @@ plain script) rendezvous with the other nodes through ``spec.rdzv_handler``, sta
 restarts remain, re-rendezvous when the group changes, and returns a :class:`RunResult`.
 """
 
+from ._heal import NodeQuarantined
 from ._signals import SignalException
 from .agent import ElasticAgent
 from .api import (
@@ -25,13 +26,17 @@ from .events import (
     EventStream,
     ExitBarrier,
     Finished,
+    JobFailure,
     MembershipChanged,
+    Quarantined,
     RendezvousCompleted,
     Restart,
     StandbysReady,
     StateChanged,
+    UnkillableWorkers,
     WorkerExited,
     WorkersStarted,
+    WorkerStalled,
 )
 from .numa import NumaBindingError
 
@@ -44,9 +49,12 @@ __all__ = [
     "EventStream",
     "ExitBarrier",
     "Finished",
+    "JobFailure",
     "MembershipChanged",
+    "NodeQuarantined",
     "NumaBindingError",
     "ProcessFailure",
+    "Quarantined",
     "RendezvousCompleted",
     "Restart",
     "RunResult",
@@ -54,10 +62,12 @@ __all__ = [
     "StandbysReady",
     "StateChanged",
     "Std",
+    "UnkillableWorkers",
     "Worker",
     "WorkerExited",
     "WorkerGroup",
     "WorkerSpec",
+    "WorkerStalled",
     "WorkerState",
     "WorkersStarted",
 ]

@@ -12,7 +12,9 @@ method or path, so both a TCP probe (connect) and an HTTP probe (``GET /healthz`
          "restart_count": 0, "run_id": "job"}
 
 The answer is written by the agent's own loop: an agent whose loop is stuck does not answer,
-which is what the probe is for. The progress time is the current time (the watchdog runs on
+which is what the probe is for. While the node's workers are stalled (``--stall-timeout``)
+or after workers outlived SIGKILL, the answer is ``503`` with ``"alive": false`` and a
+``reason``. The progress time is the current time (the watchdog runs on
 the same loop; there is no separate thread to fall behind). Hand-written on
 ``asyncio.start_server`` (about 40 lines) rather than aiohttp: the probe must work with the
 base install, whose only dependency is anyio.
@@ -75,6 +77,11 @@ class HealthServer:
         self._status = status
         self._host = host
         self._server: asyncio.Server | None = None
+        self._on_close: list[Callable[[], object]] = []
+
+    def on_close(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` when the server closes."""
+        self._on_close.append(callback)
 
     async def start(self) -> None:
         """Listen on the port.
@@ -91,6 +98,9 @@ class HealthServer:
     async def aclose(self) -> None:
         """Stop listening (answers under way are cut)."""
         server, self._server = self._server, None
+        callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            callback()
         if server is not None:
             server.close()
             with contextlib.suppress(Exception):
@@ -113,10 +123,14 @@ class HealthServer:
                 head = b""
             if not head:
                 return  # a TCP probe (connect, close) or a client that said nothing
-            payload = json.dumps(self.body()).encode()
+            body = self.body()
+            payload = json.dumps(body).encode()
             head_only = head.startswith(b"HEAD ")
+            status = b"200 OK" if body.get("alive", True) else b"503 Service Unavailable"
             writer.write(
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"HTTP/1.1 "
+                + status
+                + b"\r\nContent-Type: application/json\r\n"
                 + f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
                 + (b"" if head_only else payload)
             )

@@ -11,16 +11,20 @@ the metrics and the logs.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from ..core.events import Event
 from ..core.view import MembershipView
 from ..rendezvous.handler import DynamicRendezvousHandler
+from ._unkillable import WorkersUnkillable
 from .api import WorkerGroup, WorkerState
-from .events import AgentEvent, AgentMetrics, MembershipChanged, StateChanged
+from .events import AgentEvent, AgentMetrics, MembershipChanged, StateChanged, UnkillableWorkers
 
 __all__ = ["AgentPublisher", "membership_reason"]
+
+log = logging.getLogger("aelastic.agent")
 
 
 def membership_reason(view: MembershipView) -> str:
@@ -91,6 +95,16 @@ class AgentPublisher:
             removed=view.removed,
             closed=view.closed,
             ignored=ignored,
+        )
+
+    def unkillable(self, exc: WorkersUnkillable) -> None:
+        """Log and publish workers that outlived SIGKILL (the agent then leaves the job)."""
+        log.error("%s: leaving the rendezvous", exc)
+        self.publish(
+            UnkillableWorkers,
+            pids=tuple(s.pid for s in exc.survivors),
+            details=tuple(str(s) for s in exc.survivors),
+            bound=exc.bound,
         )
 
     def close(self) -> None:

@@ -6,7 +6,9 @@ handler's ``reporting()``), checks ``numa_binding`` against this machine at once
 cannot be bound fails before it joins anyone, not after its first rendezvous), and serves
 the health check when ``TORCHELASTIC_HEALTH_CHECK_PORT`` is set (:mod:`._health`). A bad
 port value or a port in use is logged and the run goes on without it (torch's agent logs an
-invalid value and goes on too); ``aelastic run`` checks the value before starting.
+invalid value and goes on too); ``aelastic run`` checks the value before starting. The
+check answers unhealthy from a worker's stall until the next workers start, and for good
+once workers outlived SIGKILL (:class:`_Liveness`, a listener on the agent's events).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from ..core.events import Event, EventKind
 from ._health import HealthServer, health_port
 from .numa import bindings
 
@@ -56,12 +59,14 @@ async def _health(agent: ElasticAgent) -> HealthServer | None:
     if port is None:
         return None
     handler = agent.spec.rdzv_handler
+    liveness = _Liveness()
 
     def status() -> dict[str, object]:
         return {
             "state": agent.get_worker_group().state.value,
             "restart_count": agent.restart_count,
             "run_id": handler.get_run_id(),
+            **liveness.fields(),
         }
 
     server = HealthServer(port, status)
@@ -70,7 +75,34 @@ async def _health(agent: ElasticAgent) -> HealthServer | None:
     except OSError as exc:
         log.error("cannot serve the health check on port %d: %s", port, exc.strerror or exc)
         return None
+    unsubscribe = agent.add_listener(liveness)
+    server.on_close(unsubscribe)
     return server
+
+
+class _Liveness:
+    """Whether the node is alive, as its events tell: not while its workers are stalled
+    (until new workers start), never again once workers outlived SIGKILL."""
+
+    def __init__(self) -> None:
+        self._reason: str | None = None
+        self._final = False
+
+    def __call__(self, event: Event) -> None:
+        if self._final:
+            return
+        if event.kind is EventKind.WORKER_STALLED:
+            data = event.data
+            self._reason = f"rank {data['global_rank']} stalled at {data.get('where') or '?'}"
+        elif event.kind is EventKind.UNKILLABLE:
+            self._reason, self._final = "workers outlived SIGKILL", True
+        elif event.kind is EventKind.WORKERS_STARTED:
+            self._reason = None
+
+    def fields(self) -> dict[str, object]:
+        if self._reason is None:
+            return {}
+        return {"alive": False, "reason": self._reason}
 
 
 def last_word(handler: DynamicRendezvousHandler) -> float:

@@ -4,7 +4,9 @@ The signals in ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (by default SIGTERM, SIGINT, S
 SIGQUIT) are handled by ``run_sync`` through :func:`forwarding`: the signal is recorded for
 the agent (its workers get that signal, the grace period, then SIGKILL) and cancels the run;
 afterwards :func:`raise_for` raises ``KeyboardInterrupt`` for SIGINT and
-:class:`SignalException` (torch's name) for the others. ``await agent.run()`` installs no
+:class:`SignalException` (torch's name) for the others. A SIGHUP ignored when the process
+started (``nohup``) stays ignored (:func:`kept_ignored`): the job goes on when the terminal
+goes away. ``await agent.run()`` installs no
 handler: the embedding program owns its signals. SIGINT that always interrupts (even when
 inherited ignored) is :func:`aelastic.core._signals.sigint_interrupts`, re-exported here.
 """
@@ -26,6 +28,7 @@ __all__ = [
     "SignalException",
     "forwarding",
     "free_signals",
+    "kept_ignored",
     "raise_for",
     "sigint_interrupts",
     "signals_to_handle",
@@ -64,7 +67,12 @@ def free_signals(signals: Iterable[signal.Signals]) -> tuple[signal.Signals, ...
     if threading.current_thread() is not threading.main_thread():
         return ()
     unset = (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler, None)
-    return tuple(sig for sig in signals if signal.getsignal(sig) in unset)
+    return tuple(sig for sig in signals if signal.getsignal(sig) in unset and not kept_ignored(sig))
+
+
+def kept_ignored(sig: signal.Signals) -> bool:
+    """Whether ``sig`` is SIGHUP ignored by the process (``nohup``): it stays ignored."""
+    return sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN
 
 
 @contextlib.contextmanager

@@ -4,19 +4,26 @@ How it works: :func:`supervise` races two loops with :func:`~aelastic.core.race.
 (one anyio task group; the loser is cancelled, and when both end at once the exits are looked
 at first). One awaits the workers' exits (pidfds, nothing polls) until a worker fails or all
 succeeded; the other awaits the changes of the group (the backend wakes the handler) and asks
-the policy what each means, publishing every change, until one calls for action. The
-attempt's outcome is what the policy needs next: an observation and the failures.
+the policy what each means, publishing every change, until one calls for action. With a
+stall timeout, a third one watches the workers' progress (:mod:`._stall`): it stops a
+stalled worker, whose exit then ends the attempt as a failure. The attempt's outcome is
+what the policy needs next: an observation and the failures.
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
+
+import anyio
 
 from ..core.race import first_of
 from ..core.view import MembershipView
 from ._publish import AgentPublisher
+from ._stall import Stall, watch_stalls
+from ._unkillable import WorkersUnkillable
 from .api import ProcessFailure, WorkerGroup, WorkerState
-from .events import WorkerExited
+from .events import WorkerExited, WorkerStalled
 from .membership import RoundGroup
 from .policy import Action, Observation, Trigger, decide
 from .process import WorkerProcess
@@ -67,9 +74,61 @@ async def supervise(
             if decision.action is not Action.CONTINUE:
                 return observation, {}
 
-    _, outcome = await first_of(exits, group_change)
+    async def stalls() -> Outcome:
+        timeout, pages = group.spec.stall_timeout, workers.progress
+        if timeout is None or pages is None:
+            await anyio.sleep_forever()
+        assert timeout is not None and pages is not None
+        grace = group.spec.stop_grace_period
+        report = partial(_stalled, workers, group, events)
+        try:
+            await watch_stalls(pages, workers.processes, timeout, report, grace)
+        except WorkersUnkillable as exc:
+            workers.abandon(exc.survivors)  # not waited for again when the group stops
+            events.unkillable(exc)
+            raise
+        raise AssertionError("watch_stalls returned")  # pragma: no cover
+
+    _, outcome = await first_of(exits, group_change, stalls)
     result: Outcome = outcome
     return result
+
+
+def _stalled(
+    workers: WorkerSet,
+    group: WorkerGroup,
+    events: AgentPublisher,
+    stalls: list[Stall],
+    waiting_for_peer: bool,
+) -> None:
+    """Tell of ``stalls`` (events, stacks written to the log directory); unless the node
+    waits for a peer first, mark them for their failures and the health check."""
+    host = group.spec.rdzv_handler.node.addr
+    for stall in stalls:
+        worker = group.workers[stall.local_rank]
+        saved = "" if waiting_for_peer else workers.save_stacks(stall)
+        if not waiting_for_peer:
+            workers.stalls[stall.local_rank] = stall
+        log.warning("worker rank %d on %s %s", worker.global_rank, host, stall.describe())
+        events.publish(
+            WorkerStalled,
+            local_rank=stall.local_rank,
+            global_rank=worker.global_rank,
+            pid=stall.pid,
+            host=host,
+            steps=stall.steps,
+            idle=round(stall.idle, 3),
+            where=stall.where,
+            user_where=stall.user_where,
+            in_collective=stall.in_collective,
+            waiting_for_peer=waiting_for_peer,
+            stacks_file=saved,
+            stacks=stall.stacks[:_EVENT_STACKS],
+        )
+
+
+#: Characters of a stall's stacks an event carries (the file has them all).
+_EVENT_STACKS = 16384
 
 
 def _exited(proc: WorkerProcess, group: WorkerGroup, events: AgentPublisher) -> None:

@@ -5,7 +5,9 @@ How it works (one attempt per loop turn)::
     rendezvous -> publish record, multi_get all records -> ranks, MASTER_ADDR/PORT
         -> start workers (group rank 0 keeps the master port bound until the spawn)
         -> wait for the FIRST of: a worker exit, a change of the rendezvous group
-        -> policy.decide(observation, restarts_left) -> finish | restart | rescale | fail
+        -> after a failure, the job's health (root cause, budget, quarantine: ._heal)
+        -> policy.decide(observation, restarts_left)
+        -> finish | restart | rescale | fail | quarantine
 
 Nothing polls: worker exits are awaited (pidfds), group changes come from
 ``handler.watch()``, which the backend wakes. On success the node marks itself done in the
@@ -32,11 +34,14 @@ import anyio
 
 from ..core.errors import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
 from ..core.events import Event
+from ..core.health import JobHealth
 from ._aio import quietly, uncancellable
+from ._heal import JobHealthKeeper
 from ._publish import AgentPublisher
 from ._services import agent_services, last_word
 from ._signals import forwarding, free_signals, raise_for, sigint_interrupts, signals_to_handle
 from ._supervise import supervise
+from ._unkillable import WorkersUnkillable
 from .api import DEFAULT_ROLE, ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from .errors import format_failures, kept_failures, logs_disposable
 from .events import (
@@ -91,6 +96,7 @@ class ElasticAgent:
         self._joined = False
         self._used = False
         self._stop_signal: int = signal.SIGTERM
+        self._heal = JobHealthKeeper(spec, self._events)
 
     def __repr__(self) -> str:
         return f"ElasticAgent(role={self._spec.role!r}, group={self._group!r})"
@@ -109,6 +115,12 @@ class ElasticAgent:
     def restart_count(self) -> int:
         """Restarts spent so far (``TORCHELASTIC_RESTART_COUNT`` of the current workers)."""
         return self._spec.max_restarts - self._restarts_left
+
+    @property
+    def job_health(self) -> JobHealth | None:
+        """The job's health as this agent last read it from the rendezvous store (its
+        root cause, restarts spent, quarantined hosts), or ``None``."""
+        return self._heal.health
 
     def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
         """The current worker group (torch's accessor; ``role`` is accepted and ignored)."""
@@ -210,6 +222,7 @@ class ElasticAgent:
         stopped_at: float | None = None
         while True:
             try:
+                await self._heal.check_quarantined()
                 await self._rendezvous()
             except RendezvousGracefulExitError as exc:
                 log.info("rendezvous gracefully exited: %s", exc)
@@ -228,6 +241,7 @@ class ElasticAgent:
             observation, failures = await supervise(
                 self._workers, self._group, self._round, self._events, self._restarts_left
             )
+            observation = await self._heal.observe(observation, failures, self._group)
             decision = decide(observation, self._restarts_left)
             stopped_at = time.monotonic()
             action = decision.action
@@ -236,6 +250,9 @@ class ElasticAgent:
             if action is Action.FAIL:
                 await self._stop_workers(WorkerState.FAILED)
                 return self._failed(failures, decision.reason)
+            if action is Action.QUARANTINE:
+                await self._stop_workers(WorkerState.FAILED)
+                raise await self._heal.quarantine(decision.reason)
             if action is Action.RESTART:
                 log.warning(
                     "worker group failed, restarting (%d restarts left):\n%s",
@@ -243,6 +260,7 @@ class ElasticAgent:
                     format_failures(RunResult(WorkerState.FAILED, failures=self._kept(failures))),
                 )
                 await self._stop_workers(WorkerState.FAILED)
+                await self._heal.leaving(self._round)
                 self._restarts_left -= 1
                 self._events.restart_count = self.restart_count
                 self._events.publish(
@@ -254,7 +272,9 @@ class ElasticAgent:
     async def _act_on_membership(self, decision: Decision) -> None:
         await self._stop_workers(WorkerState.STOPPED)
         if decision.action is Action.ABORT:
+            await self._heal.tell()
             raise RendezvousClosedError(f"stopping the workers: {decision.reason}")
+        await self._heal.leaving(self._round)
         log.info("re-rendezvous without spending a restart: %s", decision.reason)
         self._events.publish(
             Restart, reason=decision.reason, spent=False, restarts_left=self._restarts_left
@@ -337,7 +357,11 @@ class ElasticAgent:
             return
         running = any(p.returncode is None for p in workers.processes)
         # Shielded: a cancellation waits for the stop to finish, then goes on.
-        await uncancellable(workers.stop(self._spec.stop_grace_period, self._stop_signal))
+        try:
+            await uncancellable(workers.stop(self._spec.stop_grace_period, self._stop_signal))
+        except WorkersUnkillable as exc:  # leave the job to the others, end this node
+            self._events.unkillable(exc)
+            raise
         if running and state is WorkerState.STOPPED:
             self._events.set_state(WorkerState.STOPPED)
 
@@ -377,7 +401,8 @@ class ElasticAgent:
         """Stop and reap every worker, leave the rendezvous, release what the run made."""
         try:
             await self._standbys.aclose()
-            await self._stop_workers(WorkerState.STOPPED)
+            with suppress(WorkersUnkillable):  # told already; leave all the same
+                await self._stop_workers(WorkerState.STOPPED)
             self._port.release()
             if self._joined:
                 self._joined = False

@@ -127,6 +127,15 @@ class WorkerSpec:
             also written, prefixed, to ``filtered_stdout.log`` in the attempt's log directory
             (torch's).
         duplicate_stderr_filters: The same for stderr (``filtered_stderr.log``).
+        stall_timeout: Seconds without progress (an optimizer step, or
+            ``aelastic.worker.progress()``) after a worker's first progress that make it
+            hung: its stacks are taken and its group restarted (a restart spent). ``None``:
+            no hang detection.
+        job_max_restarts: Restarts the whole job may spend, however nodes come and go
+            (kept in the rendezvous store); ``None``: only ``max_restarts`` per agent.
+        quarantine_after: A host that was the job's root cause this many times in a row,
+            or was lost this many times, leaves the job (:class:`NodeQuarantined`);
+            ``None``: never.
     """
 
     role: str
@@ -153,6 +162,9 @@ class WorkerSpec:
     numa_binding: str | None = None
     duplicate_stdout_filters: Sequence[str] | None = ()
     duplicate_stderr_filters: Sequence[str] | None = ()
+    stall_timeout: float | None = None
+    job_max_restarts: int | None = None
+    quarantine_after: int | None = None
 
     def __post_init__(self) -> None:
         if self.local_world_size <= 0:
@@ -169,6 +181,14 @@ class WorkerSpec:
             raise ValueError(
                 f"numa_binding must be one of {', '.join(NUMA_MODES)}, not {self.numa_binding!r}"
             )
+        if self.stall_timeout is not None and not self.stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be positive, got {self.stall_timeout}")
+        for name in ("job_max_restarts", "quarantine_after"):
+            value = getattr(self, name)
+            if value is not None and value < (0 if name == "job_max_restarts" else 1):
+                raise ValueError(
+                    f"{name} must be >= {int(name != 'job_max_restarts')}, got {value}"
+                )
         self.args = tuple(self.args)
         self.duplicate_stdout_filters = tuple(self.duplicate_stdout_filters or ())
         self.duplicate_stderr_filters = tuple(self.duplicate_stderr_filters or ())
@@ -270,6 +290,10 @@ class ProcessFailure:
     ``exitcode`` follows torch: negative for a signal (``-9`` for SIGKILL). ``timestamp`` is
     when the agent saw the exit (wall-clock seconds); the earliest failure is the root cause.
     ``message`` comes from the error file written by torch's ``@record`` when there is one.
+    aelastic's own: ``stalled``, the worker made no progress for the stall timeout and was
+    stopped (``message`` says where it was stuck); ``secondary``, it broke inside
+    ``torch.distributed`` (most likely because a peer failed), so it is a root cause only
+    when nothing else failed.
     """
 
     local_rank: int
@@ -282,6 +306,8 @@ class ProcessFailure:
     error_file_data: Mapping[str, Any] = field(default_factory=dict)
     role: str = DEFAULT_ROLE
     hostname: str = field(default_factory=socket.getfqdn)
+    stalled: bool = False
+    secondary: bool = False
 
     def signal_name(self) -> str:
         """The signal that ended the worker (``"SIGKILL"``), or ``"<N/A>"``."""
@@ -324,7 +350,8 @@ class RunResult:
 
     @property
     def root_cause(self) -> ProcessFailure | None:
-        """The earliest failure, or ``None`` when nothing failed."""
+        """The earliest failure (one that broke in a collective only when all did), or
+        ``None`` when nothing failed."""
         if not self.failures:
             return None
-        return min(self.failures.values(), key=lambda f: (f.timestamp, f.global_rank))
+        return min(self.failures.values(), key=lambda f: (f.secondary, f.timestamp, f.global_rank))

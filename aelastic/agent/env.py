@@ -6,7 +6,8 @@ existing torch script finds RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... as un
 torchrun. The agent's credentials (``AELASTIC_REDIS_PASSWORD``, ``AELASTIC_HTTP_TOKEN``...,
 see :data:`aelastic.core.redact.SECRET_ENV`) are not inherited: workers need no rendezvous
 secret, and their environment often ends up in logs. ``${local_rank}`` in string arguments
-becomes the worker's local rank.
+becomes the worker's local rank. aelastic's worker bootstrap goes first on ``PYTHONPATH``
+(:func:`aelastic.agent._progress.with_bootstrap`; it takes itself off again at start).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..core.redact import SECRET_ENV
+from ._progress import with_bootstrap
 from .api import Worker, WorkerGroup
 
 __all__ = [
@@ -51,6 +53,7 @@ ATTEMPT_KEYS = frozenset(
         "TORCHELASTIC_USE_AGENT_STORE",
         "TORCHELASTIC_ERROR_FILE",
         "TORCHELASTIC_TIMER_FILE",
+        "AELASTIC_PROGRESS_FILE",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING",
         "OMP_NUM_THREADS",
         "CUDA_VISIBLE_DEVICES",
@@ -153,4 +156,5 @@ def worker_env(
         )
     else:
         env["LOCAL_RANK"] = str(worker.local_rank)
+    with_bootstrap(env)
     return env

@@ -9,12 +9,18 @@ the failure itself, it only leaves a generated message. When the agent's log dir
 a temporary one (no ``log_dir``), it is removed with the run: the failures then name their
 error file :data:`NOT_KEPT`, and the content stays in ``error_file_data`` (reports show it,
 see :func:`error_details`).
+
+Without an error file, a worker whose stderr goes to a log file (``--redirects``/``--tee``)
+is described by the last lines it wrote there (:func:`stderr_tail`, bounded).
+:func:`raised_in_collective` tells a failure that broke inside ``torch.distributed`` (most
+likely because a peer failed first) from the worker's own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Mapping
@@ -30,7 +36,9 @@ __all__ = [
     "kept_failures",
     "logs_disposable",
     "make_failure",
+    "raised_in_collective",
     "read_error_file",
+    "stderr_tail",
 ]
 
 _NOT_AVAILABLE = "<N/A>"
@@ -80,16 +88,22 @@ def make_failure(
     error_file: str,
     role: str,
     timestamp: float | None = None,
+    stderr_log: str | None = None,
 ) -> ProcessFailure:
-    """Describe a worker that exited with ``exitcode`` (negative: killed by that signal)."""
+    """Describe a worker that exited with ``exitcode`` (negative: killed by that signal);
+    ``stderr_log``: the file its stderr went to, if any (its tail is the message when
+    there is no error file)."""
     when = time.time() if timestamp is None else timestamp
     read = read_error_file(error_file)
+    tail = "" if read is not None or not stderr_log else stderr_tail(stderr_log)
     if read is not None:
         message, data = read
         shown_file = error_file
     else:
         data, shown_file = {}, _NOT_AVAILABLE
-        if exitcode < 0:
+        if tail:
+            message = tail
+        elif exitcode < 0:
             message = f"Signal {-exitcode} ({_signal_name(-exitcode)}) received by PID {pid}"
         else:
             message = _NO_TRACEBACK
@@ -103,7 +117,51 @@ def make_failure(
         error_file=shown_file,
         error_file_data=data,
         role=role,
+        secondary=raised_in_collective(message if tail else _callstack(data) or message),
     )
+
+
+#: Lines and bytes of a stderr log's end read for a failure without an error file.
+_TAIL_LINES = 20
+_TAIL_BYTES = 8192
+
+
+def stderr_tail(path: str) -> str:
+    """The last lines (at most 20, from the last 8 KiB) of a worker's stderr log."""
+    try:
+        with open(path, "rb") as fp:
+            fp.seek(0, os.SEEK_END)
+            size = fp.tell()
+            fp.seek(max(size - _TAIL_BYTES, 0))
+            data = fp.read(_TAIL_BYTES)
+    except OSError:
+        return ""
+    lines = data.decode(errors="replace").rstrip().splitlines()
+    if size > _TAIL_BYTES:
+        lines = lines[1:]  # the first one was cut
+    return "\n".join(lines[-_TAIL_LINES:])
+
+
+def _callstack(data: Mapping[str, Any]) -> str:
+    message = data.get("message")
+    extra = message.get("extraInfo") if isinstance(message, dict) else None
+    stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+    return stack if isinstance(stack, str) else ""
+
+
+_TRACEBACK_FRAME = re.compile(r'^\s*File "([^"]*)", line \d+')
+_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator")
+
+
+def raised_in_collective(traceback_text: str) -> bool:
+    """Whether a Python traceback's innermost frame is inside ``torch.distributed``, or its
+    message is one a collective gives when a peer is gone."""
+    frames = [
+        m.group(1) for line in traceback_text.splitlines() if (m := _TRACEBACK_FRAME.match(line))
+    ]
+    if frames and os.path.join("torch", "distributed", "") in frames[-1]:
+        return True
+    return any(marker in traceback_text for marker in _PEER_ERRORS)
 
 
 def _signal_name(number: int) -> str:
@@ -134,10 +192,8 @@ def _by_time(failures: Mapping[int, ProcessFailure]) -> list[ProcessFailure]:
 
 def error_details(failure: ProcessFailure) -> str:
     """What the worker's error file said: its call stack when it has one, else the message."""
-    message = failure.error_file_data.get("message")
-    extra = message.get("extraInfo") if isinstance(message, dict) else None
-    stack = extra.get("py_callstack") if isinstance(extra, dict) else None
-    return stack.rstrip() if isinstance(stack, str) and stack.strip() else failure.message
+    stack = _callstack(failure.error_file_data)
+    return stack.rstrip() if stack.strip() else failure.message
 
 
 def _describe(index: int, failure: ProcessFailure) -> str:

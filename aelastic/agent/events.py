@@ -30,12 +30,16 @@ __all__ = [
     "EventStream",
     "ExitBarrier",
     "Finished",
+    "JobFailure",
     "MembershipChanged",
+    "Quarantined",
     "RendezvousCompleted",
     "Restart",
     "StandbysReady",
     "StateChanged",
+    "UnkillableWorkers",
     "WorkerExited",
+    "WorkerStalled",
     "WorkersStarted",
 ]
 
@@ -158,6 +162,82 @@ class StandbysReady(AgentEvent):
     kind: ClassVar[EventKind] = EventKind.STANDBYS_READY
 
     pids: Mapping[int, int] = field(default_factory=lambda: _NO_PIDS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerStalled(AgentEvent):
+    """A worker made no progress for the stall timeout; its stacks were taken.
+
+    Attributes:
+        host: This node's address.
+        steps: Progress it reported; ``idle`` seconds since the last.
+        where: The main thread's innermost frame; ``user_where`` the innermost one in the
+            user's code (``""`` when the same or unknown).
+        in_collective: It waits inside ``torch.distributed``.
+        waiting_for_peer: The node waits one more timeout for the peer at fault (all its
+            stalled workers wait in collectives) before stopping them.
+        stacks_file: Where the stacks were written (``""``: no log directory).
+        stacks: The stacks (bounded).
+    """
+
+    kind: ClassVar[EventKind] = EventKind.WORKER_STALLED
+
+    local_rank: int = 0
+    global_rank: int = 0
+    pid: int = 0
+    host: str = ""
+    steps: int = 0
+    idle: float = 0.0
+    where: str = ""
+    user_where: str = ""
+    in_collective: bool = False
+    waiting_for_peer: bool = False
+    stacks_file: str = ""
+    stacks: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobFailure(AgentEvent):
+    """The job's first failure as the rendezvous store says (the same on every node).
+
+    Attributes:
+        root: The root cause of the newest incident (a failure record's JSON form).
+        failed_nodes: Nodes whose workers failed in that round.
+        incidents: Incidents of the job so far; ``job_max_restarts`` its budget (or ``None``).
+        quarantined: Hosts set aside.
+        budget_spent: The job spent its job-wide budget: it stops.
+    """
+
+    kind: ClassVar[EventKind] = EventKind.JOB_FAILURE
+
+    root: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+    failed_nodes: int = 0
+    incidents: int = 0
+    job_max_restarts: int | None = None
+    quarantined: tuple[str, ...] = ()
+    budget_spent: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Quarantined(AgentEvent):
+    """This node's host was set aside (``reason``); the agent leaves the job."""
+
+    kind: ClassVar[EventKind] = EventKind.QUARANTINED
+
+    host: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnkillableWorkers(AgentEvent):
+    """Workers outlived SIGKILL by ``bound`` seconds: ``details`` (pid, state, kernel wait)
+    of each; the agent leaves the rendezvous and ends."""
+
+    kind: ClassVar[EventKind] = EventKind.UNKILLABLE
+
+    pids: tuple[int, ...] = ()
+    details: tuple[str, ...] = ()
+    bound: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

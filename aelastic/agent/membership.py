@@ -6,7 +6,10 @@ it; nothing polls). A step of the agent that must not outlive a change calling f
 one anyio task group, the loser cancelled. :meth:`RoundGroup.observe` turns a change into a policy
 :class:`~aelastic.agent.policy.Observation`, telling apart members that are gone after their
 workers succeeded (the rendezvous counts members that left finished; one that died after
-marking ``agent/done/<node>`` in the round's store counts too) from members that are lost.
+marking ``agent/done/<node>`` in the round's store counts too) from members that are lost,
+and among those, members that said they leave to restart or rescale
+(``agent/leaving/<node>``, :meth:`RoundGroup.mark_leaving`) from hosts really lost (gone
+silent, killed): only these count towards ``--quarantine-after``.
 The exit barrier is a counter: a node that succeeded marks itself done and adds one to
 ``agent/finished``; the one that brings it to the world size sets ``agent/all-done``, which
 every finished node waits for (one key, whatever the size of the job). It gives up early
@@ -41,6 +44,10 @@ _ALL_DONE_KEY = "agent/all-done"
 
 def _done_key(node: NodeDesc) -> str:
     return f"agent/done/{node.key}"
+
+
+def _leaving_key(node: NodeDesc) -> str:
+    return f"agent/leaving/{node.key}"
 
 
 class GroupChanged(Exception):
@@ -79,10 +86,13 @@ class RoundGroup:
         finished = view.finished
         lost = view.lost_count
         peers_finished = False
+        gone: list[str] = []
         if not view.closed:
             for node in view.lost:
                 if await self.store.try_get(_done_key(node)) is not None:
                     finished, lost = finished + 1, lost - 1
+                elif await self.store.try_get(_leaving_key(node)) is None:
+                    gone.append(node.addr)
             peers_finished = bool(finished) or await self.store.try_get(_FINISHED_KEY) is not None
         return Observation(
             Trigger.MEMBERSHIP_CHANGED,
@@ -92,7 +102,12 @@ class RoundGroup:
             lost_finished=finished,
             waiting=view.waiting,
             peers_finished=peers_finished,
+            lost_hosts=tuple(sorted(set(gone))),
         )
+
+    async def mark_leaving(self, node: NodeDesc) -> None:
+        """Say that ``node`` leaves the round to restart or rescale (it is not lost)."""
+        await self.store.set(_leaving_key(node), b"1")
 
     async def unless_changed(self, work: Awaitable[_T], restarts_left: int) -> _T:
         """Await ``work``, unless the group changes in a way that calls for action first.

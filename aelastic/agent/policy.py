@@ -5,7 +5,9 @@ first thing that happens becomes an :class:`Observation`, and :func:`decide` map
 the restarts left, to a :class:`Decision`. The agent only carries the decision out.
 
 * All local workers succeeded -> FINISH (exit barrier, then SUCCEEDED).
-* A worker failed -> RESTART (spends one restart) while restarts remain, else FAIL.
+* A worker failed (or stalled, and was stopped) -> QUARANTINE when this node's host is to
+  be set aside (:mod:`aelastic.core.health`), FAIL when the job spent its job-wide budget,
+  else RESTART (spends one restart) while restarts remain, else FAIL.
 * The group changed:
   - the run was closed by another node -> ABORT (the job is over for everybody);
   - this node was removed from its round, or a member is lost (left, or silent past the
@@ -20,7 +22,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Action", "Decision", "Observation", "Trigger", "decide"]
+__all__ = ["Action", "Decision", "Observation", "StallCheck", "Trigger", "check_stalls", "decide"]
 
 
 class Trigger(enum.Enum):
@@ -39,6 +41,7 @@ class Action(enum.Enum):
     RESCALE = "rescale"  # stop the workers, re-rendezvous without spending a restart
     FAIL = "fail"  # stop the workers, FAILED
     ABORT = "abort"  # stop the workers: the run was closed elsewhere
+    QUARANTINE = "quarantine"  # stop the workers, leave the job: this host is set aside
     CONTINUE = "continue"  # keep the workers running
 
 
@@ -54,6 +57,11 @@ class Observation:
         lost_finished: Members that are gone after their workers succeeded.
         waiting: Nodes waiting to join the next round.
         peers_finished: Some member of the round already finished (its workers succeeded).
+        lost_hosts: Hosts of lost members that did not say they leave to restart (gone
+            silent or killed): they count towards quarantine.
+        quarantine: Why this node's host is set aside (``None``: it is not).
+        job_budget_spent: Why the job spent its job-wide restart budget (``None``: it did
+            not, or there is none).
     """
 
     trigger: Trigger
@@ -63,6 +71,9 @@ class Observation:
     lost_finished: int = 0
     waiting: int = 0
     peers_finished: bool = False
+    lost_hosts: tuple[str, ...] = ()
+    quarantine: str | None = None
+    job_budget_spent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,10 @@ def decide(observation: Observation, restarts_left: int) -> Decision:
     if trigger is Trigger.WORKERS_SUCCEEDED:
         return Decision(Action.FINISH, "all local workers succeeded")
     if trigger is Trigger.WORKER_FAILED:
+        if observation.quarantine:
+            return Decision(Action.QUARANTINE, observation.quarantine)
+        if observation.job_budget_spent:
+            return Decision(Action.FAIL, observation.job_budget_spent)
         if restarts_left > 0:
             return Decision(Action.RESTART, f"a worker failed ({restarts_left} restarts left)")
         return Decision(Action.FAIL, "a worker failed and no restarts are left")
@@ -105,3 +120,37 @@ def _membership(obs: Observation) -> Decision:
     if obs.waiting:
         return Decision(Action.CONTINUE, "nodes waiting, but the job is finishing")
     return Decision(Action.CONTINUE, f"{obs.lost_finished} member(s) left after succeeding")
+
+
+@dataclass(frozen=True)
+class StallCheck:
+    """Which workers stalled, and when to look again.
+
+    Attributes:
+        stalled: Local ranks without progress for the timeout, past their first progress.
+        next_check: Monotonic time of the next look (the earliest deadline, or a while
+            later when some worker has not made its first progress yet).
+    """
+
+    stalled: tuple[int, ...]
+    next_check: float
+
+
+#: Longest time between two looks at workers that have not made progress yet (seconds).
+UNARMED_LOOK = 5.0
+
+
+def check_stalls(last_progress: dict[int, float | None], now: float, timeout: float) -> StallCheck:
+    """The stall verdict for workers whose last progress was at ``last_progress`` (local rank
+    -> monotonic time; ``None``: no progress yet, so not watched yet).
+
+    A worker stalls when it made no progress for ``timeout`` seconds after its first
+    progress; a worker that never made progress is never called stalled.
+    """
+    stalled = tuple(
+        rank for rank, t in sorted(last_progress.items()) if t is not None and now - t >= timeout
+    )
+    deadlines = [t + timeout for t in last_progress.values() if t is not None and now - t < timeout]
+    if any(t is None for t in last_progress.values()):
+        deadlines.append(now + min(timeout / 2, UNARMED_LOOK))
+    return StallCheck(stalled, min(deadlines, default=now + timeout))

@@ -24,6 +24,9 @@ No worker outlives its agent either, even one killed by SIGKILL. Two mechanisms:
   group too (a worker may so see SIGTERM twice). An agent killed in the instant between a
   spawn and its announcement leaves that worker to the kernel's signal alone.
 
+A worker in uninterruptible sleep survives SIGKILL: the wait after SIGKILL is bounded
+(:mod:`aelastic.agent._unkillable`), and :func:`stop_processes` names the survivors.
+
 What neither reaches: processes a worker moved out of its group on purpose (``setsid``,
 ``setpgid``), as with any process-group based stop.
 """
@@ -44,6 +47,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any
 
 from ._guard import group_members, start_time
+from ._unkillable import Unkillable, inspect, unkillable_bound
 
 __all__ = ["WorkerProcess", "stop_processes"]
 
@@ -187,12 +191,14 @@ class WorkerProcess:
 
 async def stop_processes(
     processes: Iterable[WorkerProcess], grace: float, sig: int = signal.SIGTERM
-) -> None:
+) -> list[Unkillable]:
     """Stop ``processes``: ``sig`` (SIGTERM) to their groups, wait ``grace`` s, SIGKILL,
     reap all.
 
     Safe to call on processes that already exited. Returns once every worker is reaped and
-    whatever else was left in the workers' groups got SIGKILL and died.
+    whatever else was left in the workers' groups got SIGKILL and died, or once the bound
+    after SIGKILL passed (:func:`~aelastic.agent._unkillable.unkillable_bound`): then with
+    the workers still alive, as ``/proc`` describes them (empty when all died).
     """
     procs = list(processes)
     running = [p for p in procs if p.returncode is None]
@@ -205,14 +211,19 @@ async def stop_processes(
         proc.signal_group(signal.SIGKILL)
     left = [p for p in running if p.returncode is None]
     if left:
-        await asyncio.wait([asyncio.ensure_future(p.wait()) for p in left])
+        bound = unkillable_bound(grace)
+        await asyncio.wait([asyncio.ensure_future(p.wait()) for p in left], timeout=bound)
+    survivors = [inspect(p.pid, p.local_rank) for p in left if p.returncode is None]
     for proc in procs:
         proc.close()
+    gone = {s.pid for s in survivors}  # waited for enough
     stragglers = [pid for p in procs if p.alive_in_group() for pid in group_members(p.pid)]
+    stragglers = [pid for pid in stragglers if pid not in gone]
     if stragglers:
         await _await_deaths(stragglers, _STRAGGLER_TIMEOUT)
     for proc in procs:
         _GUARDIAN.forget(proc.pid)
+    return survivors
 
 
 #: Longest wait for SIGKILLed descendants to die (they are not ours to reap).

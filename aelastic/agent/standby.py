@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ._aio import cancel_and_wait, uncancellable
+from ._progress import with_bootstrap
 from .api import WorkerSpec
 from .env import ATTEMPT_KEYS, inherited_env
 from .numa import Binding, NumaBindingError, worker_binding
@@ -86,6 +87,7 @@ def standby_env(spec: WorkerSpec, base: Mapping[str, str] | None = None) -> dict
     """The environment a standby starts with: the worker's without the per-attempt keys."""
     env = inherited_env(base)
     env.update(spec.env)
+    with_bootstrap(env)
     return {k: v for k, v in env.items() if k not in ATTEMPT_KEYS}
 
 

@@ -5,10 +5,13 @@ attempt's log directories, builds each worker's environment and command (a calla
 written to a private payload file for the spawned interpreter), starts the processes in
 their own sessions (bound to their CPUs with ``numa_binding``, :mod:`.numa`), and hands the
 teed pipes to the log copier. With ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` it serves torch's
-worker watchdog for the attempt (:mod:`._timer`). It turns exits into
-:class:`~aelastic.agent.api.ProcessFailure` values or return values, and stops everything
-(process groups with SIGTERM or the signal the agent was stopped by, the watchdog, then log
-pipes) when the attempt ends.
+worker watchdog for the attempt (:mod:`._timer`), and with ``stall_timeout`` the workers'
+progress pages (:mod:`._progress`). It turns exits into
+:class:`~aelastic.agent.api.ProcessFailure` values or return values (a worker stopped for a
+stall is described by its stall and stacks), and stops everything (process groups with
+SIGTERM or the signal the agent was stopped by, the watchdog, then log pipes) when the
+attempt ends; a worker that outlives SIGKILL past the bound raises
+:class:`~aelastic.agent._unkillable.WorkersUnkillable` once the rest is cleaned up.
 """
 
 from __future__ import annotations
@@ -17,16 +20,20 @@ import dataclasses
 import logging
 import os
 import signal
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from . import callables
 from ._aio import uncancellable
+from ._progress import ProgressPages
+from ._stall import Stall
 from ._timer import FILE_VAR, FileTimerServer
+from ._unkillable import Unkillable, WorkersUnkillable, unkillable_bound
 from .api import ProcessFailure, WorkerGroup
 from .env import substitute_args, worker_env
 from .errors import make_failure
-from .logs import AttemptLogs
+from .logs import AttemptLogs, Target
 from .numa import worker_binding
 from .process import WorkerProcess, stop_processes
 from .standby import Standby
@@ -69,6 +76,11 @@ class WorkerSet:
         #: Standbys that could not serve (closed; stop them).
         self.discarded: list[WorkerProcess] = []
         self._watchdog: FileTimerServer | None = None
+        #: The workers' progress pages (``None``: no stall detection).
+        self.progress: ProgressPages | None = None
+        #: Workers stopped because they stalled, by local rank.
+        self.stalls: dict[int, Stall] = {}
+        self._abandoned: set[int] = set()
 
     async def start(
         self,
@@ -90,6 +102,8 @@ class WorkerSet:
             if FileTimerServer.enabled():
                 self._watchdog = FileTimerServer(self._owns)
                 self._watchdog.start()
+            if self._group.spec.stall_timeout is not None:
+                self.progress = ProgressPages(self._group.spec.local_world_size)
             for worker in self._group.workers:
                 rank = worker.local_rank
                 env = worker_env(
@@ -101,6 +115,8 @@ class WorkerSet:
                 )
                 if self._watchdog is not None:
                     env[FILE_VAR] = self._watchdog.path
+                if self.progress is not None:
+                    env.update(self.progress.env(rank))
                 binding = worker_binding(self._group.spec, rank)
                 argv = self._argv(rank) if binding is None else binding.command(self._argv(rank))
                 stdout, stderr = self._logs.child_streams(rank)
@@ -176,6 +192,7 @@ class WorkerSet:
         for proc in failed:
             worker = self._group.workers[proc.local_rank]
             assert proc.returncode is not None
+            logged = self._logs.targets(proc.local_rank)[1] in (Target.FILE, Target.TEE)
             result[worker.global_rank] = make_failure(
                 local_rank=proc.local_rank,
                 global_rank=worker.global_rank,
@@ -184,7 +201,11 @@ class WorkerSet:
                 error_file=self._logs.error_file(proc.local_rank),
                 role=self._group.spec.role,
                 timestamp=proc.exited_at,
+                stderr_log=self._logs.path(proc.local_rank, "stderr.log") if logged else None,
             )
+            stall = self.stalls.get(proc.local_rank)
+            if stall is not None:
+                result[worker.global_rank] = _stalled(result[worker.global_rank], stall)
             scope = None if self._watchdog is None else self._watchdog.reaped.get(proc.pid)
             if scope is not None:
                 failure = result[worker.global_rank]
@@ -205,13 +226,52 @@ class WorkerSet:
             for worker in self._group.workers
         }
 
+    def abandon(self, survivors: Sequence[Unkillable]) -> None:
+        """Give up on workers that outlived SIGKILL (reported): :meth:`stop` skips them."""
+        self._abandoned.update(s.pid for s in survivors)
+
+    def save_stacks(self, stall: Stall) -> str:
+        """Write a stalled worker's stacks to its log directory; the file (``""``: none)."""
+        if self._logs.dir is None or not stall.stacks:
+            return ""
+        path = self._logs.path(stall.local_rank, "stacks.txt")
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(f"# {stall.describe()}\n{stall.stacks}")
+        except OSError:
+            return ""
+        return path
+
     async def stop(self, grace: float, sig: int = signal.SIGTERM) -> None:
         """Stop and reap every worker (``sig``, ``grace`` s, SIGKILL), close the watchdog,
-        then drain the logs."""
+        then drain the logs.
+
+        Raises:
+            WorkersUnkillable: Workers outlived SIGKILL past the bound (the rest is done).
+        """
         procs, self.processes = self.processes + self.discarded, []
         self.discarded = []
-        if procs:
-            await stop_processes(procs, grace, sig)
+        procs = [p for p in procs if p.pid not in self._abandoned]
+        survivors = await stop_processes(procs, grace, sig) if procs else []
         if self._watchdog is not None:
             self._watchdog.close()
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
         await self._logs.aclose()
+        if survivors:
+            raise WorkersUnkillable(survivors, unkillable_bound(grace))
+
+
+def _stalled(failure: ProcessFailure, stall: Stall) -> ProcessFailure:
+    """``failure`` of a worker stopped for ``stall``: the stall is its message, its stacks
+    its call stack."""
+    message = stall.describe()
+    extra = {"py_callstack": stall.stacks or message, "timestamp": str(int(time.time()))}
+    return dataclasses.replace(
+        failure,
+        message=message,
+        error_file_data={"message": {"message": message, "extraInfo": extra}},
+        stalled=True,
+        secondary=stall.in_collective,
+    )

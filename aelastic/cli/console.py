@@ -5,7 +5,10 @@ How it works: :class:`Console` is an agent event listener (``agent.add_listener`
 ``[aelastic +<seconds since launch>]``, saying what happened in words a newcomer understands
 (rendezvous, starting workers, a worker exited, restarting, rescaling, done) and how long it
 took. Every line is redacted (:func:`aelastic.core.redact.redact`): no endpoint password,
-``password=``/``token=`` value or known secret is ever printed. Workers' own output is not
+``password=``/``token=`` value or known secret is ever printed. A hung worker (where it is
+stuck), the job's first failure (from the rendezvous store: the same on every node), a
+quarantined host and workers that outlived SIGKILL get a line each; the job's first failure
+is said again at the end of a failed run. Workers' own output is not
 touched: it goes to stdout/stderr as the agent streams it.
 """
 
@@ -24,6 +27,7 @@ from ..agent.api import ProcessFailure, RunResult
 from ..agent.errors import error_details
 from ..agent.events import EventKind
 from ..core.events import Event
+from ..core.health import FailureRecord, shown
 from ..core.redact import redact
 
 __all__ = ["Console", "describe_exit", "summarize_failure"]
@@ -102,6 +106,7 @@ class Console:
         self._enabled = enabled
         self._started = time.monotonic() if started is None else started
         self._secrets = frozenset(secrets)
+        self._job_failure: str | None = None
 
     def line(self, text: str, *, always: bool = False) -> None:
         """Print ``text`` as one launcher line."""
@@ -131,8 +136,18 @@ class Console:
     def __call__(self, event: Event) -> None:
         """The agent listener: print the line for ``event``, if it deserves one."""
         text = self.describe(event)
-        if text:
+        if event.kind is EventKind.JOB_FAILURE and text:
+            self._job_failure = text
+            self.line(text, always=True)
+        elif event.kind in _ALWAYS and text:
+            self.line(text, always=True)
+        elif text:
             self.line(text)
+
+    def job_failure(self) -> None:
+        """Say the job's first failure again (at the end), if one was read."""
+        if self._job_failure is not None:
+            self.line(self._job_failure, always=True)
 
     @staticmethod
     def describe(event: Event) -> str | None:
@@ -173,6 +188,8 @@ class Console:
                 left = int(data.get("restarts_left", 0))
                 return f"restarting the workers ({reason}); {_plural(left, 'restart')} left"
             return f"rescaling: re-forming the group ({reason}); no restart spent"
+        if kind in _HEALING:
+            return _healing(kind, data)
         if kind is EventKind.EXIT_BARRIER:
             if data.get("complete", True):
                 return f"every node finished (exit barrier took {_ms(data.get('duration', 0))})"
@@ -203,6 +220,64 @@ class Console:
         if others:
             also = ", ".join(f"rank {f.global_rank} ({describe_exit(f.exitcode)})" for f in others)
             self.line(f"also failed: {also}", always=True)
+        self.job_failure()
+
+
+_HEALING = frozenset(
+    {
+        EventKind.WORKER_STALLED,
+        EventKind.JOB_FAILURE,
+        EventKind.QUARANTINED,
+        EventKind.UNKILLABLE,
+    }
+)
+#: Lines shown even with ``--quiet``.
+_ALWAYS = _HEALING - {EventKind.JOB_FAILURE}
+
+
+def _healing(kind: EventKind, data: Mapping[str, Any]) -> str:
+    if kind is EventKind.WORKER_STALLED:
+        who = (
+            f"rank {data.get('global_rank', '?')} (local {data.get('local_rank', '?')}, "
+            f"pid {data.get('pid', '?')}) on host {shown(str(data.get('host', '?')))}"
+        )
+        idle = f"no progress for {float(data.get('idle', 0)):.1f} s"
+        idle += f" after {data.get('steps', 0)} step(s)"
+        at = data.get("user_where") or data.get("where") or "an unknown line (no stacks)"
+        if data.get("waiting_for_peer"):
+            return (
+                f"{who}: {idle}, waiting in torch.distributed at {shown(str(at))}; "
+                "waiting one more stall timeout for the rank at fault"
+            )
+        text = f"{who} is hung: {idle}; stuck at {shown(str(at))}"
+        if data.get("user_where") and data.get("where"):
+            text += f" (innermost: {shown(str(data['where']))})"
+        if data.get("stacks_file"):
+            text += f"; stacks of every thread in {data['stacks_file']}"
+        return text
+    if kind is EventKind.JOB_FAILURE:
+        try:
+            root = FailureRecord.from_json(dict(data.get("root") or {})).summary()
+        except ValueError:
+            root = "(unreadable)"
+        failed = int(data.get("failed_nodes", 0))
+        text = f"root cause of the job's failure {data.get('incidents', '?')}: {root} "
+        text += f"({_plural(failed, 'node')} failed"
+        budget = data.get("job_max_restarts")
+        text += f"; job-wide budget: {budget} restart(s))" if budget is not None else ")"
+        if data.get("budget_spent"):
+            text += "; the job spent its job-wide restarts: it stops"
+        return text
+    if kind is EventKind.QUARANTINED:
+        return (
+            f"host {shown(str(data.get('host', '?')))} is quarantined "
+            f"({data.get('reason', '?')}): this node leaves the job, the others go on"
+        )
+    details = "; ".join(str(d) for d in data.get("details") or ())
+    return (
+        f"gave up on worker(s) that outlived SIGKILL by {float(data.get('bound', 0)):g} s: "
+        f"{details}; leaving the job so that the others go on"
+    )
 
 
 def _membership(data: Mapping[str, Any]) -> str:

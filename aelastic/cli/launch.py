@@ -8,9 +8,12 @@ that task: the agent then stops its workers as torchrun does (the signal receive
 process group, the grace period, then SIGKILL) and leaves the rendezvous; the launcher exits
 with 1, as torchrun does after a signal.
 A failed run exits with 1 too, after a root-cause summary (rank, exit code or signal, the
-message of the worker's error file). A job id whose run was closed before this node came
-(a finished job's) gets the way out: a new ``--rdzv-id``, or ``aelastic status --reset``.
-Endpoints show without their password. Torch is never imported here.
+message of the worker's error file) and the job's own first failure (from every node's
+reports in the rendezvous store). A node whose host was quarantined exits with 3, one whose
+workers outlived SIGKILL with 4. A SIGHUP ignored at start (``nohup``) stays ignored.
+A job id whose run was closed before this node came (a finished job's) gets the way out:
+a new ``--rdzv-id``, or ``aelastic status --reset``. Endpoints show without their
+password. Torch is never imported here.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import signal
 import time
 from collections.abc import Sequence
 
-from ..agent import ElasticAgent, NumaBindingError, RunResult, WorkerSpec
+from ..agent import ElasticAgent, NodeQuarantined, NumaBindingError, RunResult, WorkerSpec
 from ..agent._health import health_port
+from ..agent._signals import kept_ignored
+from ..agent._unkillable import WorkersUnkillable
 from ..agent.prometheus import AgentCollector, serve_metrics
 from ..core.redact import redact_endpoint
 from ..rendezvous import (
@@ -39,13 +44,25 @@ from .event_log import EventLog
 from .options import LaunchConfig
 from .progress import Progress
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "entrypoint_name", "launch"]
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_QUARANTINED",
+    "EXIT_UNKILLABLE",
+    "EXIT_USAGE",
+    "entrypoint_name",
+    "launch",
+]
 
 EXIT_OK = 0
 #: Workers failed, the rendezvous failed, or a signal stopped the job (torchrun's code).
 EXIT_FAILED = 1
 #: Bad flags or values.
 EXIT_USAGE = 2
+#: This node's host was quarantined (``--quarantine-after``): do not restart it here.
+EXIT_QUARANTINED = 3
+#: Workers outlived SIGKILL (uninterruptible sleep): the host needs attention.
+EXIT_UNKILLABLE = 4
 
 
 def entrypoint_name(entrypoint: str, args: Sequence[str]) -> str:
@@ -158,6 +175,9 @@ def build_spec(config: LaunchConfig) -> WorkerSpec:
         numa_binding=config.numa_binding,
         duplicate_stdout_filters=config.duplicate_stdout_filters,
         duplicate_stderr_filters=config.duplicate_stderr_filters,
+        stall_timeout=config.heal.stall_timeout,
+        job_max_restarts=config.heal.job_max_restarts,
+        quarantine_after=config.heal.quarantine_after,
     )
 
 
@@ -193,6 +213,8 @@ async def launch(config: LaunchConfig, console: Console | None = None) -> int:
 
     installed = []
     for sig in config.signals:
+        if kept_ignored(sig):
+            continue  # nohup: the job goes on when the terminal goes away
         with contextlib.suppress(ValueError, OSError, RuntimeError):
             loop.add_signal_handler(sig, on_signal, sig)
             installed.append(sig)
@@ -311,7 +333,15 @@ async def _outcome(
                 console.line(line, always=True)
         else:
             console.line(f"error: rendezvous failed: {type(exc).__name__}: {exc}", always=True)
+        console.job_failure()
         return EXIT_FAILED
+    except NodeQuarantined as exc:
+        console.line(f"{name}: {exc}; this node left the job (exit code 3)", always=True)
+        console.job_failure()
+        return EXIT_QUARANTINED
+    except WorkersUnkillable as exc:
+        console.line(f"{name}: {exc}; this node left the job (exit code 4)", always=True)
+        return EXIT_UNKILLABLE
     except OSError as exc:
         console.line(f"error: cannot start the workers: {exc}", always=True)
         return EXIT_FAILED

@@ -24,6 +24,7 @@ from typing import Any
 from ..core.redact import redact
 from .conf_keys import unknown_key_warnings
 from .devices import determine_local_world_size
+from .heal_flags import HealOptions, add_heal_flags, heal_options
 from .rules import (
     BACKEND_ALIASES,
     UsageError,
@@ -210,6 +211,7 @@ def build_parser(prog: str = "aelastic run") -> argparse.ArgumentParser:
         kind=int,
         help="Serve GET /metrics on PORT, 0: off (aelastic).",
     )
+    add_heal_flags(p, _add)
     _flag(p, ["-v", "--verbose"], help="Also show aelastic's info logs (or set LOGLEVEL).")
     p.add_argument("training_script", help="The script (or module, or command) to run.")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
@@ -255,6 +257,7 @@ class LaunchConfig:
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    heal: HealOptions = field(default_factory=HealOptions)
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
@@ -367,6 +370,7 @@ def config_from_args(
         duplicate_stdout_filters=torchrun_options.duplicate_stdout_filters,
         duplicate_stderr_filters=torchrun_options.duplicate_stderr_filters,
         warnings=tuple(warnings),
+        heal=heal_options(args),
     )
 
 

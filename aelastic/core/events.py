@@ -79,6 +79,14 @@ class EventKind(str, enum.Enum):
     EXIT_BARRIER = "exit_barrier"
     #: An agent's warm standbys for the next attempt are up.
     STANDBYS_READY = "standbys_ready"
+    #: An agent's worker made no progress for the stall timeout (its stacks were taken).
+    WORKER_STALLED = "worker_stalled"
+    #: An agent read the job's first failure (its root cause, from every node's reports).
+    JOB_FAILURE = "job_failure"
+    #: An agent's host was set aside: it leaves the job.
+    QUARANTINED = "quarantined"
+    #: An agent's workers outlived SIGKILL past the bound: it gives up on them.
+    UNKILLABLE = "unkillable"
     #: An agent's run ended (the last event of an agent's stream).
     FINISHED = "finished"
 

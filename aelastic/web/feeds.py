@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..core.errors import RendezvousError
-from .model import MAX_LISTED, History, run_view, runs_view
+from ..core.health import HEALTH_KEY, JobHealth, failed_key
+from .model import MAX_LISTED, History, health_view, run_view, runs_view
 from .sources import RunSource
 
 __all__ = ["Feed", "FeedHub", "FeedLimitError", "RunFeed", "RunsFeed"]
@@ -119,7 +120,8 @@ class RunFeed(Feed):
                 now = backend_ms + round((time.monotonic() - read_at) * 1000)
                 self.history.observe(fresh, now)
                 snapshot = fresh
-            self.publish(run_view(run_id, snapshot, self.history, error=error))
+            health = None if error is not None else await self._health()
+            self.publish(run_view(run_id, snapshot, self.history, error=error, health=health))
             if self._done():
                 return
             token = "" if snapshot is None else snapshot.status.token
@@ -130,6 +132,22 @@ class RunFeed(Feed):
                     await asyncio.sleep(self.tick)
             except _READ_ERRORS:
                 await asyncio.sleep(self.tick)
+
+    async def _health(self) -> dict[str, Any] | None:
+        """The job's health (two reads of the run's store; ``None`` when unreadable)."""
+        try:
+            (raw,) = await self.source.read_keys(self.run_id, [HEALTH_KEY])
+            if raw is None:
+                return None
+            health = JobHealth.decode(raw)
+            failed = 0
+            if health.latest is not None:
+                keys = [failed_key(health.latest.round)]
+                (count,) = await self.source.read_keys(self.run_id, keys)
+                failed = int(count or 0)
+        except _READ_ERRORS:
+            return None
+        return health_view(health, failed)
 
     def _done(self) -> bool:
         return self.stopped or self.forgotten(LINGER)

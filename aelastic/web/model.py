@@ -8,6 +8,9 @@ is one run of the list (``/``, ``aelastic status --list``). Times are the backen
 milliseconds (``now_ms`` says what that clock read), so the page computes ages and
 countdowns against that clock, never its own. Pure: no I/O, no clock reads.
 
+:func:`health_view` is the job's health (:mod:`aelastic.core.health`: the root cause of its
+newest failure, how many nodes failed, quarantined and lost hosts) as the page shows it.
+
 A :class:`History` compares each snapshot with the one before and keeps the recent changes
 (a round began or completed, the run closed, a node joined, waited, left or was lost) and
 a short timeline of rounds and membership sizes, for the picture.
@@ -19,9 +22,18 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from ..core.health import JobHealth, shown
 from ..core.state import MemberEntry, Snapshot, Status
 
-__all__ = ["MAX_LISTED", "History", "run_summary", "run_view", "runs_view", "state_name"]
+__all__ = [
+    "MAX_LISTED",
+    "History",
+    "health_view",
+    "run_summary",
+    "run_view",
+    "runs_view",
+    "state_name",
+]
 
 #: Nodes listed per table at most (the counts stay exact).
 MAX_LISTED = 1000
@@ -86,6 +98,7 @@ def run_view(
     history: History | None = None,
     *,
     error: str | None = None,
+    health: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The run page's JSON for ``snapshot`` (``None``: the run has no rendezvous state).
 
@@ -95,9 +108,11 @@ def run_view(
         history: What changed since the page's server began watching the run.
         error: Why the newest snapshot could not be read (the view then shows ``snapshot``,
             the last one read).
+        health: The job's health (:func:`health_view`), ``None`` when nothing failed.
     """
     changes = {"events": [], "timeline": []} if history is None else history.to_json()
     view: dict[str, Any] = {"run_id": run_id, "exists": snapshot is not None, "error": error}
+    view["health"] = health
     view.update(changes)
     if snapshot is None:
         return view
@@ -118,6 +133,36 @@ def run_view(
         }
     )
     return view
+
+
+def health_view(health: JobHealth | None, failed_nodes: int = 0) -> dict[str, Any] | None:
+    """The job's health as the page shows it (texts escaped); ``None`` when it is empty."""
+    if health is None or not (health.incidents or health.quarantined or health.lost):
+        return None
+    latest = health.latest
+    root = None
+    if latest is not None:
+        record = latest.root
+        root = {
+            "summary": record.summary(),
+            "round": latest.round,
+            "time": record.time,
+            "host": shown(record.host),
+            "rank": record.rank,
+            "node_rank": record.node_rank,
+            "message": shown(record.message),
+            "stalled": record.stalled,
+            "streak": latest.streak,
+        }
+    return {
+        "failures": health.incidents_total,
+        "failed_nodes": failed_nodes,
+        "root": root,
+        "quarantined": [
+            {"host": shown(h), "reason": shown(r)} for h, r in sorted(health.quarantined.items())
+        ],
+        "lost": [{"host": shown(h), "count": c.count} for h, c in sorted(health.lost.items())],
+    }
 
 
 class History:

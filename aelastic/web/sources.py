@@ -44,6 +44,9 @@ class RunSource(Protocol):
     async def wait_for_change(self, run_id: str, token: str, timeout: float) -> None:
         """Return when the run's status token differs from ``token``, or after ``timeout``."""
 
+    async def read_keys(self, run_id: str, keys: list[str]) -> list[bytes | None]:
+        """The values of ``keys`` in the run's store (``None``: missing); never waits."""
+
     async def release(self, run_id: str) -> None:
         """Nobody watches ``run_id`` any more: free what reading it holds."""
 
@@ -74,6 +77,9 @@ class EngineSource:
             await self._engine.wait_status(run_id, token, timeout)
         else:  # waiting would make the run: it is gone, look again later
             await asyncio.sleep(timeout)
+
+    async def read_keys(self, run_id: str, keys: list[str]) -> list[bytes | None]:
+        return self._engine.kv_get(run_id, keys)
 
     async def release(self, run_id: str) -> None:
         """Nothing is held per run."""
@@ -133,6 +139,9 @@ class BackendSource:
 
     async def wait_for_change(self, run_id: str, token: str, timeout: float) -> None:
         await self._backend(run_id).wait_for_change(token, timeout)
+
+    async def read_keys(self, run_id: str, keys: list[str]) -> list[bytes | None]:
+        return await self._backend(run_id).kv_get(keys)
 
     async def release(self, run_id: str) -> None:
         backend = self._backends.pop(run_id, None)

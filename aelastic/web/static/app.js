@@ -176,6 +176,7 @@ window.aelasticLoadedAt = Date.now();
         tile("Lost / finished", data.lost + " / " + data.finished, "since completion", "tile-lost"),
         tile("Last call", deadlineText(data, now), deadlineNote(data), "tile-deadline")));
     }
+    if (data.health) parts.push(renderHealth(data.health));
     parts.push(el("section", { class: "card timeline" }, el("h2", {}, "Timeline"),
       drawTimeline(data, now),
       el("div", { class: "legend" }, el("span", { class: "l-complete" }, "complete"),
@@ -197,6 +198,30 @@ window.aelasticLoadedAt = Date.now();
     main.replaceChildren(...parts);
     document.getElementById("events").scrollTop = scrollTop;
     tick();
+  }
+
+  // The job's failures (from the rendezvous store: the same on every node), quarantined hosts.
+  function renderHealth(health) {
+    const items = [];
+    const root = health.root;
+    if (root) {
+      items.push(el("p", { id: "root-cause" },
+        el("strong", {}, "Root cause of failure " + health.failures + ": "), root.summary));
+      let note = health.failed_nodes + " node(s) failed in round " + root.round;
+      if (root.streak > 1) note += "; host " + root.host + " was the root cause " + root.streak +
+        " times in a row";
+      items.push(el("p", { class: "muted" }, note));
+      items.push(el("pre", { class: "message", id: "root-message" }, root.message));
+    }
+    if (health.quarantined.length) {
+      items.push(el("p", { id: "quarantined" }, el("strong", {}, "Quarantined: "),
+        health.quarantined.map((q) => q.host + " (" + q.reason + ")").join(", ")));
+    }
+    if (health.lost.length) {
+      items.push(el("p", { class: "muted", id: "lost-hosts" }, "Lost: " +
+        health.lost.map((l) => l.host + " ×" + l.count).join(", ")));
+    }
+    return el("section", { class: "card", id: "health" }, el("h2", {}, "Failures"), ...items);
   }
 
   function renderEvents(events) {

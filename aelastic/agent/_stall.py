@@ -1,0 +1,172 @@
+"""Hang detection: workers alive but making no progress, found, described and stopped.
+
+How it works: :func:`watch_stalls` runs beside the attempt's workers (one more racer of
+:func:`~aelastic.agent._supervise.supervise`). It reads the workers' progress pages
+(:mod:`._progress`) and sleeps until the earliest moment a worker could have stalled
+(:func:`~aelastic.agent.policy.check_stalls`: no progress for ``--stall-timeout`` seconds
+after its first progress); then it asks the stalled workers for the Python stacks of every
+thread (:mod:`._stacks`) and tells the agent (``report``: the console line, the event, the
+stacks in the log directory). A node whose stalled workers all wait inside
+``torch.distributed`` is most likely waiting for a peer that is stuck elsewhere: it waits
+one more timeout, so that the peer's own agent acts first and the group change stops these
+workers without a restart spent here. Then the stalled workers' process groups get SIGKILL
+(as torch's file-timer watchdog does): their exit is a worker failure like any other,
+described with the stall (:meth:`Stall.describe`) and its stacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import anyio
+
+from ._progress import ProgressPages
+from ._stacks import dump_stacks, in_collective, main_stack, parse_stacks, where
+from ._unkillable import WorkersUnkillable, inspect, unkillable_bound
+from .policy import check_stalls
+from .process import WorkerProcess
+
+__all__ = ["Stall", "watch_stalls"]
+
+log = logging.getLogger("aelastic.agent")
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A worker that made no progress for the stall timeout.
+
+    Attributes:
+        local_rank: Its local rank.
+        pid: The process that reported progress (the worker, or a Python under a wrapper).
+        steps: Progress it reported before it stalled.
+        idle: Seconds since its last progress.
+        stacks: The Python stacks of its threads (faulthandler's text; may be empty).
+        where: The main thread's innermost frame (``file:line in func``), or ``""``.
+        user_where: The innermost frame in the user's own code, when not ``where``.
+        in_collective: The main thread waits inside ``torch.distributed``.
+    """
+
+    local_rank: int
+    pid: int
+    steps: int
+    idle: float
+    stacks: str
+    where: str = ""
+    user_where: str = ""
+    in_collective: bool = False
+
+    def describe(self) -> str:
+        """One line: how long, after how much progress, and where."""
+        text = f"hung: no progress for {self.idle:.1f} s after {self.steps} step(s)"
+        if self.in_collective:
+            text += ", waiting in a torch.distributed call"
+        if self.user_where:
+            text += f"; stuck at {self.user_where} (innermost: {self.where})"
+        elif self.where:
+            text += f"; stuck at {self.where}"
+        elif not self.stacks:
+            text += " (no stacks: the worker did not answer)"
+        return text
+
+
+async def watch_stalls(
+    pages: ProgressPages,
+    processes: Sequence[WorkerProcess],
+    stall_timeout: float,
+    report: Callable[[list[Stall], bool], None],
+    grace: float,
+) -> None:
+    """Watch ``processes`` until some stall, report them, SIGKILL their groups; then wait
+    (the exit of the killed workers ends the attempt). Never returns.
+
+    Args:
+        pages: The attempt's progress pages.
+        processes: The attempt's workers.
+        stall_timeout: Seconds without progress that make a stall.
+        report: Called with the stalls and whether the node waits for a peer first.
+        grace: The workers' stop grace (bounds the wait for a SIGKILLed worker).
+
+    Raises:
+        WorkersUnkillable: A stalled worker survived SIGKILL past the bound.
+    """
+    waited_for_peer = False
+    while True:
+        running = {p.local_rank: p for p in processes if p.returncode is None}
+        readings = {rank: pages.read(rank) for rank in running}
+        last = {
+            r: (x.last_ns / 1e9 if x.steps and not x.paused else None) for r, x in readings.items()
+        }
+        now = time.monotonic()
+        check = check_stalls(last, now, stall_timeout)
+        if not check.stalled:
+            await anyio.sleep(max(check.next_check - now, 0.01))
+            continue
+        stalls = await _describe(pages, running, check.stalled, now)
+        if not waited_for_peer and all(s.in_collective for s in stalls):
+            waited_for_peer = True
+            report(stalls, True)
+            before = {s.local_rank: s.steps for s in stalls}
+            await anyio.sleep(stall_timeout)
+            now_reading = {r: pages.read(r) for r in before}
+            if any(x.steps != before[r] or x.paused for r, x in now_reading.items()):
+                continue  # moving again
+            stalls = [replace(s, idle=s.idle + stall_timeout) for s in stalls]
+        report(stalls, False)
+        await _kill([running[s.local_rank] for s in stalls], grace)
+        await anyio.sleep_forever()
+
+
+async def _describe(
+    pages: ProgressPages, running: dict[int, WorkerProcess], ranks: Sequence[int], now: float
+) -> list[Stall]:
+    readings = {rank: pages.read(rank) for rank in ranks}
+    targets = [
+        (r.pid, r.stack_signal, pages.stacks_file(rank))
+        for rank, r in readings.items()
+        if r.stack_signal and _ours(r.pid, running[rank].pid)
+    ]
+    dumps = await dump_stacks(targets) if targets else {}
+    stalls = []
+    for rank, reading in readings.items():
+        text = dumps.get(reading.pid, "")
+        stack = main_stack(parse_stacks(text), reading.main_thread)
+        top, mine = where(stack)
+        stalls.append(
+            Stall(
+                local_rank=rank,
+                pid=reading.pid or running[rank].pid,
+                steps=reading.steps,
+                idle=max(now - reading.last_ns / 1e9, 0.0),
+                stacks=text,
+                where=top,
+                user_where=mine,
+                in_collective=in_collective(stack),
+            )
+        )
+    return stalls
+
+
+def _ours(pid: int, worker_pid: int) -> bool:
+    """Whether ``pid`` (from a page) runs in the process group of the worker ``worker_pid``
+    (never signal a pid that was reused by another process)."""
+    try:
+        return pid != 0 and os.getpgid(pid) == worker_pid
+    except OSError:
+        return False
+
+
+async def _kill(stalled: Sequence[WorkerProcess], grace: float) -> None:
+    for proc in stalled:
+        proc.signal_group(signal.SIGKILL)
+    bound = unkillable_bound(grace)
+    with anyio.move_on_after(bound):
+        for proc in stalled:
+            await proc.wait()
+    survivors = [inspect(p.pid, p.local_rank) for p in stalled if p.returncode is None]
+    if survivors:
+        raise WorkersUnkillable(survivors, bound)

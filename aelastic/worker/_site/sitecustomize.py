@@ -1,0 +1,53 @@
+"""aelastic's worker bootstrap, run by Python's ``site`` module when a worker starts.
+
+How it works: the agent puts this file's directory first on the worker's ``PYTHONPATH``,
+so Python imports this ``sitecustomize`` at startup, before the user's script, whatever the
+command (``python script.py``, ``python -m``, a warm standby, a callable's interpreter, a
+shell wrapper that starts Python): the script's argv, ``sys.path[0]`` and ``ps`` stay as a
+plain start leaves them. It loads the progress runtime (``_aelastic_worker.py``, standard
+library only), installs torch's optimizer hook and the error-file hook, then removes its
+directory from ``sys.path`` and ``PYTHONPATH`` (the worker's own subprocesses start plain)
+and runs the ``sitecustomize`` it shadowed, if there is one. It never raises: a worker
+starts even if the bootstrap cannot.
+"""
+
+import os
+import sys
+
+
+def _bootstrap() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "_aelastic_worker", os.path.join(here, "_aelastic_worker.py")
+        )
+        if spec is not None and spec.loader is not None and "_aelastic_worker" not in sys.modules:
+            runtime = importlib.util.module_from_spec(spec)
+            sys.modules["_aelastic_worker"] = runtime
+            spec.loader.exec_module(runtime)
+            runtime.install_torch_hook()
+            runtime.install_excepthook()
+    except Exception:
+        sys.modules.pop("_aelastic_worker", None)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    kept = [p for p in entries if p and os.path.abspath(p) != here]
+    if kept:
+        os.environ["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+    mine = sys.modules.pop("sitecustomize", None)
+    try:
+        import sitecustomize  # type: ignore[import-not-found]  # noqa: F401 - the shadowed one
+    except ImportError:
+        if mine is not None:
+            sys.modules["sitecustomize"] = mine
+    except Exception:  # the other one failed: as site.py would, say so and go on
+        import traceback
+
+        traceback.print_exc()
+
+
+_bootstrap()
