@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
 import anyio
 
-from ..core.errors import RendezvousError
+from ..core.errors import RendezvousError, StoreTimeoutError
 from ..core.health import (
     HEALTH_KEY,
     FailureRecord,
     JobHealth,
     failed_key,
+    primary_key,
     with_failure,
     with_lost,
     with_quarantined,
@@ -51,6 +53,8 @@ log = logging.getLogger("aelastic.agent")
 
 #: Compare-and-set attempts per update (each loses only to another node's update).
 _TRIES = 8
+#: Seconds a node whose worker broke in a collective waits for the peer at fault's report.
+_PEER_GRACE = 3.0
 
 
 class NodeQuarantined(Exception):
@@ -86,6 +90,7 @@ class JobHealthKeeper:
         self.health: JobHealth | None = None
         #: Nodes that failed in the round of :attr:`health`'s newest incident.
         self.failed_nodes = 0
+        self._budget_spent = False
 
     @property
     def host(self) -> str:
@@ -206,7 +211,13 @@ class JobHealthKeeper:
         with anyio.move_on_after(self._limit):
             try:
                 self.failed_nodes = await self._store.add(failed_key(round_), 1)
+                if record.secondary:  # the peer at fault most likely reports at once
+                    with suppress(StoreTimeoutError):
+                        await self._store.wait([primary_key(round_)], _PEER_GRACE)
                 health = await self._update(lambda h: with_failure(h, record))
+                if not record.secondary:
+                    await self._store.set(primary_key(round_), b"1")
+                self.failed_nodes = int(await self._store.try_get(failed_key(round_)) or 0)
             except RendezvousError as exc:
                 log.warning("could not report the failure to the job's health record: %s", exc)
         if health is None or health.latest is None:
@@ -226,10 +237,11 @@ class JobHealthKeeper:
         mine = latest.round == round_ and latest.root.host == self._host
         if mine and spec.quarantine_after is not None and latest.streak >= spec.quarantine_after:
             quarantine = f"the job's root cause {latest.streak} times in a row"
-        self.publish(budget_spent=budget is not None)
+        self._budget_spent = budget is not None
+        self.publish()
         return quarantine, budget
 
-    def publish(self, budget_spent: bool = False) -> None:
+    def publish(self) -> None:
         """Publish the job's root cause as last read (nothing when there is none)."""
         health = self.health
         if health is None or health.latest is None:
@@ -241,7 +253,7 @@ class JobHealthKeeper:
             incidents=health.incidents_total,
             job_max_restarts=self._spec.job_max_restarts,
             quarantined=tuple(sorted(health.quarantined)),
-            budget_spent=budget_spent,
+            budget_spent=self._budget_spent,
         )
 
     async def quarantine(self, reason: str) -> NodeQuarantined:

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 from ..worker._site import _aelastic_worker as runtime
 
-__all__ = ["BOOTSTRAP_DIR", "ENV_PAGE", "PageReading", "ProgressPages", "with_bootstrap"]
+__all__ = [
+    "BOOTSTRAP_DIR",
+    "ENV_PAGE",
+    "PageReading",
+    "ProgressPages",
+    "with_bootstrap",
+    "without_bootstrap",
+]
 
 #: The directory holding the workers' ``sitecustomize.py``.
 BOOTSTRAP_DIR = os.path.dirname(os.path.abspath(runtime.__file__))
@@ -42,6 +49,18 @@ def with_bootstrap(
     entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if entries[:1] != [BOOTSTRAP_DIR]:
         env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *entries])
+
+
+def without_bootstrap(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as the bootstrap leaves it once it ran: its directory off ``PYTHONPATH``."""
+    entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    kept = [p for p in entries if p != BOOTSTRAP_DIR]
+    if kept == entries:
+        return dict(env)
+    result = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    if kept:
+        result["PYTHONPATH"] = os.pathsep.join(kept)
+    return result
 
 
 @dataclass(frozen=True)

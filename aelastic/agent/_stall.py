@@ -168,5 +168,8 @@ async def _kill(stalled: Sequence[WorkerProcess], grace: float) -> None:
         for proc in stalled:
             await proc.wait()
     survivors = [inspect(p.pid, p.local_rank) for p in stalled if p.returncode is None]
+    for proc in stalled:
+        if proc.returncode is None:
+            proc.abandon()
     if survivors:
         raise WorkersUnkillable(survivors, bound)

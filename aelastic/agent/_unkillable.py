@@ -14,6 +14,7 @@ check unhealthy and exits, instead of waiting forever.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -84,6 +85,21 @@ def inspect(pid: int, local_rank: int = -1) -> Unkillable:
     if wchan == "0":
         wchan = "?"
     return Unkillable(pid, local_rank, state, wchan)
+
+
+_KEPT: list[subprocess.Popen[bytes]] = []
+
+
+def keep(popen: subprocess.Popen[bytes]) -> None:
+    """Hold on to a process given up on, so that it is reaped once it dies
+    (:func:`reap_kept`) rather than left to ``Popen``'s "still running" warning."""
+    _KEPT.append(popen)
+
+
+def reap_kept() -> int:
+    """Reap the processes given up on that died since; how many are still alive."""
+    _KEPT[:] = [p for p in _KEPT if p.poll() is None]
+    return len(_KEPT)
 
 
 class WorkersUnkillable(Exception):

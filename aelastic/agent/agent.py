@@ -249,6 +249,7 @@ class ElasticAgent:
                 return await self._finish()
             if action is Action.FAIL:
                 await self._stop_workers(WorkerState.FAILED)
+                await self._heal.tell()  # the job's root cause as it stands now
                 return self._failed(failures, decision.reason)
             if action is Action.QUARANTINE:
                 await self._stop_workers(WorkerState.FAILED)

@@ -23,9 +23,8 @@ No worker outlives its agent either, even one killed by SIGKILL. Two mechanisms:
   kernel's signal reaches only the worker; the guardian reaches the worker's children in its
   group too (a worker may so see SIGTERM twice). An agent killed in the instant between a
   spawn and its announcement leaves that worker to the kernel's signal alone.
-
-A worker in uninterruptible sleep survives SIGKILL: the wait after SIGKILL is bounded
-(:mod:`aelastic.agent._unkillable`), and :func:`stop_processes` names the survivors.
+A worker in uninterruptible sleep survives SIGKILL: the wait after it is bounded
+(:mod:`aelastic.agent._unkillable`); :func:`stop_processes` names the survivors.
 
 What neither reaches: processes a worker moved out of its group on purpose (``setsid``,
 ``setpgid``), as with any process-group based stop.
@@ -47,7 +46,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any
 
 from ._guard import group_members, start_time
-from ._unkillable import Unkillable, inspect, unkillable_bound
+from ._unkillable import Unkillable, inspect, keep, reap_kept, unkillable_bound
 
 __all__ = ["WorkerProcess", "stop_processes"]
 
@@ -100,6 +99,7 @@ class WorkerProcess:
             OSError: The command could not be started (not found, not executable, ...).
         """
         _GUARDIAN.ensure()  # up before the spawn: the announcement follows it at once
+        reap_kept()
         popen = subprocess.Popen(
             list(argv),
             env=dict(env),
@@ -188,6 +188,10 @@ class WorkerProcess:
         """Forget the exit watch (only for a process already reaped or abandoned)."""
         self._release_pidfd()
 
+    def abandon(self) -> None:
+        """Give up on the process (it outlived SIGKILL): reaped later if it ever dies."""
+        keep(self._popen)
+
 
 async def stop_processes(
     processes: Iterable[WorkerProcess], grace: float, sig: int = signal.SIGTERM
@@ -213,17 +217,19 @@ async def stop_processes(
     if left:
         bound = unkillable_bound(grace)
         await asyncio.wait([asyncio.ensure_future(p.wait()) for p in left], timeout=bound)
-    survivors = [inspect(p.pid, p.local_rank) for p in left if p.returncode is None]
+    survivors = [p for p in left if p.returncode is None]  # waited for enough
     for proc in procs:
         proc.close()
-    gone = {s.pid for s in survivors}  # waited for enough
+    gone = {p.pid for p in survivors}
     stragglers = [pid for p in procs if p.alive_in_group() for pid in group_members(p.pid)]
     stragglers = [pid for pid in stragglers if pid not in gone]
     if stragglers:
         await _await_deaths(stragglers, _STRAGGLER_TIMEOUT)
     for proc in procs:
         _GUARDIAN.forget(proc.pid)
-    return survivors
+    for proc in survivors:
+        proc.abandon()
+    return [inspect(p.pid, p.local_rank) for p in survivors]
 
 
 #: Longest wait for SIGKILLed descendants to die (they are not ours to reap).

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ._aio import cancel_and_wait, uncancellable
-from ._progress import with_bootstrap
+from ._progress import with_bootstrap, without_bootstrap
 from .api import WorkerSpec
 from .env import ATTEMPT_KEYS, inherited_env
 from .numa import Binding, NumaBindingError, worker_binding
@@ -153,6 +153,7 @@ class Standby:
         """
         dup = [target for target, fd in zip((1, 2), streams, strict=True) if fd is not None]
         fds = [fd for fd in streams if fd is not None]
+        env = without_bootstrap(env)  # it ran at the standby's start, and took itself off
         job = {
             "env": dict(env),
             "unset": sorted(set(self.base_env) - set(env)),

@@ -137,8 +137,9 @@ class Console:
         """The agent listener: print the line for ``event``, if it deserves one."""
         text = self.describe(event)
         if event.kind is EventKind.JOB_FAILURE and text:
+            if text != self._job_failure:  # read again, unchanged: said already
+                self.line(text, always=True)
             self._job_failure = text
-            self.line(text, always=True)
         elif event.kind in _ALWAYS and text:
             self.line(text, always=True)
         elif text:

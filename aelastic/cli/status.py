@@ -11,7 +11,9 @@ changed (woken by round transitions, and looking every two seconds for joins to 
 round; heartbeats alone print nothing) and exits when the run closes; ``--json`` prints
 machine-readable output (a rank is ``null`` until the round completes). ``--list`` names
 the runs on the backend instead, one line each (:mod:`.status_list`). Nothing printed
-shows a password or token.
+shows a password or token. When the job's workers failed, the job's health follows
+(:mod:`aelastic.core.health`, the same on every node): the root cause of its newest
+failure with the message, how many nodes failed, quarantined and lost hosts.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import asyncio
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from ..backends.registry import create_backend
 from ..core._signals import sigint_interrupts
 from ..core.errors import RendezvousError, RendezvousStateError
+from ..core.health import HEALTH_KEY, JobHealth, failed_key, shown
 from ..core.machine import expiry_ms
 from ..core.params import RendezvousParameters, RendezvousSettings
 from ..core.protocol import RendezvousBackend
@@ -37,7 +41,7 @@ from .reading import add_backend_flags, backend_of
 from .rules import UsageParser
 from .status_list import show_runs
 
-__all__ = ["build_parser", "format_snapshot", "main", "snapshot_to_json"]
+__all__ = ["build_parser", "format_health", "format_snapshot", "main", "snapshot_to_json"]
 
 
 def build_parser(prog: str = "aelastic status") -> argparse.ArgumentParser:
@@ -130,6 +134,63 @@ def format_snapshot(snapshot: Snapshot | None, settings: RendezvousSettings) -> 
     ):
         lines.append(f"{title} ({len(entries)}):")
         lines.extend(f"  {e.node}  heartbeat {mark(e)}" for e in entries)
+    return "\n".join(lines)
+
+
+async def read_health(backend: RendezvousBackend) -> tuple[JobHealth | None, int]:
+    """The job's health document and how many nodes failed in its newest failure's round
+    (``(None, 0)``: nothing failed yet).
+
+    Raises:
+        RendezvousStateError: The document is not one this version wrote.
+    """
+    (raw,) = await backend.kv_get([HEALTH_KEY])
+    if raw is None:
+        return None, 0
+    try:
+        health = JobHealth.decode(raw)
+    except ValueError as exc:
+        raise RendezvousStateError(str(exc)) from None
+    if health.latest is None:
+        return health, 0
+    (count,) = await backend.kv_get([failed_key(health.latest.round)])
+    return health, int(count or 0)
+
+
+def health_to_json(health: JobHealth | None, failed_nodes: int) -> dict[str, Any] | None:
+    """The health as ``--json`` prints it (``None``: nothing failed)."""
+    if health is None:
+        return None
+    return {**health.to_json(), "failed_nodes": failed_nodes}
+
+
+def format_health(health: JobHealth | None, failed_nodes: int) -> str:
+    """A human-readable report of the job's health ("" when nothing failed)."""
+    if health is None:
+        return ""
+    lines = []
+    latest = health.latest
+    if latest is not None:
+        root = latest.root
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(root.time))
+        lines.append(
+            f"failures: {health.incidents_total}; root cause of the newest (round "
+            f"{latest.round}, {when}, {failed_nodes} node(s) failed):"
+        )
+        lines.append(f"  {root.summary()}")
+        body = [line for line in shown(root.message).splitlines() if line.strip()]
+        if len(body) > 1:
+            lines.extend(f"    {line}" for line in body)
+        if latest.streak > 1:
+            lines.append(
+                f"  host {shown(root.host)} was the root cause {latest.streak} times in a row"
+            )
+    if health.quarantined:
+        lines.append(f"quarantined ({len(health.quarantined)}):")
+        lines.extend(f"  {shown(h)}: {shown(r)}" for h, r in sorted(health.quarantined.items()))
+    if health.lost:
+        lost = ", ".join(f"{shown(h)} ({c.count}x)" for h, c in sorted(health.lost.items()))
+        lines.append(f"lost hosts: {lost}")
     return "\n".join(lines)
 
 
@@ -230,21 +291,27 @@ async def _show(args: argparse.Namespace, secrets: frozenset[str]) -> int:
             return await show_runs(backend, args.limit, args.json, lambda line: _say(line, secrets))
         finally:
             await backend.aclose()
-    shown: object = ()
+    last: object = ()
     try:
         if args.reset:
             return await _reset(args, backend, settings, secrets)
         while True:
             snapshot = await backend.snapshot()
-            if _membership(snapshot) != shown:
-                first = shown == ()
-                shown = _membership(snapshot)
+            health, failed = await read_health(backend)
+            seen = (_membership(snapshot), health, failed)
+            if seen != last:
+                first = last == ()
+                last = seen
                 if args.json:
-                    _say(json.dumps(snapshot_to_json(snapshot, settings)), secrets)
+                    doc = snapshot_to_json(snapshot, settings)
+                    doc["health"] = health_to_json(health, failed)
+                    _say(json.dumps(doc), secrets)
                 else:
                     if not first:
                         print(flush=True)
-                    _say(format_snapshot(snapshot, settings), secrets)
+                    report = format_snapshot(snapshot, settings)
+                    extra = format_health(health, failed)
+                    _say(f"{report}\n{extra}" if extra else report, secrets)
             if not args.watch or (snapshot is not None and snapshot.status.closed):
                 return 0
             token = "" if snapshot is None else snapshot.status.token

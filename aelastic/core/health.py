@@ -7,7 +7,9 @@ and the run page, so they all show the same thing. It holds the job's recent *in
 :class:`FailureRecord`), and how many incidents in a row that host was the root cause; the
 number of incidents so far (the job-wide restart budget counts them); the hosts lost, and
 the hosts set aside (quarantined). How many nodes failed in a round is a counter of its
-own (:func:`failed_key`, ``add`` needs no read-modify-write).
+own (:func:`failed_key`, ``add`` needs no read-modify-write); a node whose own failure is
+a failure of the worker itself marks the round (:func:`primary_key`), so that a node whose
+worker only broke in a collective can wait for that report before it reads the root cause.
 
 Changes are pure functions of the document (:func:`with_failure`, :func:`with_lost`,
 :func:`with_quarantined`) returning the new document, or ``None`` when nothing changes; an
@@ -38,6 +40,7 @@ __all__ = [
     "LostCount",
     "bounded_message",
     "failed_key",
+    "primary_key",
     "shown",
     "with_failure",
     "with_lost",
@@ -61,6 +64,11 @@ _MAX_SHORT = 300
 def failed_key(round_: int) -> str:
     """The key counting the nodes whose workers failed in round ``round_``."""
     return f"job/failed/{round_}"
+
+
+def primary_key(round_: int) -> str:
+    """The key set once a node reported a failure of its worker itself in round ``round_``."""
+    return f"job/primary/{round_}"
 
 
 def shown(text: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from aelastic.agent import Std, Worker, WorkerGroup, WorkerSpec
+from aelastic.agent._progress import BOOTSTRAP_DIR
 from aelastic.agent.api import std_map
 from aelastic.agent.env import cuda_visible_device, substitute_args, worker_env
 from aelastic.rendezvous import RendezvousParameters, create_handler
@@ -48,7 +49,18 @@ def test_torch_variables() -> None:
         "TORCHELASTIC_ERROR_FILE": "/e",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": BOOTSTRAP_DIR,  # aelastic's worker bootstrap (it takes itself off)
     }
+
+
+def test_the_bootstrap_goes_first_on_the_path_unless_switched_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = env_of(group(), 0, {"PYTHONPATH": "/mine:/theirs"})
+    assert env["PYTHONPATH"] == f"{BOOTSTRAP_DIR}:/mine:/theirs"
+    monkeypatch.setenv("AELASTIC_WORKER_BOOTSTRAP", "0")
+    assert env_of(group(), 0, {"PYTHONPATH": "/mine"})["PYTHONPATH"] == "/mine"
+    assert "PYTHONPATH" not in env_of(group(), 0, {})
 
 
 def test_precedence_and_inherited_settings() -> None:

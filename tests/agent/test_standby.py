@@ -13,6 +13,7 @@ import pytest
 
 from aelastic.agent import WorkerSpec
 from aelastic.agent import standby as standby_module
+from aelastic.agent._progress import BOOTSTRAP_DIR
 from aelastic.agent.standby import Standby, launch_of, standby_env
 
 from .helpers import make_handler, reaped
@@ -53,7 +54,7 @@ def test_launches() -> None:
 
 def test_standby_env_drops_the_per_attempt_keys() -> None:
     env = standby_env(spec(sys.executable, "x.py", env={"A": "1"}), {"RANK": "3", "PATH": "/b"})
-    assert env == {"PATH": "/b", "A": "1"}
+    assert env == {"PATH": "/b", "A": "1", "PYTHONPATH": BOOTSTRAP_DIR}
 
 
 async def test_release_runs_the_script_as_python_would(tmp_path: Path) -> None:

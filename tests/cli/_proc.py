@@ -48,10 +48,11 @@ class Cli:
         *,
         sigint: str | None = None,
         session: bool = False,
+        preexec: Callable[[], None] | None = None,
     ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aelastic", *args],
-            preexec_fn=sigint_as(sigint),
+            preexec_fn=preexec or sigint_as(sigint),
             start_new_session=session,
             cwd=cwd,
             env=cli_env(env),

@@ -1,0 +1,78 @@
+"""A worker for the self-healing tests (no torch): ``python heal_worker.py MODE [ARG]``.
+
+Files go to ``$HEAL_DIR``. Modes:
+
+* ``hang RANK``: reports progress five times (``aelastic.worker.progress()``, as an optimizer
+  step would); on attempt 0 the worker of global rank RANK then hangs inside a step
+  (``stuck_in_step``), after writing the time to ``$HEAL_DIR/hang``. Everybody else finishes.
+* ``raise``: raises ``ValueError`` (no ``@record``).
+* ``until_alone``: waits while the world is bigger than its own node, then exits 0.
+* ``turns INDEX``: the job's failures alternate between nodes: in the job's n-th round
+  (counted by the rounds' ``MASTER_PORT``s in ``$HEAL_DIR/rounds``), the worker of node
+  ``n % 2`` writes ``$HEAL_DIR/failed.<n>`` and raises; the other waits.
+* ``frozen PATH``: local rank 1 reads PATH (a file of a frozen FUSE mount: uninterruptible
+  sleep) after writing ``$HEAL_DIR/reading``; local rank 0 waits for that file, then fails.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import aelastic.worker
+
+
+def stuck_in_step() -> None:
+    time.sleep(600)  # the stuck line
+
+
+def main() -> int:
+    mode, arg = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "")
+    heal_dir = os.environ.get("HEAL_DIR", ".")
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if mode == "hang":
+        for _ in range(5):
+            time.sleep(0.02)
+            aelastic.worker.progress()
+        if attempt == 0 and rank == int(arg):
+            with open(os.path.join(heal_dir, "hang"), "w") as f:
+                f.write(repr(time.time()))
+            stuck_in_step()
+        return 0
+    if mode == "raise":
+        raise ValueError(f"the data shard of rank {rank} is corrupt")
+    if mode == "until_alone":
+        while int(os.environ["WORLD_SIZE"]) > int(os.environ["LOCAL_WORLD_SIZE"]):
+            time.sleep(600)  # stopped when the group changes
+        return 0
+    if mode == "turns":
+        rounds = os.path.join(heal_dir, "rounds")
+        os.makedirs(rounds, exist_ok=True)
+        with open(os.path.join(rounds, os.environ["MASTER_PORT"]), "a"):
+            pass
+        count = len(os.listdir(rounds)) - 1
+        if count % 2 == int(arg):
+            with open(os.path.join(heal_dir, f"failed.{count}"), "w"):
+                pass
+            raise ValueError(f"failure {count + 1} of the job")
+        time.sleep(600)
+        return 0
+    if mode == "frozen":
+        reading = os.path.join(heal_dir, "reading")
+        if local == 1:
+            with open(reading, "w"):
+                pass
+            with open(arg, "rb") as f:
+                f.read()  # never answered
+            return 0
+        while not os.path.exists(reading):
+            time.sleep(0.05)
+        time.sleep(0.3)  # let the read reach the kernel
+        return 1
+    raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""``aelastic run`` healing itself, seen from its console: nohup, the flags, a worker's
+ValueError on node 1 of 2 (gloo) shown by node 0 and by ``aelastic status``."""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from aelastic.cli.options import UsageError, parse_config
+
+from ._proc import Cli, run_cli
+
+# Waits for the file "go" (the test makes it after the SIGHUP), then finishes.
+PATIENT = """
+import os, time
+while not os.path.exists("go"):
+    time.sleep(0.05)
+print("trained", flush=True)
+"""
+
+
+def _has(text: str):  # type: ignore[no-untyped-def]
+    return lambda lines: any(text in line for line in lines)
+
+
+def _hangup_ignored() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts its command
+
+
+@pytest.mark.parametrize("nohup", [True, False])
+def test_sighup_ignored_at_start_stays_ignored(tmp_path: Path, nohup: bool) -> None:
+    (tmp_path / "train.py").write_text(textwrap.dedent(PATIENT))
+    preexec = _hangup_ignored if nohup else None
+    with Cli(["run", "--standalone", "train.py"], tmp_path, preexec=preexec) as cli:
+        cli.wait_for(_has("started 1 worker"))
+        cli.signal(signal.SIGHUP)
+        if nohup:
+            (tmp_path / "go").touch()
+            assert cli.wait(60) == 0, cli.output
+        else:
+            assert cli.wait(60) == 1, cli.output
+    if nohup:
+        assert "trained" in cli.output and "SIGHUP" not in cli.output
+    else:
+        assert "received SIGHUP: stopping the workers" in cli.output
+
+
+def test_the_self_healing_flags_and_their_pet_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = parse_config(["x.py"]).heal
+    assert (plain.stall_timeout, plain.job_max_restarts, plain.quarantine_after) == (
+        None,
+        None,
+        None,
+    )
+    heal = parse_config(
+        ["--stall-timeout", "30", "--job-max-restarts=5", "--quarantine-after", "2", "x.py"]
+    ).heal
+    assert (heal.stall_timeout, heal.job_max_restarts, heal.quarantine_after) == (30.0, 5, 2)
+    monkeypatch.setenv("PET_STALL_TIMEOUT", "12.5")
+    monkeypatch.setenv("PET_JOB_MAX_RESTARTS", "0")
+    monkeypatch.setenv("PET_QUARANTINE_AFTER", "3")
+    heal = parse_config(["x.py"]).heal
+    assert (heal.stall_timeout, heal.job_max_restarts, heal.quarantine_after) == (12.5, 0, 3)
+    for bad, message in (
+        (["--stall-timeout", "-1"], "--stall-timeout must be >= 0"),
+        (["--job-max-restarts", "-2"], "--job-max-restarts must be >= 0"),
+        (["--quarantine-after", "0"], "--quarantine-after must be >= 1"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            parse_config([*bad, "x.py"])
+    monkeypatch.setenv("PET_QUARANTINE_AFTER", "often")
+    with pytest.raises(UsageError, match="PET_QUARANTINE_AFTER='often'"):
+        parse_config(["x.py"])
+
+
+def test_a_bad_flag_value_is_a_usage_error_at_the_command_line(tmp_path: Path) -> None:
+    code, output = run_cli(["run", "--quarantine-after", "0", "x.py"], tmp_path)
+    assert code == 2 and "--quarantine-after must be >= 1, not 0" in output
+
+
+GLOO_WORKER = str(Path(__file__).resolve().parents[1] / "agent" / "_gloo_heal.py")
+
+
+def test_node_0_and_status_show_the_valueerror_of_node_1(tmp_path: Path, run_id: str) -> None:
+    """Two nodes of one gloo job (torch, CPU) over Redis: rank 1 (on node 1) raises
+    ValueError without @record; rank 0's next all-reduce breaks because of it. Node 0's
+    console, at the failure and at its exit, and ``aelastic status`` name rank 1, node 1's
+    host and the message, not node 0's broken collective."""
+    pytest.importorskip("torch.distributed")
+    pytest.importorskip("redis")
+    from tests._redis_server import RedisServer
+
+    with RedisServer() as server:
+        where = ["--rdzv-backend=redis", f"--rdzv-endpoint={server.url}", f"--rdzv-id={run_id}"]
+
+        def node(addr: str) -> Cli:
+            args = ["run", "--nnodes=2", *where, f"--local-addr={addr}"]
+            args += ["--rdzv-conf=last_call_timeout=0.5", GLOO_WORKER, "raise"]
+            return Cli(args, tmp_path)
+
+        with node("127.0.0.1") as a, node("127.0.0.2") as b:
+            assert a.wait(150) == 1, a.output
+            assert b.wait(150) == 1, b.output
+        code, status = run_cli(["status", *where], tmp_path)
+    node1, host1 = (a, "127.0.0.1") if "this one is node 1" in a.output else (b, "127.0.0.2")
+    node0 = b if node1 is a else a
+    assert "this one is node 0" in node0.output
+    expected = (
+        f"rank 1 (local rank 0) on host {host1} (node rank 1) failed with exit code 1: "
+        "ValueError: the data shard 7 is corrupt"
+    )
+    shown = [line for line in node0.lines if "root cause of the job's failure 1" in line]
+    assert shown and all(expected in line for line in shown), node0.output
+    assert node0.lines[-1] == shown[-1]  # said again at the launcher's exit
+    assert "Connection closed by peer" in node0.output  # its own failure: a broken collective
+    assert code == 0 and expected in status, status
+    assert "raise ValueError" in status  # the traceback follows
