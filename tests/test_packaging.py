@@ -107,7 +107,8 @@ _LAYERS = {
     "core": {"core"},
     "backends": {"core", "backends"},
     "rendezvous": {"core", "backends", "rendezvous"},
-    "agent": {"core", "backends", "rendezvous", "agent"},
+    "agent": {"core", "backends", "rendezvous", "agent", "worker"},
+    "worker": {"worker"},
     "web": {"core", "backends", "web"},
     "sync": {"core", "backends", "rendezvous", "sync"},
 }

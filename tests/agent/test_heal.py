@@ -216,4 +216,5 @@ async def test_two_nodes_failing_in_turn_stop_at_the_job_wide_budget(
     assert len(failed) == 1 and failed[0].is_failed() and len(closed) == 1, outcomes
     assert all(n.restart_count <= 2 for n in nodes)  # no node spent its own budget
     spent = [e for ev in events for e in ev if isinstance(e, JobFailure) and e.budget_spent]
-    assert len(spent) == 1 and spent[0].incidents == 4 and spent[0].job_max_restarts == 3
+    assert len({e.node for e in spent}) == 1  # the node whose failure was one too many
+    assert all(e.incidents == 4 and e.job_max_restarts == 3 for e in spent)

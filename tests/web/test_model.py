@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from aelastic.core.health import FailureRecord, JobHealth, with_failure, with_quarantined
 from aelastic.core.state import MemberEntry, NodeDesc, Snapshot, Status
-from aelastic.web.model import History, run_summary, run_view, runs_view
+from aelastic.web.model import History, health_view, run_summary, run_view, runs_view
 
 A, B, C = (NodeDesc("10.0.0.1", 100 + i, 0) for i in range(3))
 
@@ -48,9 +49,41 @@ def test_run_view_lists_participants_by_rank_with_their_heartbeats() -> None:
         "run_id": "gone",
         "exists": False,
         "error": None,
+        "health": None,
         "events": [],
         "timeline": [],
     }
+
+
+def test_the_health_view_shows_the_root_cause_escaped_and_the_quarantined_hosts() -> None:
+    assert health_view(None) is None and health_view(JobHealth()) is None
+    record = FailureRecord(
+        time=1.0,
+        host="10.0.0.2",
+        node="10.0.0.2_7_0",
+        node_rank=1,
+        rank=3,
+        local_rank=1,
+        exitcode=1,
+        message="Traceback\nValueError: \x1b[31mbad\x1b[0m",
+        round=4,
+    )
+    health = with_failure(JobHealth(), record)
+    assert health is not None
+    health = with_quarantined(health, "10.0.0.2", "the job's root cause 2 times in a row")
+    assert health is not None
+    view = health_view(health, failed_nodes=2)
+    assert view is not None and view["failures"] == 1 and view["failed_nodes"] == 2
+    root = view["root"]
+    assert root["summary"] == (
+        "rank 3 (local rank 1) on host 10.0.0.2 (node rank 1) failed with exit code 1: "
+        "ValueError: \\x1b[31mbad\\x1b[0m"
+    )
+    assert "\x1b" not in root["message"] and root["round"] == 4
+    assert view["quarantined"] == [
+        {"host": "10.0.0.2", "reason": "the job's root cause 2 times in a row"}
+    ]
+    assert run_view("r", None, health=view)["health"] is view
 
 
 def test_run_summaries_say_round_state_and_members() -> None:
