@@ -411,6 +411,7 @@ class ElasticAgent:
                 if failed and self._spec.close_on_failure:
                     await quietly(self._handler.set_closed(), "close the rendezvous")
                 succeeded = result is not None and result.state is WorkerState.SUCCEEDED
+                await self._heal.leaving(self._round)  # on purpose: not a lost host
                 with anyio.move_on_after(last_word(self._handler)):
                     await quietly(self._handler.leave(finished=succeeded), "leave the rendezvous")
         finally:

@@ -118,3 +118,50 @@ def test_node_0_and_status_show_the_valueerror_of_node_1(tmp_path: Path, run_id:
     assert "Connection closed by peer" in node0.output  # its own failure: a broken collective
     assert code == 0 and expected in status, status
     assert "raise ValueError" in status  # the traceback follows
+
+
+# Works until the file "finish" exists, then prints the world it ended in.
+UNTIL_FINISH = """
+import os, time
+while not os.path.exists("finish"):
+    time.sleep(0.05)
+print(f"finished in a world of {os.environ['WORLD_SIZE']}", flush=True)
+"""
+
+
+def test_a_host_lost_twice_is_quarantined_when_it_comes_back(tmp_path: Path, run_id: str) -> None:
+    pytest.importorskip("redis")
+    import os
+
+    from tests._redis_server import RedisServer
+
+    (tmp_path / "train.py").write_text(textwrap.dedent(UNTIL_FINISH))
+    with RedisServer() as server:
+        where = ["--rdzv-backend=redis", f"--rdzv-endpoint={server.url}", f"--rdzv-id={run_id}"]
+        conf = "--rdzv-conf=last_call_timeout=0.5,keep_alive_interval=0.2,keep_alive_max_attempt=2"
+
+        def node(addr: str) -> Cli:
+            args = ["run", "--nnodes=1:2", *where, conf, f"--local-addr={addr}"]
+            return Cli([*args, "--quarantine-after=2", "--max-restarts=3", "train.py"], tmp_path)
+
+        with node("127.0.0.1") as stays:
+            for loss in (1, 2):
+                with node("127.0.0.2") as flaky:
+                    flaky.wait_for(_has("started 1 worker"))
+                    stays.wait_for(
+                        lambda lines, n=loss: sum("2 workers in all" in x for x in lines) >= n
+                    )
+                    os.kill(flaky.proc.pid, signal.SIGKILL)  # the host goes down
+                    flaky.wait(30)
+                stays.wait_for(lambda lines, n=loss: sum("node(s) lost" in x for x in lines) >= n)
+            with node("127.0.0.2") as back:
+                assert back.wait(60) == 3, back.output
+            (tmp_path / "finish").touch()
+            assert stays.wait(60) == 0, stays.output
+        code, status = run_cli(["status", *where], tmp_path)
+    assert code == 0, status
+    assert "host 127.0.0.2 is quarantined (lost 2 times): this node leaves the job" in back.output
+    assert "rendezvous round" not in back.output  # it left before joining
+    assert "finished in a world of 1" in stays.output
+    assert "quarantined (1):\n  127.0.0.2: lost 2 times" in status
+    assert "lost hosts: 127.0.0.2 (2x)" in status
