@@ -10,7 +10,7 @@ document then says whether the job spent its job-wide budget (``job_max_restarts
 whether this host was the root cause ``quarantine_after`` times in a row: the policy turns
 that into FAIL or QUARANTINE. Members lost (silent, or gone without saying they restart)
 are counted per host (:meth:`note_lost`); a quarantined host's agent, back again, leaves
-before joining (:meth:`check_quarantined`). Every store call here is bounded in time and
+before joining (:meth:`before_rendezvous`). Every store call here is bounded in time and
 never fails the run: a store that cannot be reached only costs the report.
 """
 
@@ -90,7 +90,6 @@ class JobHealthKeeper:
         self.health: JobHealth | None = None
         #: Nodes that failed in the round of :attr:`health`'s newest incident.
         self.failed_nodes = 0
-        self._budget_spent = False
 
     @property
     def host(self) -> str:
@@ -134,14 +133,16 @@ class JobHealthKeeper:
                 log.warning("could not read the job's health record: %s", exc)
         return None
 
-    async def check_quarantined(self) -> None:
-        """Raise :class:`NodeQuarantined` when this host is set aside (quarantine on).
+    async def before_rendezvous(self, previous: RoundGroup | None) -> None:
+        """Before each rendezvous (quarantine on): say that this node leaves its previous
+        round on purpose (:meth:`leaving`), then leave the job if its host is set aside.
 
         Raises:
             NodeQuarantined: It is.
         """
         if self._spec.quarantine_after is None:
             return
+        await self.leaving(previous)
         health = await self.read()
         reason = None if health is None else health.quarantined.get(self._host)
         if reason is not None:
@@ -237,13 +238,12 @@ class JobHealthKeeper:
         mine = latest.round == round_ and latest.root.host == self._host
         if mine and spec.quarantine_after is not None and latest.streak >= spec.quarantine_after:
             quarantine = f"the job's root cause {latest.streak} times in a row"
-        self._budget_spent = budget is not None
         self.publish()
         return quarantine, budget
 
     def publish(self) -> None:
         """Publish the job's root cause as last read (nothing when there is none)."""
-        health = self.health
+        health, budget = self.health, self._spec.job_max_restarts
         if health is None or health.latest is None:
             return
         self._events.publish(
@@ -253,7 +253,7 @@ class JobHealthKeeper:
             incidents=health.incidents_total,
             job_max_restarts=self._spec.job_max_restarts,
             quarantined=tuple(sorted(health.quarantined)),
-            budget_spent=self._budget_spent,
+            budget_spent=budget is not None and health.incidents_total > budget,
         )
 
     async def quarantine(self, reason: str) -> NodeQuarantined:

@@ -99,7 +99,7 @@ class AgentPublisher:
 
     def unkillable(self, exc: WorkersUnkillable) -> None:
         """Log and publish workers that outlived SIGKILL (the agent then leaves the job)."""
-        log.error("%s: leaving the rendezvous", exc)
+        log.warning("%s: leaving the rendezvous", exc)
         self.publish(
             UnkillableWorkers,
             pids=tuple(s.pid for s in exc.survivors),

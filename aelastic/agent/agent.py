@@ -6,8 +6,7 @@ How it works (one attempt per loop turn)::
         -> start workers (group rank 0 keeps the master port bound until the spawn)
         -> wait for the FIRST of: a worker exit, a change of the rendezvous group
         -> after a failure, the job's health (root cause, budget, quarantine: ._heal)
-        -> policy.decide(observation, restarts_left)
-        -> finish | restart | rescale | fail | quarantine
+        -> policy.decide(observation, restarts_left) -> finish | restart | rescale | fail | ...
 
 Nothing polls: worker exits are awaited (pidfds), group changes come from
 ``handler.watch()``, which the backend wakes. On success the node marks itself done in the
@@ -222,7 +221,7 @@ class ElasticAgent:
         stopped_at: float | None = None
         while True:
             try:
-                await self._heal.check_quarantined()
+                await self._heal.before_rendezvous(self._round)
                 await self._rendezvous()
             except RendezvousGracefulExitError as exc:
                 log.info("rendezvous gracefully exited: %s", exc)
@@ -261,7 +260,6 @@ class ElasticAgent:
                     format_failures(RunResult(WorkerState.FAILED, failures=self._kept(failures))),
                 )
                 await self._stop_workers(WorkerState.FAILED)
-                await self._heal.leaving(self._round)
                 self._restarts_left -= 1
                 self._events.restart_count = self.restart_count
                 self._events.publish(
@@ -275,7 +273,6 @@ class ElasticAgent:
         if decision.action is Action.ABORT:
             await self._heal.tell()
             raise RendezvousClosedError(f"stopping the workers: {decision.reason}")
-        await self._heal.leaving(self._round)
         log.info("re-rendezvous without spending a restart: %s", decision.reason)
         self._events.publish(
             Restart, reason=decision.reason, spent=False, restarts_left=self._restarts_left
