@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from aelastic.agent import (
     WorkerState,
 )
 from aelastic.agent._health import PORT_VAR
+from aelastic.cli.event_log import event_record
 from aelastic.cli.status import format_health, read_health
 from aelastic.core.errors import RendezvousClosedError
 from aelastic.core.events import Event
@@ -113,6 +115,8 @@ async def test_a_hung_worker_is_named_with_its_stuck_line_and_the_group_restarts
     stacks = Path(stalled.stacks_file).read_text()  # noqa: ASYNC240 - a small local file
     assert "hung: no progress" in stacks and "in stuck_in_step" in stacks
     assert stalled.stacks_file.startswith(str(tmp_path / "logs"))
+    logged = json.loads(json.dumps(event_record(stalled)))  # what --event-log writes
+    assert logged["kind"] == "worker_stalled" and "in stuck_in_step" in logged["stacks"]
     answer = await probes[0]
     assert answer.startswith(b"HTTP/1.1 503") and b'"alive": false' in answer
     [failure] = [e for e in events if isinstance(e, JobFailure)]

@@ -66,3 +66,45 @@ async def test_the_hub_bounds_the_runs_watched_at_once() -> None:
         assert hub.run("b") is not first  # an unwatched feed makes room
     finally:
         await hub.aclose()
+
+
+async def test_a_run_feed_carries_the_jobs_health_from_the_runs_store() -> None:
+    from aelastic.core.health import (
+        HEALTH_KEY,
+        FailureRecord,
+        JobHealth,
+        failed_key,
+        with_failure,
+    )
+
+    engine = Engine()
+    engine.apply("job", Request(Op.JOIN, A, RULES), now_ms())
+    record = FailureRecord(
+        time=1.0,
+        host="127.0.0.1",
+        node=A.key,
+        node_rank=0,
+        rank=0,
+        local_rank=0,
+        exitcode=-9,
+        message="Signal 9 (SIGKILL) received by PID 7",
+        round=0,
+    )
+    health = with_failure(JobHealth(), record)
+    assert health is not None
+    engine.kv_set("job", HEALTH_KEY, health.encode())
+    engine.kv_add("job", failed_key(0), 1)
+    hub = FeedHub(EngineSource(engine), run_tick=60.0)
+    feed = hub.run("job")
+    try:
+        async with hub.watching(feed):
+            with anyio.fail_after(PROMPT):
+                first = await feed.next(0, PROMPT)
+            assert first is not None
+            view = first[1]["health"]
+            assert view["failures"] == 1 and view["failed_nodes"] == 1
+            assert view["root"]["summary"].endswith(
+                "failed with signal SIGKILL: Signal 9 (SIGKILL) received by PID 7"
+            )
+    finally:
+        await hub.aclose()
