@@ -163,14 +163,17 @@ class ElasticAgent:
         finally:
             await uncancellable(self._shutdown(result))
 
-    def run_sync(self, role: str = DEFAULT_ROLE) -> RunResult:
+    def run_sync(
+        self, role: str = DEFAULT_ROLE, *, signals: tuple[signal.Signals, ...] | None = None
+    ) -> RunResult:
         """:meth:`run` on a private event loop, for plain scripts; releases the handler after.
 
         Works from any thread that is not itself running an event loop (another thread may
         run one). In the main thread, as torch's agent, the signals of
         ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (SIGTERM, SIGINT, SIGHUP, SIGQUIT by default)
         stop the workers with that same signal, the grace period, then SIGKILL, even if
-        inherited ignored; a handler of the program's own is left alone.
+        inherited ignored; a handler of the program's own is left alone. ``signals``
+        replaces that list.
 
         Raises:
             KeyboardInterrupt: SIGINT stopped the run.
@@ -180,7 +183,8 @@ class ElasticAgent:
         if asyncio._get_running_loop() is not None:
             raise RuntimeError("run_sync() called from a running event loop: await run() instead")
         self._prepare_fork()  # before the loop and its threads: a safe state to fork from
-        handled, received = free_signals(signals_to_handle()), list[signal.Signals]()
+        wanted = signals_to_handle() if signals is None else signals
+        handled, received = free_signals(wanted), list[signal.Signals]()
 
         async def main() -> RunResult:
             try:
