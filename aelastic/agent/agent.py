@@ -156,7 +156,7 @@ class ElasticAgent:
         self._used = True
         result: RunResult | None = None
         try:
-            self._prepare_fork()
+            self._forks = self._forks or fork_server_for(self._spec)  # a callable under fork
             async with agent_services(self):  # events of the store, NUMA check, health check
                 result = await self._invoke_run()
             return result
@@ -182,7 +182,8 @@ class ElasticAgent:
         """
         if asyncio._get_running_loop() is not None:
             raise RuntimeError("run_sync() called from a running event loop: await run() instead")
-        self._prepare_fork()  # before the loop and its threads: a safe state to fork from
+        if not self._used:  # before the loop and its threads: a safe state to fork from
+            self._forks = fork_server_for(self._spec)
         wanted = signals_to_handle() if signals is None else signals
         handled, received = free_signals(wanted), list[signal.Signals]()
 
@@ -199,11 +200,6 @@ class ElasticAgent:
         except asyncio.CancelledError:
             raise_for(received)
             raise
-
-    def _prepare_fork(self) -> None:
-        """Fork the fork server of a callable under the ``fork`` start method (once)."""
-        if self._forks is None:
-            self._forks = fork_server_for(self._spec)
 
     # -- the loop -------------------------------------------------------------------------
 

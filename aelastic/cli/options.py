@@ -155,12 +155,7 @@ def build_parser(
         kind=_positive_float,
         help="Accepted for torchrun compatibility (aelastic awaits worker exits).",
     )
-    _add(
-        p,
-        ["--start-method"],
-        default="spawn",
-        help="spawn, fork or forkserver (torchrun's; a script runs as a new process anyway).",
-    )
+    _add(p, ["--start-method"], default="spawn", help="spawn, fork or forkserver (functions).")
     _add(p, ["--role"], default="default", help="Role of the workers (default).")
     _flag(p, ["-m", "--module"], help="Run the script as a module (python -m).")
     _flag(p, ["--no-python"], help="Run the script as a command, without python.")

@@ -67,9 +67,10 @@ def test_a_failure_is_torchs_child_failed_error(run_id: str) -> None:
     assert "aelastic" not in failure.message["extraInfo"]["py_callstack"]
 
 
-def test_an_mp_queue_passes_to_spawned_workers(run_id: str) -> None:
-    queue = multiprocessing.get_context("spawn").Queue()
-    outputs = elastic_launch(_config(run_id, start_method="spawn"), _fns.put_rank)(queue, "q")
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_an_mp_queue_passes_to_spawned_workers(run_id: str, method: str) -> None:
+    queue = multiprocessing.get_context(method).Queue()
+    outputs = elastic_launch(_config(run_id, start_method=method), _fns.put_rank)(queue, "q")
     assert outputs == {0: "q", 1: "q"}
     assert sorted([queue.get(timeout=30), queue.get(timeout=30)]) == [("q", 0), ("q", 1)]
 

@@ -159,3 +159,33 @@ def test_restarted_workers_tracebacks_show_only_the_users_frames(tmp_path: Path)
         frames = [line for line in text.splitlines() if line.strip().startswith("File ")]
         assert frames and all(str(script) in line for line in frames), text
     assert "one node, static rendezvous in this process" in out.stderr  # not "standalone"
+
+
+def test_progress_lines_name_the_backend_asked_for(tmp_path: Path) -> None:
+    from tests._ports import free_port
+
+    script = tmp_path / "never.py"
+    script.write_text("")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aelastic",
+            "run",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",
+            "--rdzv-conf",
+            "is_host=false,join_timeout=1.5",
+            str(script),
+        ],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert "c10d at 127.0.0.1:" in out.stderr and "unreachable" in out.stderr
+    assert "http at" not in out.stderr
+    assert "c10d rendezvous at 127.0.0.1:" in out.stderr  # the banner
