@@ -91,7 +91,7 @@ if __name__ == "__main__":
         _tb = _exc.__traceback__
         while _tb is not None and _tb.tb_frame.f_code.co_filename == _here:
             _tb = _tb.tb_next
-        _sys.excepthook(type(_exc), _exc, _tb)
+        _sys.excepthook(type(_exc), _exc.with_traceback(_tb), _tb)
         if not isinstance(_exc, KeyboardInterrupt):
             _sys.exit(1)
         import atexit as _atexit

@@ -136,13 +136,13 @@ def _format(index: int, rank: int, failure: Any) -> str:
         stack = message.get("extraInfo", {}).get("py_callstack", message.get("message", "<N/A>"))
         message = str(stack).replace("\n", "\n  ")
     name = failure.signal_name()
-    return (
+    signal_part = f" ({name})" if name != _NOT_AVAILABLE else ""
+    return (  # torch's layout, to the space
         f"[{index}]:\n"
         f"  time      : {failure.timestamp_isoformat()}\n"
-        f"  host      : {failure.hostname or _hostname()}\n"
+        f"  host      : {_hostname()}\n"
         f"  rank      : {rank} (local_rank: {failure.local_rank})\n"
-        f"  exitcode  : {failure.exitcode} (pid: {failure.pid})"
-        f"{f' ({name})' if name != _NOT_AVAILABLE else ''}\n"
+        f"  exitcode  : {failure.exitcode} (pid: {failure.pid}) {signal_part}\n"
         f"  error_file: {failure.error_file}\n"
         f"  traceback : {message}"
     )
