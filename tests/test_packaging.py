@@ -20,6 +20,8 @@ CORE_MODULES = [
     "aelastic.backends.http.server",
     "aelastic.agent",
     "aelastic.cli",
+    "aelastic.launcher",
+    "aelastic.run",
     "aelastic.web",
     "aelastic.web.pages",
     "aelastic.web.dashboard",
@@ -109,6 +111,7 @@ _LAYERS = {
     "rendezvous": {"core", "backends", "rendezvous"},
     "agent": {"core", "backends", "rendezvous", "agent", "worker"},
     "worker": {"worker"},
+    "launcher": {"core", "backends", "rendezvous", "agent", "launcher"},
     "web": {"core", "backends", "web"},
     "sync": {"core", "backends", "rendezvous", "sync"},
 }

@@ -222,3 +222,41 @@ async def test_two_nodes_failing_in_turn_stop_at_the_job_wide_budget(
     spent = [e for ev in events for e in ev if isinstance(e, JobFailure) and e.budget_spent]
     assert len({e.node for e in spent}) == 1  # the node whose failure was one too many
     assert all(e.incidents == 4 and e.job_max_restarts == 3 for e in spent)
+
+
+# A callable under fork (torch's start method): the forked worker counts its progress too.
+FORK_PROGRAM = """
+import os, time
+import aelastic.worker
+from aelastic.launcher import LaunchConfig, elastic_launch
+
+def stuck_in_step():
+    time.sleep(600)
+
+def train():
+    for _ in range(3):
+        aelastic.worker.progress()
+    if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        stuck_in_step()
+    return int(os.environ["RANK"])
+
+config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="fork-hang",
+                      max_restarts=1, start_method="fork", stall_timeout=1.0)
+print("returned", elastic_launch(config, train)())
+"""
+
+
+def test_a_callable_forked_from_the_launcher_is_watched_too(tmp_path: Path) -> None:
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-"],
+        input=FORK_PROGRAM,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "returned {0: 0, 1: 1}" in done.stdout
+    assert "worker rank 1 on " in done.stderr and "in stuck_in_step" in done.stderr

@@ -44,6 +44,7 @@ __all__ = [
     "SLOT_STEPS",
     "SLOT_TIME",
     "attached",
+    "forked_worker",
     "install_excepthook",
     "install_torch_hook",
     "pause",
@@ -177,6 +178,14 @@ def _forget_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def forked_worker() -> None:
+    """This forked process is a worker (fork start method): it reports its own progress
+    (its environment names its page) and counts torch's optimizer steps."""
+    global _unavailable
+    _unavailable = False
+    install_torch_hook()
 
 
 # -- torch's optimizer hook ---------------------------------------------------------------
