@@ -10,6 +10,10 @@ Files go to ``$HEAL_DIR``. Modes:
 * ``turns INDEX``: the job's failures alternate between nodes: in the job's n-th round
   (counted by the rounds' ``MASTER_PORT``s in ``$HEAL_DIR/rounds``), the worker of node
   ``n % 2`` writes ``$HEAL_DIR/failed.<n>`` and raises; the other waits.
+* ``hang_once KIND``: reports progress five times, then, the first time any worker of this
+  node runs it (no ``$HEAL_DIR/hung.KIND`` yet), hangs: ``own`` inside ``stuck_in_step``,
+  ``collective`` inside ``all_reduce`` of the file ``$HEAL_COLLECTIVE`` (a stand-in that
+  lives under a ``torch/distributed/`` directory, as a rank waiting for a stuck peer would).
 * ``frozen PATH``: local rank 1 reads PATH (a file of a frozen FUSE mount: uninterruptible
   sleep) after writing ``$HEAL_DIR/reading``; local rank 0 waits for that file, then fails.
 """
@@ -40,6 +44,20 @@ def main() -> int:
             with open(os.path.join(heal_dir, "hang"), "w") as f:
                 f.write(repr(time.time()))
             stuck_in_step()
+        return 0
+    if mode == "hang_once":
+        for _ in range(5):
+            time.sleep(0.02)
+            aelastic.worker.progress()
+        marker = os.path.join(heal_dir, f"hung.{arg}")
+        if not os.path.exists(marker):
+            with open(marker, "w"):
+                pass
+            if arg == "own":
+                stuck_in_step()
+            import runpy
+
+            runpy.run_path(os.environ["HEAL_COLLECTIVE"])["all_reduce"]()
         return 0
     if mode == "raise":
         raise ValueError(f"the data shard of rank {rank} is corrupt")
