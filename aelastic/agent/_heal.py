@@ -209,12 +209,12 @@ class JobHealthKeeper:
             secondary=root.secondary,
         )
         health: JobHealth | None = None
+        if record.secondary:  # the peer at fault most likely reports at once
+            with anyio.move_on_after(_PEER_GRACE), suppress(StoreTimeoutError, RendezvousError):
+                await self._store.wait([primary_key(round_)], _PEER_GRACE)
         with anyio.move_on_after(self._limit):
             try:
                 self.failed_nodes = await self._store.add(failed_key(round_), 1)
-                if record.secondary:  # the peer at fault most likely reports at once
-                    with suppress(StoreTimeoutError):
-                        await self._store.wait([primary_key(round_)], _PEER_GRACE)
                 health = await self._update(lambda h: with_failure(h, record))
                 if not record.secondary:
                     await self._store.set(primary_key(round_), b"1")

@@ -53,7 +53,9 @@ def main() -> int:
         if not os.path.exists(marker):
             with open(marker, "w"):
                 pass
-            if arg == "own":
+            if arg == "own":  # a step later than the peer: the peer's stall is seen first
+                time.sleep(0.5)
+                aelastic.worker.progress()
                 stuck_in_step()
             import runpy
 
