@@ -11,8 +11,12 @@ and runs the ``sitecustomize`` it shadowed, if there is one. It never raises: a 
 starts even if the bootstrap cannot.
 """
 
+from __future__ import annotations
+
 import os
 import sys
+
+__all__: list[str] = []
 
 
 def _bootstrap() -> None:
