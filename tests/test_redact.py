@@ -169,6 +169,7 @@ def test_worker_and_standby_environments_drop_credentials() -> None:
     import sys
 
     from aelastic.agent import Worker, WorkerGroup, WorkerSpec
+    from aelastic.agent._progress import BOOTSTRAP_DIR
     from aelastic.agent.env import worker_env
     from aelastic.agent.standby import standby_env
     from aelastic.rendezvous import create_handler
@@ -184,4 +185,5 @@ def test_worker_and_standby_environments_drop_credentials() -> None:
         group, group.workers[0], restart_count=0, run_id="run", error_file="", base=parent
     )
     assert not SECRET_ENV & set(env) and env["PATH"] == "/bin"
-    assert standby_env(spec, parent) == {"PATH": "/bin"}
+    bootstrap = {"PYTHONPATH": BOOTSTRAP_DIR}  # aelastic's worker bootstrap, no secret
+    assert standby_env(spec, parent) == {"PATH": "/bin", **bootstrap}

@@ -91,11 +91,6 @@ class JobHealthKeeper:
         #: Nodes that failed in the round of :attr:`health`'s newest incident.
         self.failed_nodes = 0
 
-    @property
-    def host(self) -> str:
-        """This node's host (its rendezvous address)."""
-        return self._host
-
     async def _update(self, change: Callable[[JobHealth], JobHealth | None]) -> JobHealth:
         health = JobHealth()
         for _ in range(_TRIES):

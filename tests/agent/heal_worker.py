@@ -54,7 +54,7 @@ def main() -> int:
             with open(marker, "w"):
                 pass
             if arg == "own":  # a step later than the peer: the peer's stall is seen first
-                time.sleep(0.5)
+                time.sleep(float(os.environ.get("HEAL_LATER", "0.5")))
                 aelastic.worker.progress()
                 stuck_in_step()
             import runpy
