@@ -14,9 +14,9 @@ inside ``torch.distributed`` (waiting for a peer rather than stuck by itself).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
-import sysconfig
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,11 +42,16 @@ MAX_DUMP = 256 * 1024
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
-_LIBRARY_DIRS = tuple(
-    os.path.join(os.path.realpath(p), "")
-    for key in ("stdlib", "platstdlib", "purelib", "platlib")
-    if (p := sysconfig.get_paths().get(key))
-)
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """Python's own directories and site-packages (looked up once: sysconfig is slow)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    keys = ("stdlib", "platstdlib", "purelib", "platlib")
+    return tuple(os.path.join(os.path.realpath(p), "") for k in keys if (p := paths.get(k)))
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,7 @@ def main_stack(threads: Sequence[ThreadStack], main_ident: int) -> ThreadStack |
 
 
 def _is_library(path: str) -> bool:
-    return os.path.realpath(path).startswith(_LIBRARY_DIRS) or path.startswith("<")
+    return os.path.realpath(path).startswith(_library_dirs()) or path.startswith("<")
 
 
 def where(stack: ThreadStack | None) -> tuple[str, str]:
