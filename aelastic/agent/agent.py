@@ -383,7 +383,8 @@ class ElasticAgent:
                 self._joined = False
                 failed = result is not None and result.is_failed()
                 if failed and self._spec.close_on_failure:
-                    await quietly(self._handler.set_closed(), "close the rendezvous")
+                    with anyio.move_on_after(last_word(self._handler)):
+                        await quietly(self._handler.set_closed(), "close the rendezvous")
                 succeeded = result is not None and result.state is WorkerState.SUCCEEDED
                 with anyio.move_on_after(last_word(self._handler)):
                     await quietly(self._handler.leave(finished=succeeded), "leave the rendezvous")

@@ -14,10 +14,14 @@ extra process), and talks to it through the ordinary HTTP backend, like every ot
   ``--nnodes MIN:MAX`` works as with every backend.
 
 A node starts asking at once and keeps asking while the host cannot be reached (nodes start
-in any order) until the join timeout; then it fails naming the address. The hosting agent
-keeps serving after it is done until every member has left (a closed run too: the others
-still say goodbye), for at most ``close_timeout``. The host is a single point of failure, as
-in torch: for production, use Redis (see ``docs/production-store.md``).
+in any order) until the join timeout; then it fails naming the address. Once the host has
+answered, it is the run's only copy: a host that answers nothing for ``read_timeout`` (it
+died, or its machine is cut off) is gone for good, and every call from then on raises
+:class:`~aelastic.core.errors.RendezvousLostError` at once (the agent then stops its workers
+and fails instead of retrying for ever). The hosting agent keeps serving after it is done
+until every member has left (a closed run too: the others still say goodbye), for at most
+``close_timeout``. The host is a single point of failure, as in torch: for production, use
+Redis (see ``docs/production-store.md``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..core.errors import RendezvousConnectionError, RendezvousError
+from ..core.errors import RendezvousConnectionError, RendezvousError, RendezvousLostError
 from ..core.params import RendezvousParameters, parse_rendezvous_endpoint
 from ..core.protocol import RendezvousBackend
 from ..core.state import Op, Reply, Request, Snapshot, Status
@@ -41,9 +45,6 @@ from .http.wire import DEFAULT_PORT
 __all__ = ["HostedBackend", "create_c10d_backend", "create_static_backend"]
 
 log = logging.getLogger(__name__)
-
-#: Seconds between two attempts to reach a host that is not there yet.
-_RETRY = 0.5
 
 
 class HostedBackend:
@@ -56,9 +57,11 @@ class HostedBackend:
         hosting: ``True``: host (fail if the port cannot be bound); ``False``: only connect;
             ``None``: host when the port can be bound on this machine's address for ``host``.
         rank: A static node rank: the node's rank in every round.
-        join_timeout: How long to keep trying to reach the host.
+        join_timeout: How long to keep trying to reach the host before it first answers.
         linger: How long a hosting node keeps serving for the others once it is done.
-        token, read_timeout: As for :class:`~aelastic.backends.http.client.HttpBackend`.
+        token: As for :class:`~aelastic.backends.http.client.HttpBackend`.
+        read_timeout: Once the host has answered, how long it may answer nothing before
+            it is taken for gone.
     """
 
     holds_keep_alive = True
@@ -84,14 +87,17 @@ class HostedBackend:
         self._join_timeout = join_timeout
         self._linger = linger
         self._token = token
+        self._read_timeout = read_timeout
         self._client = HttpBackend(
             run_id,
             f"http://{_bracket(host)}:{port}",
             token=token,
-            # A call gives up within the join timeout: the retries are this class's.
-            read_timeout=min(read_timeout, join_timeout),
+            # Until the host first answers (nodes start in any order); then read_timeout.
+            read_timeout=join_timeout,
             share_connections=False,
         )
+        self._reached = False
+        self._lost: str | None = None
         self._runner: Any = None
         self._started = False
         self._lock: asyncio.Lock | None = None
@@ -153,20 +159,31 @@ class HostedBackend:
         log.info("hosting the %s rendezvous on port %d", self.name, self._port)
 
     async def _reach(self, call: Any, *args: Any) -> Any:
-        """``call(*args)``, trying again while the host cannot be reached (join timeout)."""
+        """``call(*args)``: the client retries for the join timeout until the host first
+        answers, then for ``read_timeout`` of silence, after which the host is gone."""
         await self._start()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._join_timeout
-        while True:
-            try:
-                return await call(*args)
-            except RendezvousConnectionError as exc:
-                if loop.time() + _RETRY >= deadline:
-                    raise RendezvousConnectionError(
-                        f"the {self.name} rendezvous host {self.endpoint} could not be reached "
-                        f"within the join timeout ({self._join_timeout:g} s): {exc}"
-                    ) from None
-                await asyncio.sleep(_RETRY)
+        if self._lost is not None:
+            raise RendezvousLostError(self._lost)
+        try:
+            result = await call(*args)
+        except RendezvousConnectionError as exc:
+            if not self._client.failing:
+                raise  # the host answered: a refusal, not an outage
+            if not self._reached:
+                raise RendezvousConnectionError(
+                    f"the {self.name} rendezvous host {self.endpoint} could not be reached "
+                    f"within the join timeout ({self._join_timeout:g} s): {exc}"
+                ) from None
+            self._lost = (
+                f"the {self.name} rendezvous host {self.endpoint} is gone: no answer for "
+                f"{self._read_timeout:g} s (read_timeout), and the job's rendezvous lived "
+                f"there. {exc}"
+            )
+            raise RendezvousLostError(self._lost) from None
+        if not self._reached:
+            self._reached = True
+            self._client.read_timeout = self._read_timeout
+        return result
 
     # -- the protocol ---------------------------------------------------------------------
 

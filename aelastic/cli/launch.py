@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import shlex
 import signal
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from ..agent import ElasticAgent, NumaBindingError, RunResult, WorkerSpec
 from ..agent._health import health_port
 from ..agent.prometheus import AgentCollector, serve_metrics
+from ..core.race import fail_after
 from ..core.redact import redact_endpoint
 from ..rendezvous import (
     RendezvousClosedError,
@@ -226,7 +228,8 @@ async def _launch(
             console.line(_banner(config, name))
             agent = ElasticAgent(spec)
             agent.add_listener(console)
-            agent.add_listener(Progress(console.line))
+            # No progress line once a stop signal came: nothing is waited for any more.
+            agent.add_listener(Progress(lambda text: None if received else console.line(text)))
             failed = await _observe(config, agent, console, observers)
             if failed is not None:
                 return failed
@@ -237,8 +240,10 @@ async def _launch(
                 task.cancel()
             return await _outcome(task, console, received, name, agent, config)
     finally:
+        # After a stop signal, a hosting node serves the others only within the grace.
         with contextlib.suppress(Exception):
-            await spec.rdzv_handler.aclose()
+            async with fail_after(config.stop_grace_period if received else math.inf):
+                await spec.rdzv_handler.aclose()
 
 
 async def _observe(

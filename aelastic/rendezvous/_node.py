@@ -374,7 +374,9 @@ class NodeRequests:
         )
 
     async def _leave_quietly(self) -> None:
-        """Leave what a cancelled or failed join joined; never raises, never hangs."""
-        timeout = self._settings.close_timeout
+        """Leave what a cancelled or failed join joined; never raises, never hangs (one
+        heartbeat timeout at most: a node told to stop must not wait for a store that is
+        gone)."""
+        timeout = max(min(self._settings.heartbeat_timeout, self._settings.close_timeout), 1.0)
         with contextlib.suppress(Exception), anyio.move_on_after(timeout, shield=True):
             await self._request(Op.LEAVE)

@@ -610,11 +610,14 @@ async def test_unreachable_server_fails_within_read_timeout(run_id: str) -> None
             lambda: b.kv_set("k", b""),
             lambda: b.wait_for_change(NO_STATE, 30),
         ]
-        for call in calls:
+        # The first call retries for read_timeout; the next ones come during the same
+        # outage and get what is left of it (one attempt): the budget is never renewed.
+        for index, call in enumerate(calls):
             start = time.monotonic()
             with pytest.raises(RendezvousConnectionError, match=endpoint):
                 await call()
-            assert 0.9 <= time.monotonic() - start < 5.0
+            took = time.monotonic() - start
+            assert 0.9 <= took < 5.0 if index == 0 else took < 0.9, (index, took)
 
 
 async def test_queued_requests_fail_together_when_the_server_is_down(run_id: str) -> None:
