@@ -8,7 +8,9 @@ torch's ``@record`` writes). Each stream of each worker gets a :class:`Target`:
 * ``DEVNULL``: hidden (a local rank outside ``local_ranks_filter``);
 * ``FILE``: the file is handed to the worker directly (redirect, or a filtered-out tee);
 * ``TEE``: a pipe the agent reads as data arrives, writing each chunk to the file and each
-  line, prefixed ``[role0]:``, to the console. Nothing tails a file.
+  line, prefixed ``[role0]:``, to the console (queued, never blocking the loop: a console
+  that stops reading gets a note of the lines it missed, see :mod:`._output`). Nothing
+  tails a file.
 
 With ``duplicate_stdout_filters`` (or ``_stderr_``), the teed lines that contain any of the
 filter strings are also written, prefixed, to ``filtered_stdout.log`` (``filtered_stderr.log``)
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from string import Template
 from typing import IO, Any
 
+from . import _output
 from .api import Std, WorkerSpec, std_map
 
 __all__ = ["AttemptLogs", "Target", "line_prefix", "plan_streams", "run_log_dir"]
@@ -148,9 +151,7 @@ class _TeeProtocol(asyncio.Protocol):
 
     def _show(self, lines: list[bytes]) -> None:
         shown = [f"{self._prefix}{ln.decode(errors='replace')}\n" for ln in lines]
-        with contextlib.suppress(OSError, ValueError):
-            self._console.write("".join(shown))
-            self._console.flush()
+        _output.write(self._console, "".join(shown))
         if self._duplicate is not None:
             self._duplicate.offer(shown)
 

@@ -5,8 +5,10 @@ How it works: :class:`Console` is an agent event listener (``agent.add_listener`
 ``[aelastic +<seconds since launch>]``, saying what happened in words a newcomer understands
 (rendezvous, starting workers, a worker exited, restarting, rescaling, done) and how long it
 took. Every line is redacted (:func:`aelastic.core.redact.redact`): no endpoint password,
-``password=``/``token=`` value or known secret is ever printed. Workers' own output is not
-touched: it goes to stdout/stderr as the agent streams it.
+``password=``/``token=`` value or known secret is ever printed. Lines are queued, never
+written on the event loop (:mod:`aelastic.agent._output`): a console that stops reading
+costs dropped lines and a note, never a heartbeat. Workers' own output is not touched: it
+goes to stdout/stderr as the agent streams it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
+from ..agent import _output
 from ..agent.api import ProcessFailure, RunResult
 from ..agent.errors import error_details
 from ..agent.events import EventKind
@@ -109,8 +112,7 @@ class Console:
             return
         stream = self._stream or sys.stderr
         elapsed = time.monotonic() - self._started
-        stream.write(f"[aelastic +{elapsed:.2f}s] {redact(text, self._secrets)}\n")
-        stream.flush()
+        _output.write(stream, f"[aelastic +{elapsed:.2f}s] {redact(text, self._secrets)}\n")
 
     def capture_logs(self, level: int | None = None) -> logging.Handler:
         """Show aelastic's log records as console lines; returns the installed handler.
