@@ -44,7 +44,7 @@ class WorkerSet:
     Args:
         group: The group, after rank assignment.
         attempt: The attempt number (names the log directory).
-        run_dir: ``<log_dir>/<run_id>``, or ``None`` for no log files.
+        run_dir: The agent's ``<log_dir>/<run_id>_<random>``, or ``None`` for no log files.
         scratch: A private directory for callable payloads and results (callables only).
         restart_count: Restarts spent so far.
         run_id: The rendezvous run id.
