@@ -7,8 +7,9 @@ extra process), and talks to it through the ordinary HTTP backend, like every ot
 
 * ``static`` (``--nnodes N`` with ``--master-addr``, ``--master-port`` and ``--node-rank``;
   the endpoint is ``master_addr:master_port``, config ``rank`` is the node rank): node rank 0
-  hosts; a node's rank in the round is its node rank, as torch's; two nodes giving the same
-  node rank are told so. The workers' own store (``MASTER_PORT``) gets another, free port.
+  hosts; a node's rank in the round is its node rank, as torch's; every node given a node
+  rank that another node has fails, saying so (:mod:`._node_rank`). The workers' own store
+  (``MASTER_PORT``) gets another, free port.
 * ``c10d`` (``--rdzv-endpoint host[:port]``, port 29400 by default): the agent that can bind
   the port on the endpoint's host hosts (config ``is_host`` forces it either way); elastic
   ``--nnodes MIN:MAX`` works as with every backend.
@@ -39,6 +40,7 @@ from ..core.params import RendezvousParameters, parse_rendezvous_endpoint
 from ..core.protocol import RendezvousBackend
 from ..core.state import Op, Reply, Request, Snapshot, Status
 from ..core.token import Token
+from ._node_rank import NodeRanks
 from .http.client import HttpBackend
 from .http.wire import DEFAULT_PORT
 
@@ -98,6 +100,7 @@ class HostedBackend:
         )
         self._reached = False
         self._lost: str | None = None
+        self._ranks = None if rank is None else NodeRanks(self, rank)
         self._runner: Any = None
         self._started = False
         self._lock: asyncio.Lock | None = None
@@ -189,23 +192,11 @@ class HostedBackend:
 
     async def apply(self, request: Request, hold: float = 0.0, seen: Token | None = None) -> Reply:
         reply: Reply = await self._reach(self._client.apply, request, hold, seen)
-        if self._rank is None or reply.rank is None:
+        if self._ranks is None:
             return reply
         if request.op is Op.JOIN:
-            await self._claim(request, reply)
-        return replace(reply, rank=self._rank)
-
-    async def _claim(self, request: Request, reply: Reply) -> None:
-        """Take this node rank in the round; two nodes with one node rank are an error."""
-        key = f"static/node-rank/{reply.status.round}/{self._rank}"
-        mine = request.node.key.encode()
-        held = await self._client.kv_compare_set(key, None, mine)
-        if held != mine:
-            raise RendezvousError(
-                f"two nodes were started with node rank {self._rank} "
-                f"({held.decode(errors='replace')} and {request.node.key}): "
-                "give each node its own --node-rank"
-            )
+            await self._ranks.check(request, reply)  # duplicate node ranks fail, every one
+        return reply if reply.rank is None else replace(reply, rank=self._rank)
 
     async def wait_for_change(self, token: Token, timeout: float | None) -> Status | None:
         result: Status | None = await self._reach(self._client.wait_for_change, token, timeout)

@@ -8,7 +8,6 @@ here as two real ``aelastic run`` processes whose workers do a gloo all-reduce.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -40,6 +39,15 @@ import os, sys, time
 print(f"worker pid={os.getpid()} world={os.environ['WORLD_SIZE']}", flush=True)
 if int(os.environ["WORLD_SIZE"]) != int(sys.argv[1]):
     time.sleep(120)
+"""
+
+
+# Says its node's rank, then stays until the file given as argument exists.
+STAY = """
+import os, sys, time
+print(f"worker group={os.environ['GROUP_RANK']}", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
 """
 
 
@@ -133,7 +141,7 @@ def test_two_static_nodes_with_one_node_rank_are_told(tmp_path: Path) -> None:
         "PET_NNODES": "3",
         "PET_MASTER_ADDR": "127.0.0.1",
         "PET_MASTER_PORT": str(free_port()),
-        "PET_RDZV_CONF": "join_timeout=30",
+        "PET_RDZV_CONF": "join_timeout=30,keep_alive_interval=0.5",
     }
     with _pod(tmp_path, {**env, "PET_NODE_RANK": "0"}, "run", script) as zero:
         zero.wait_for(lambda lines: any("launching" in x for x in lines))
@@ -146,13 +154,40 @@ def test_two_static_nodes_with_one_node_rank_are_told(tmp_path: Path) -> None:
             _pod(tmp_path, {**env, "PET_NODE_RANK": "1"}, "run", script) as a,
             _pod(tmp_path, {**env, "PET_NODE_RANK": "1"}, "run", script) as b,
         ):
+            # Both fail, each with the line: the first to take the rank learns it at its
+            # next join (the other never beats: the round loses it).
             told = "two nodes were started with node rank 1"
-            deadline = time.monotonic() + 60
-            while told not in a.output + b.output and time.monotonic() < deadline:
-                for pod in (a, b):
-                    with contextlib.suppress(AssertionError):
-                        pod.wait_for(lambda lines: any(told in x for x in lines), 0.5)
-            assert told in a.output + b.output, a.output + b.output
+            assert a.wait(60) == 1, a.output
+            assert b.wait(60) == 1, b.output
+            for pod in (a, b):
+                assert [x for x in pod.lines if told in x and "error:" in x], pod.output
+                assert "Traceback" not in pod.output
+
+
+def test_a_surplus_static_node_with_a_taken_node_rank_fails(tmp_path: Path) -> None:
+    script = _script(tmp_path, "worker.py", STAY)
+    stop = tmp_path / "stop"
+    env = {
+        "PET_NNODES": "2",
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(free_port()),
+        "PET_RDZV_CONF": "keep_alive_interval=0.5",
+    }
+    with (
+        _pod(tmp_path, {**env, "PET_NODE_RANK": "0"}, "run", script, str(stop)) as zero,
+        _pod(tmp_path, {**env, "PET_NODE_RANK": "1"}, "run", script, str(stop)) as one,
+    ):
+        for pod in (zero, one):
+            pod.wait_for(lambda lines: any("worker group=" in x for x in lines), 60)
+        # The job runs with node ranks 0 and 1; a third node says it is node rank 1 too.
+        with _pod(tmp_path, {**env, "PET_NODE_RANK": "1"}, "run", script, str(stop)) as extra:
+            assert extra.wait(60) == 1, extra.output
+        stop.touch()
+        assert zero.wait(60) == 0, zero.output
+        assert one.wait(60) == 0, one.output
+    errors = [x for x in extra.lines if "error:" in x]
+    assert len(errors) == 1 and "two nodes were started with node rank 1" in errors[0], errors
+    assert "worker group=" not in extra.output and "succeeded" not in extra.output
 
 
 def _wait_listening(port: int, timeout: float = 30.0) -> None:
