@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from ..agent import _output
 from ..agent.api import ProcessFailure, RunResult
-from ..agent.errors import error_details
+from ..agent.errors import SHOWN_WIDTH, bounded, error_details, printable
 from ..agent.events import EventKind
 from ..core.events import Event
 from ..core.redact import redact
@@ -58,8 +58,12 @@ def describe_exit(exitcode: int) -> str:
 
 
 def summarize_failure(failure: ProcessFailure) -> str:
-    """One line: which rank failed, how, and the first line of its error message."""
-    message = failure.message.strip().splitlines()[-1] if failure.message.strip() else ""
+    """One line: which rank failed, how, and the last line of its error message (escaped,
+    cut)."""
+    message = failure.message.strip().rsplit("\n", 1)[-1] if failure.message.strip() else ""
+    if len(message) > SHOWN_WIDTH:
+        message = f"{message[:SHOWN_WIDTH]}..."
+    message = printable(message)
     text = (
         f"rank {failure.global_rank} (local rank {failure.local_rank}, pid {failure.pid}, "
         f"host {failure.hostname}) failed with {describe_exit(failure.exitcode)}"
@@ -194,7 +198,7 @@ class Console:
         if os.path.isfile(root.error_file):
             self.line(f"error file of rank {root.global_rank}: {root.error_file}", always=True)
         elif root.error_file_data:  # the file went with the temporary logs: show what it said
-            details = textwrap.indent(error_details(root), "  ")
+            details = textwrap.indent(bounded(error_details(root), root.error_file), "  ")
             self.line(
                 f"error file of rank {root.global_rank} (not kept; --log-dir keeps it):\n{details}",
                 always=True,
