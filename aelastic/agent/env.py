@@ -14,7 +14,7 @@ and every ``AELASTIC_*`` variable named like a credential (``..._PASSWORD``, ``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..core.redact import SECRET_ENV, redact, redact_endpoint
@@ -64,7 +64,10 @@ ATTEMPT_KEYS = frozenset(
 #: The endings of the names of aelastic's credential variables (any backend's).
 _CREDENTIAL_ENDINGS = ("_PASSWORD", "_PASSWD", "_TOKEN", "_SECRET", "_USERNAME", "_USER")
 #: torchrun's variables that may hold a password: passed on masked.
-_MASKED = {"PET_RDZV_ENDPOINT": redact_endpoint, "PET_RDZV_CONF": redact}
+_MASKED: dict[str, Callable[[str], str]] = {
+    "PET_RDZV_ENDPOINT": redact_endpoint,
+    "PET_RDZV_CONF": redact,
+}
 
 
 def is_credential(name: str) -> bool:
