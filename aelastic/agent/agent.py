@@ -30,7 +30,13 @@ from types import MappingProxyType
 
 import anyio
 
-from ..core.errors import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
+from ..core.errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    reason,
+    typed,
+)
 from ..core.events import Event
 from ._aio import quietly, uncancellable
 from ._publish import AgentPublisher
@@ -216,7 +222,7 @@ class ElasticAgent:
                 return RunResult(WorkerState.SUCCEEDED)
             except RendezvousError as exc:
                 if failures:  # our own failure is the root cause, the rendezvous the end
-                    return self._failed(failures, f"no restart ({type(exc).__name__}: {exc})")
+                    return self._failed(failures, f"no restart ({typed(exc)})")
                 raise
             except GroupChanged as changed:
                 await self._act_on_membership(changed.decision)
@@ -366,7 +372,7 @@ class ElasticAgent:
                 self._handler.node, group.group_world_size, self._spec.exit_barrier_timeout
             )
         except RendezvousError as exc:
-            log.warning("exit barrier failed: %s", exc)
+            log.warning("exit barrier failed: %s", reason(exc))
         duration = time.monotonic() - started
         if not complete:
             log.warning("exit barrier incomplete after %.3f s; leaving anyway", duration)

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import anyio
 
-from ..core.errors import RendezvousError, RendezvousLostError
+from ..core.errors import RendezvousError, RendezvousLostError, reason
 from ..core.race import first_of
 from ..core.state import NodeDesc
 from ..core.store import Store
@@ -78,7 +78,7 @@ class RoundGroup:
             except RendezvousLostError:
                 raise
             except RendezvousError as exc:
-                log.warning("watching the rendezvous failed (retrying): %s", exc)
+                log.warning("watching the rendezvous failed (retrying): %s", reason(exc))
                 await anyio.sleep(self._handler.settings.keep_alive_interval)
 
     async def observe(self, view: MembershipView) -> Observation:

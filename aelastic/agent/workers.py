@@ -20,6 +20,7 @@ import signal
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
+from ..core.errors import reason
 from . import callables
 from ._aio import uncancellable
 from ._timer import FILE_VAR, FileTimerServer
@@ -143,7 +144,11 @@ class WorkerSet:
             try:
                 return standby.release(env, args, fds)
             except OSError as exc:
-                log.info("warm standby of local rank %d unusable (%s): cold start", local_rank, exc)
+                log.info(
+                    "warm standby of local rank %d unusable (%s): cold start",
+                    local_rank,
+                    reason(exc),
+                )
         standby.close()
         self.discarded.append(standby.process)
         return None

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
+from ..core.errors import reason
 from ..core.events import Event, event_fields
 
 __all__ = ["EventLog", "event_record"]
@@ -78,7 +79,7 @@ class EventLog:
         except (OSError, ValueError) as exc:
             self._out = None
             if self._on_error is not None:
-                self._on_error(f"warning: the event log {self._target} stopped: {exc}")
+                self._on_error(f"warning: the event log {self._target} stopped: {reason(exc)}")
 
     def close(self) -> None:
         """Close the file (stderr is left open)."""

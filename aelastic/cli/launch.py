@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from ..agent import ElasticAgent, NumaBindingError, RunResult, WorkerSpec
 from ..agent._health import health_port
 from ..agent.prometheus import AgentCollector, serve_metrics
+from ..core.errors import reason, typed
 from ..core.race import fail_after
 from ..core.redact import redact_endpoint
 from ..rendezvous import (
@@ -315,10 +316,10 @@ async def _outcome(
             for line in _closed_on_arrival(config):
                 console.line(line, always=True)
         else:
-            console.line(f"error: rendezvous failed: {type(exc).__name__}: {exc}", always=True)
+            console.line(f"error: rendezvous failed: {typed(exc)}", always=True)
         return EXIT_FAILED
     except OSError as exc:
-        console.line(f"error: cannot start the workers: {exc}", always=True)
+        console.line(f"error: cannot start the workers: {reason(exc)}", always=True)
         return EXIT_FAILED
     except NumaBindingError as exc:
         console.line(f"error: {exc}", always=True)

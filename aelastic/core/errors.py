@@ -16,6 +16,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "StoreTimeoutError",
     "reason",
+    "typed",
 ]
 
 
@@ -59,3 +60,9 @@ def reason(exc: BaseException) -> str:
     """What an error line says of ``exc``: its text, or its type's name when the text is
     empty (``TimeoutError()``, ``CancelledError()``, a bare ``OSError()`` say nothing)."""
     return str(exc) or type(exc).__name__
+
+
+def typed(exc: BaseException) -> str:
+    """``"TypeName: text"``, or the type's name alone when the text is empty."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -34,6 +34,7 @@ from ..core.errors import (
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
+    typed,
 )
 from ..core.events import (
     BackendError,
@@ -229,7 +230,7 @@ class NodeRequests:
         return reply
 
     def _failed(self, exc: RendezvousError) -> None:
-        error = f"{type(exc).__name__}: {exc}"
+        error = typed(exc)
         self.publish(BackendError(backend=self._backend_name, error=error))
 
     async def keep_alive(self, hold: float) -> Reply:
