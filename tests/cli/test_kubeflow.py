@@ -8,6 +8,7 @@ here as two real ``aelastic run`` processes whose workers do a gloo all-reduce.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -188,6 +189,85 @@ def test_a_surplus_static_node_with_a_taken_node_rank_fails(tmp_path: Path) -> N
     errors = [x for x in extra.lines if "error:" in x]
     assert len(errors) == 1 and "two nodes were started with node rank 1" in errors[0], errors
     assert "worker group=" not in extra.output and "succeeded" not in extra.output
+
+
+def _static_pair(
+    tmp_path: Path, conf: str, zero_args: list[str], one_args: list[str]
+) -> tuple[Cli, Cli]:
+    """Node rank 0 (in a session of its own: its group is the pod) and node rank 1."""
+    env = {
+        "PET_NNODES": "2",
+        "PET_NPROC_PER_NODE": "1",
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(free_port()),
+        "PET_RDZV_CONF": conf,
+    }
+    zero = Cli(["run", *zero_args], tmp_path, {**env, "PET_NODE_RANK": "0"}, session=True)
+    one = Cli(["run", *one_args], tmp_path, {**env, "PET_NODE_RANK": "1"})
+    return zero, one
+
+
+def _retries(event_log: Path) -> list[float]:
+    if not event_log.exists():
+        return []
+    events = [json.loads(line) for line in event_log.read_text().splitlines()]
+    return [e["retry_for"] for e in events if e["kind"] == "backend_retry"]
+
+
+def test_a_static_job_whose_host_dies_mid_training_ends_within_read_timeout(
+    tmp_path: Path,
+) -> None:
+    script = _script(tmp_path, "worker.py", STAY)
+    stop = str(tmp_path / "never")
+    conf = "read_timeout=3,keep_alive_interval=0.5"
+    log = tmp_path / "events.jsonl"
+    zero, one = _static_pair(
+        tmp_path, conf, [script, stop], ["--event-log", str(log), script, stop]
+    )
+    with zero, one:
+        for pod in (zero, one):
+            pod.wait_for(lambda lines: any("worker group=" in x for x in lines), 60)
+        before = len(_retries(log))
+        os.killpg(zero.proc.pid, signal.SIGKILL)  # the master pod is deleted
+        killed = time.monotonic()
+        zero.wait(30)
+        assert one.wait(60) == 1, one.output
+        took = time.monotonic() - killed
+    assert took < 3 + 20, took  # read_timeout, then the worker's stop (generous)
+    errors = [x for x in one.lines if "error:" in x]
+    assert len(errors) == 1, one.output
+    assert "RendezvousLostError" in errors[0] and "host 127.0.0.1:" in errors[0], errors
+    assert "is gone: no answer for 3 s (read_timeout)" in errors[0], errors
+    # The countdown of the retries ran once: it never started again.
+    countdown = _retries(log)[before:]
+    assert countdown and countdown == sorted(countdown, reverse=True), countdown
+    assert not [x for x in one.lines if x.rstrip().endswith(":")], one.output  # reasons given
+    assert "Traceback" not in one.output
+    assert not [pid for pid in _children(one.proc.pid) if alive(pid)]
+
+
+def test_a_finished_static_node_leaves_within_the_exit_barrier_when_the_host_dies(
+    tmp_path: Path,
+) -> None:
+    stay = _script(tmp_path, "worker.py", STAY)
+    done = _script(
+        tmp_path, "done.py", "import os\nprint('worker group=' + os.environ['GROUP_RANK'])\n"
+    )
+    stop = str(tmp_path / "never")
+    zero, one = _static_pair(
+        tmp_path, "keep_alive_interval=0.5", [stay, stop], ["--exit-barrier-timeout", "5", done]
+    )
+    with zero, one:
+        one.wait_for(lambda lines: any("worker rank 1" in x and "finished" in x for x in lines))
+        zero.wait_for(lambda lines: any("worker group=" in x for x in lines), 60)
+        os.killpg(zero.proc.pid, signal.SIGKILL)  # while node 1 waits at the exit barrier
+        killed = time.monotonic()
+        zero.wait(30)
+        assert one.wait(60) == 0, one.output  # its own workers succeeded, as torch's
+        took = time.monotonic() - killed
+    assert took < 5 + 15, took  # the exit barrier's timeout, then a few seconds
+    assert "gave up waiting for the other nodes" in one.output, one.output
+    assert "Traceback" not in one.output
 
 
 def _wait_listening(port: int, timeout: float = 30.0) -> None:
