@@ -95,11 +95,13 @@ def test_a_signal_after_the_store_died_under_a_running_job(
     tmp_path: Path, run_id: str, kind: str, sig: signal.Signals
 ) -> None:
     (tmp_path / "sleep.py").write_text(textwrap.dedent(SLEEP))
-    with _store(kind) as (endpoint, server):
-        with Cli(_args(kind, endpoint, run_id, "1"), tmp_path) as node:
-            node.wait_for(lambda lines: any("worker pid=" in x for x in lines), 60)
-            worker = int(next(x for x in node.lines if "worker pid=" in x).split("=")[1])
-            server.kill()  # type: ignore[attr-defined]
-            node.wait_for(lambda lines: any("unreachable" in x for x in lines), 60)
-            _stopped(node, sig)
+    with (
+        _store(kind) as (endpoint, server),
+        Cli(_args(kind, endpoint, run_id, "1"), tmp_path) as node,
+    ):
+        node.wait_for(lambda lines: any("worker pid=" in x for x in lines), 60)
+        worker = int(next(x for x in node.lines if "worker pid=" in x).split("=")[1])
+        server.kill()  # type: ignore[attr-defined]
+        node.wait_for(lambda lines: any("unreachable" in x for x in lines), 60)
+        _stopped(node, sig)
     assert not alive(worker)
