@@ -21,12 +21,15 @@ with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as fp:
 sys.exit(1)
 """
 
-# The launcher in this process, reporting its own peak memory (not its worker's).
+# The launcher in this process, reporting its own peak memory (VmHWM: of this program only;
+# getrusage's maxrss would keep the peak of the process it was forked from, a test worker).
 MEASURED = """
-import resource, sys
+import sys
 from aelastic.cli import main
 code = main(sys.argv[1:])
-print("launcher maxrss kB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
+with open("/proc/self/status") as fp:
+    peak = next(line.split()[1] for line in fp if line.startswith("VmHWM:"))
+print("launcher maxrss kB", peak, flush=True)
 sys.exit(code)
 """
 
