@@ -151,9 +151,10 @@ class RedisCalls:
         loop = asyncio.get_running_loop()
         delay = 0.05
         cause: Exception | None = None  # the last failure that was not a timeout
+        first_failure: float | None = None  # this call's budget counts from here, or before
         while True:
             started = loop.time()
-            since = started if self._failing_since is None else self._failing_since
+            since = min(t for t in (started, first_failure, self._failing_since) if t is not None)
             deadline = since + self._read_timeout
             try:
                 result = await attempt(
@@ -189,6 +190,7 @@ class RedisCalls:
                     cause = exc
                 if self._failing_since is None:
                     self._failing_since = since
+                first_failure = since  # never later: others' answers do not renew this call's
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     # The last attempt often had only what was left of the time: a timeout

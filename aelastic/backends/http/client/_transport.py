@@ -8,10 +8,11 @@ request and retries what may be transient (connection refused or reset, timeouts
 answers) with a jittered exponential backoff, for as long as the server has failed for less
 than ``read_timeout`` seconds; then it raises ``RendezvousConnectionError`` naming the
 server. The time counts from the first failure of the outage, not of the call
-(:attr:`Connection.failing_since`, cleared by any answer): a call made while the server has
-been failing for a while gets what is left of the budget (at least one attempt), so the
-countdown of "retrying for N s more" never starts again while nothing answers (heartbeats,
-a watch and the leave of a stopping node are so many calls). A ``401`` is never retried: it
+(:attr:`Connection.failing_since`, cleared by any answer), or of the call if that came
+first: a call made while the server has been failing for a while gets what is left of the
+budget (at least one attempt), so the countdown of "retrying for N s more" never starts
+again while nothing answers (heartbeats, a watch and the leave of a stopping node are so
+many calls), and the answers other calls get never renew it. A ``401`` is never retried: it
 raises at once, saying the server refused the token.
 """
 
@@ -104,10 +105,11 @@ class Connection:
         headers = {} if idempotent else {"Idempotency-Key": uuid.uuid4().hex}
         loop = asyncio.get_running_loop()
         answered: str | None = None  # the first failure the server itself reported
+        first_failure: float | None = None  # this call's budget counts from here, or before
         backoff = _FIRST_BACKOFF
         while True:
             started = loop.time()
-            since = started if self.failing_since is None else self.failing_since
+            since = min(t for t in (started, first_failure, self.failing_since) if t is not None)
             remaining = max(since + read_timeout - started, min(read_timeout, _LAST_ATTEMPT))
             if hold:
                 remaining = min(remaining, _HOLD_MARGIN)
@@ -127,7 +129,7 @@ class Connection:
                 answered = problem
             if self.failing_since is None:
                 self.failing_since = since
-            first_failure = self.failing_since
+            first_failure = since  # never later: others' answers do not renew this call's
             now = loop.time()
             if now - first_failure >= read_timeout:
                 if answered is not None and answered != problem:
