@@ -100,14 +100,15 @@ def test_elastic_c10d_survivor_reforms_alone(tmp_path: Path) -> None:
         "PET_RDZV_BACKEND": "c10d",
         "PET_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
         "PET_RDZV_ID": "kubeflow-elastic",
-        "PET_RDZV_CONF": "last_call_timeout=3,keep_alive_interval=0.5,keep_alive_max_attempt=3",
+        "PET_RDZV_CONF": "last_call_timeout=10,keep_alive_interval=0.5,keep_alive_max_attempt=3",
         "PET_MAX_RESTARTS": "3",
     }
     port = int(env["PET_RDZV_ENDPOINT"].rsplit(":", 1)[1])
     with _pod(tmp_path, env, "run", script, "1") as host:
         _wait_listening(port)  # the first node hosts the rendezvous
         with _pod(tmp_path, env, "run", script, "1") as guest:
-            # Within the last call (3 s): one round of two, whose workers wait.
+            # Within the last call (10 s: a loaded machine starts the guest slowly): one
+            # round of two, whose workers wait.
             host.wait_for(lambda lines: any("world=2" in x for x in lines), 60)
             guest.wait_for(lambda lines: any("world=2" in x for x in lines), 60)
             children = _children(guest.proc.pid)
