@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..core.errors import reason
 from ._aio import cancel_and_wait, uncancellable
 from ._progress import with_bootstrap, without_bootstrap
 from .api import WorkerSpec
@@ -211,7 +212,7 @@ class StandbyPool:
                 binding = worker_binding(self._spec, rank)
                 self._ready[rank] = Standby(launch, env, rank, grace, binding)
             except (OSError, NumaBindingError) as exc:
-                log.warning("could not start a warm standby: %s", exc)
+                log.warning("could not start a warm standby: %s", reason(exc))
                 return
         self._on_ready({rank: s.process.pid for rank, s in self._ready.items()})
 
