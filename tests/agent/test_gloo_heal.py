@@ -62,7 +62,7 @@ async def test_a_rank_hung_inside_a_step_is_found_and_the_job_finishes_on_attemp
     assert timeout - 0.2 <= hang.at - hung_at < timeout + 5.0
     [failure] = [e for e in events if isinstance(e, JobFailure)]
     assert failure.root["rank"] == 1 and failure.root["stalled"]  # never rank 0
-    [logs] = (tmp_path / "logs").glob(f"{run_id}_*")  # noqa: ASYNC240 - the run is over
+    [logs] = (tmp_path / "logs").glob(f"{run_id}_*")
     assert "in train_step" in (logs / "attempt_0" / "1" / "stacks.txt").read_text()
     finished = (logs / "attempt_1" / "1" / "stdout.log").read_text()
     assert "rank 1 finished on attempt 1" in finished
