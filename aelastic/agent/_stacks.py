@@ -32,8 +32,8 @@ __all__ = [
     "where",
 ]
 
-#: Longest wait for a dump (seconds).
-DUMP_WAIT = 3.0
+#: Longest wait for a dump (seconds; a loaded machine may be slow to run the handler).
+DUMP_WAIT = 5.0
 #: A dump is complete once its file has not grown for this long (seconds).
 _QUIET = 0.15
 _STEP = 0.02

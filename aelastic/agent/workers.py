@@ -310,5 +310,6 @@ def _stalled(failure: ProcessFailure, stall: Stall) -> ProcessFailure:
         message=message,
         error_file_data={"message": {"message": message, "extraInfo": extra}},
         stalled=True,
-        secondary=stall.in_collective,
+        # Waiting for a peer, or unknown (it did not answer): blamed after one seen stuck.
+        secondary=stall.in_collective or not stall.stacks,
     )
