@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from ..agent import ElasticAgent, NumaBindingError, RunResult, WorkerSpec
 from ..agent._health import health_port
 from ..agent.prometheus import AgentCollector, serve_metrics
+from ..backends.registry import backend_info
 from ..core.redact import redact_endpoint
 from ..rendezvous import (
     RendezvousClosedError,
@@ -97,7 +98,8 @@ def _closed_on_arrival(config: LaunchConfig) -> list[str]:
         f"error: the job id '{config.run_id}' was used by a job that has finished: its "
         f"rendezvous at {_where(config)} is closed, so no node can join it again"
     ]
-    if config.rdzv_backend in ("redis", "http"):
+    info = backend_info(config.rdzv_backend)
+    if info is not None and info.external:
         reset = shlex.join(
             [
                 "aelastic",
