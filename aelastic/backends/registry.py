@@ -223,7 +223,7 @@ def register_backend(name: str, factory: BackendFactory) -> None:
 
 
 def _load_builtin(name: str) -> BackendFactory | None:
-    info = _BY_NAME.get(name) or next((i for i in BUILTINS if name in i.aliases), None)
+    info = backend_info(name)
     if info is None:
         return None
     try:

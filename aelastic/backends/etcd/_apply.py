@@ -461,18 +461,20 @@ class RunPort:
         lease = None
         if any(w != "q" for w in plan.put):
             lease = await self._leases.ensure(node, window_ms)
-        compare, ops = self._write_ops(view, plan, node, lease)
-        body = {"compare": compare, "success": ops, "failure": self._view_ops(node)}
-        try:
-            answer = await self._client.call("/v3/kv/txn", body, "write")
-        except LeaseNotFound:
-            self._leases.forget(node)
-            lease = await self._leases.grant(node, window_ms)
+        for _ in range(3):
             compare, ops = self._write_ops(view, plan, node, lease)
             body = {"compare": compare, "success": ops, "failure": self._view_ops(node)}
-            answer = await self._client.call("/v3/kv/txn", body, "write")
-        revision = int(answer.get("header", {}).get("revision", 0))
-        return bool(answer.get("succeeded")), answer.get("responses", []), revision
+            try:
+                answer = await self._client.call("/v3/kv/txn", body, "write")
+            except LeaseNotFound:  # silent longer than the window (or a new cluster)
+                self._leases.forget(node)
+                lease = await self._leases.grant(node, window_ms)
+                continue
+            revision = int(answer.get("header", {}).get("revision", 0))
+            return bool(answer.get("succeeded")), answer.get("responses", []), revision
+        raise RendezvousConnectionError(
+            f"{self.where}: etcd dropped node {node}'s lease three times in a row"
+        )
 
     # -- a request ------------------------------------------------------------------------
 

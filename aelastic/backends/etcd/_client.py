@@ -90,6 +90,10 @@ class _NotEtcd(Exception):
     """The server answered, but not as an etcd member does."""
 
 
+class _Hangup(_Transient):
+    """The member took the connection and closed it without an answer."""
+
+
 def _said(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return text if len(text) <= 160 else text[:157] + "..."
@@ -151,7 +155,7 @@ class EtcdClient:
     # -- one request ----------------------------------------------------------------------
 
     def _headers(self) -> dict[str, str] | None:
-        return None if self._token is None else {"Authorization": self._token}
+        return {"Authorization": self._token} if self._token else None
 
     async def _post(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         session = self._session_now()
@@ -165,6 +169,8 @@ class EtcdClient:
                 status = response.status
         except aiohttp.ClientResponseError as exc:  # not HTTP at all (the parser failed)
             raise _NotEtcd(f"an answer that is not HTTP ({exc.message})") from None
+        except aiohttp.ServerDisconnectedError:
+            raise _Hangup("it closed the connection without an answer") from None
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             raise _Transient(_said(exc)) from None
         return _decode(raw, status)
@@ -188,7 +194,7 @@ class EtcdClient:
         loop = asyncio.get_running_loop()
         budget = self.read_timeout if within is None else within
         deadline = loop.time() + budget
-        delay, tried, relogged = 0.05, 0, False
+        delay, tried, relogged, hangups = 0.05, 0, False, 0
         while True:
             url = self._urls[self._current]
             remaining = deadline - loop.time()
@@ -214,6 +220,14 @@ class EtcdClient:
                 error: Exception = exc
             except _Transient as exc:
                 error = exc
+                # A server that keeps taking connections and closing them unanswered is not
+                # an etcd member (an etcd member that dies refuses connections afterwards).
+                hangups = hangups + 1 if isinstance(exc, _Hangup) else 0
+                if hangups >= 3 * len(self._urls):
+                    raise RendezvousConnectionError(
+                        f"The server at {self.display} does not answer etcd's v3 API ({what}: "
+                        f"{exc}): is it an etcd member (3.4 or newer)? Check the host and port."
+                    ) from None
             self.next_member(url)
             tried += 1
             remaining = deadline - loop.time()
@@ -337,7 +351,15 @@ def _retryable(exc: EtcdError) -> bool:
 
 def _auth_error(exc: EtcdError) -> bool:
     text = str(exc)
-    return exc.code == _INVALID_ARGUMENT and "authentication failed" in text
+    return any(
+        s in text
+        for s in (
+            "authentication failed",
+            "user name is empty",
+            "invalid auth token",
+            "permission denied",
+        )
+    )
 
 
 def _etcd_error(message: str, code: int) -> EtcdError:

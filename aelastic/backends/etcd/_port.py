@@ -431,7 +431,9 @@ def decide(
     )
     if h.rules is None:
         h = h.evolve(rules=rules)
-    changed = run.fresh or h != before_h
+    # The counts are recorded when the header is written for a transition, never a reason
+    # to write it: a join to a forming round must not rewrite a shared value.
+    changed = run.fresh or h.evolve(counts=before_h.counts) != before_h
     plan.header = h if changed else None
     plan.known = run.where is not None
     plan.where = run.where
