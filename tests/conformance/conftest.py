@@ -6,9 +6,10 @@ so tests never see each other's state. Redis runs three ways: a standalone serve
 found through Sentinel (``redis+sentinel``: a primary, a replica, three sentinels) and a
 Redis Cluster (``redis+cluster``: three primaries with a replica each); etcd runs as one
 member and as a 3-member cluster (``etcd+cluster``, every node naming every member).
-``c10d`` is hosted as an agent hosts it (``is_host=true``: the HTTP server inside that process's event loop, here a
-loop of its own in a thread of the test process, for the session); the tests' nodes are
-guests (``is_host=false``), so closing them freely never stops the host.
+``c10d`` is hosted as an agent hosts it (``is_host=true``: the HTTP server inside that
+process's event loop, here a loop of its own in a thread of the test process, for the
+session); the tests' nodes are guests (``is_host=false``), so closing them freely never
+stops the host.
 
 ``static`` is not in the suite: a node's rank there is its ``--node-rank``, not its place in
 the round, so the suite's scenarios (ranks by join order, latecomers, elastic sizes) do not

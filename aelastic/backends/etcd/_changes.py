@@ -93,6 +93,7 @@ class RunStream:
         self._asking: asyncio.Task[None] | None = None
         self._deleted_at = 0
         self._resumed = False
+        self._up = False
 
     def start(self) -> None:
         """Open the stream (on the running loop)."""
@@ -175,25 +176,38 @@ class RunStream:
 
     async def _run(self) -> None:
         delay = 0.05
-        failing = False
+        failing, failures = False, 0
         while True:
             self._restart.clear()
+            self._up = False
             member = self._client.member
             try:
                 async with self._client.stream("/v3/watch", self._body()) as messages:
                     await self._read(messages)
                 if failing:
-                    log.info("the watch of %s is back", self.where)
-                failing, delay = False, 0.05
+                    log.info("the watch of run '%s' is back", self._keys.run_id)
+                failing, delay, failures = False, 0.05, 0
             except asyncio.CancelledError:
                 raise
             except (ConnectionError, EtcdError, RendezvousConnectionError, OSError) as exc:
-                if not failing:
-                    log.warning("the watch of %s failed (%s); waiters re-read", self.where, exc)
-                failing = True
+                failures = 1 if self._up else failures + 1
+                # Moving to another member is what a member lost looks like: said once the
+                # watch failed on every member.
+                if failures == len(self._client.endpoint.members):
+                    log.warning(
+                        "the watch of run '%s' at %s fails (%s); waiters ask etcd themselves "
+                        "until it is back",
+                        self._keys.run_id,
+                        self._client.display,
+                        exc,
+                    )
+                    failing = True
+                else:
+                    log.info("the watch of run '%s' moves to another member (%s)",
+                             self._keys.run_id, exc)  # fmt: skip
                 self._client.next_member(member)
             except Exception:
-                log.exception("the watch of %s failed", self.where)
+                log.exception("the watch of run '%s' failed", self._keys.run_id)
                 failing = True
             self.watch.on_lost()
             if not self._restart.is_set():
@@ -229,6 +243,7 @@ class RunStream:
             if int(doc.get("watch_id", 0)) in (0, 1):
                 if not self._resumed:  # from now on: nothing before it is owed
                     self._revision = max(self._revision, int(header.get("revision", 0)))
+                self._up = True
                 self.watch.on_live()
             return
         events = doc.get("events", [])
