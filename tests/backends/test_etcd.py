@@ -248,3 +248,18 @@ async def test_a_round_forms_and_keeps_its_store_across_a_leader_kill() -> None:
             assert not any(w.done() for w in watchers), [w.result() for w in watchers if w.done()]
             for w in watchers:
                 w.cancel()
+
+
+async def test_runs_are_listed_one_range_each(server: EtcdServer) -> None:
+    prefix = {"etcd_prefix": "/listing"}
+    async with group(server.endpoint, "job/a", 1, 1, 1, **prefix) as a, group(
+        server.endpoint, "job-b", 2, 1, 2, **prefix
+    ) as b:
+        await join_all(a)
+        await join_all(b)
+        server.put("/listing/foreign/h", "not ours")
+        async with backend(server.endpoint, "lister", **prefix) as lister:
+            runs = await lister.list_runs(10)
+            assert [(run, s.participants) for run, s in runs] == [("job-b", 2), ("job/a", 1)]
+            assert len(await lister.list_runs(1)) == 1
+            assert await lister.reset() is False  # the lister's own run has no keys

@@ -28,10 +28,20 @@ from collections.abc import Callable
 from typing import Any
 
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
-from ...core.state import MemberEntry, NodeDesc, Op, Outcome, Reply, Request, Snapshot, Status
+from ...core.state import (
+    MemberEntry,
+    NodeDesc,
+    Op,
+    Outcome,
+    Reply,
+    Request,
+    Snapshot,
+    Status,
+    Transition,
+)
 from ...core.token import new_epoch
 from ._client import Compacted, EtcdClient, EtcdError, LeaseNotFound, b64, unb64
-from ._layout import RunKeys, decode_header, encode_header, node_of, prefix_end
+from ._layout import Header, RunKeys, decode_header, encode_header, node_of, prefix_end
 from ._port import LISTS, Member, Plan, View, decide, needs_names, status_of
 
 __all__ = ["Deadlines", "Leases", "RunPort", "lease_ttl", "range_op"]
@@ -442,6 +452,7 @@ class RunPort:
         if plan.header is not None:
             header = plan.header.evolve(accounted=view.revision)
             ops.append({"request_put": {"key": b64(k.header), "value": b64(encode_header(header))}})
+            ops.append({"request_delete_range": {"key": b64(k.fresh)}})
         if plan.mark_cut:
             round_ = b"" if plan.header is None else str(plan.header.round).encode()
             ops.append({"request_put": {"key": b64(k.cut), "value": b64(round_)}})
@@ -478,6 +489,73 @@ class RunPort:
 
     # -- a request ------------------------------------------------------------------------
 
+    async def first_join(
+        self, request: Request, now: int, epoch: str
+    ) -> Reply | tuple[View, int | None]:
+        """A node's first join, in one transaction and no read: it creates the run (header
+        and ``f``) if there is none, or joins round 0 while the run is as its creator left
+        it (``f`` there, the header never rewritten): the case of every node of a new job
+        starting at once. Otherwise the transaction's failure branch is the read, and the
+        join goes on as any request (the view is returned)."""
+        k, node, rules = self._keys, request.node, request.rules
+        lease = await self._leases.grant(node, rules.window_ms)
+        absent = [
+            {"key": b64(k.member(w, node)), "target": "MOD", "result": "EQUAL", "mod_revision": 0}
+            for w in LISTS
+        ]
+        me = {"request_put": {"key": b64(k.member("p", node)), "value": b64(str(request.port)),
+                              "lease": lease}}  # fmt: skip
+        counts = [
+            range_op(p, prefix_end(p), count_only=True)
+            for p in (k.participants, k.waiting, k.redundant, k.finished)
+        ]
+        fresh = Header(epoch=epoch, rules=rules)
+        body = {
+            "compare": [
+                {"key": b64(k.header), "target": "CREATE", "result": "EQUAL",
+                 "create_revision": 0}, *absent,
+            ],
+            "success": [
+                {"request_put": {"key": b64(k.header), "value": b64(encode_header(fresh))}},
+                {"request_put": {"key": b64(k.fresh), "value": ""}},
+                me, range_op(k.header), *counts,
+            ],
+            "failure": [{"request_txn": {
+                "compare": [
+                    {"key": b64(k.fresh), "target": "CREATE", "result": "GREATER",
+                     "create_revision": 0},
+                    {"key": b64(k.header), "target": "VERSION", "result": "EQUAL", "version": 1},
+                    *absent,
+                ],
+                "success": [me, range_op(k.header), *counts],
+                "failure": self._view_ops(node),
+            }}],
+        }  # fmt: skip
+        answer = await self._client.call("/v3/kv/txn", body, "join")
+        revision = int(answer.get("header", {}).get("revision", 0))
+        responses = answer.get("responses", [])
+        if not answer.get("succeeded"):
+            nested = responses[0].get("response_txn", {})
+            responses = nested.get("responses", [])
+            if not nested.get("succeeded"):
+                return self._view(responses, revision)
+        ranges = [r["response_range"] for r in responses if "response_range" in r]
+        header = decode_header(_members(ranges[0].get("kvs", []))[0].value, self.where)
+        np, nw, nr, nq = (int(r.get("count", 0)) for r in ranges[1:5])
+        self._where_of[node] = "p"
+        if np == rules.min_nodes or np >= rules.max_nodes:
+            # The last call starts or the round completes: what a join does then (the rest
+            # of this request: as a participant's join, it finds it to do).
+            reply = await self.apply(request, now, epoch)
+            transition = reply.transition
+            if reply.outcome is Outcome.WAIT:
+                transition = Transition.ADD_TO_PARTICIPANTS
+            elif reply.outcome is Outcome.FINISH:
+                transition = Transition.MARK_COMPLETE
+            return Reply(**{**reply.__dict__, "transition": transition})
+        status = status_of(header, np, nw, nr, nq, now, None)
+        return Reply(Outcome.WAIT, status, Transition.ADD_TO_PARTICIPANTS, known=True)
+
     async def apply(self, request: Request, now: int, epoch: str | None = None) -> Reply:
         """Carry out ``request`` at this process's time ``now`` (ms) and answer.
 
@@ -487,8 +565,15 @@ class RunPort:
         """
         node, window = request.node, request.rules.window_ms
         hint = None if self._cut_hint is None else self._cut_hint()
-        view, rank = await self.read(node, hint)
         epoch = epoch or new_epoch()
+        first = request.op is Op.JOIN and not request.expired and self._leases.of(node) is None
+        if first:
+            answer = await self.first_join(request, now, epoch)
+            if isinstance(answer, Reply):
+                return answer
+            view, rank = answer
+        else:
+            view, rank = await self.read(node, hint)
         clock = self._deadlines.end
         for attempt in range(_ATTEMPTS):
             count = needs_names(view)

@@ -241,8 +241,9 @@ class EtcdBackend:
         return await port.snapshot(now_ms())
 
     async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
-        """The runs under this backend's prefix and their statuses, sorted by id (one
-        range per run: the first key after the last run found)."""
+        """The runs under this backend's prefix and their statuses, sorted by id, at most
+        ``limit`` (one range per run: the first key after the last run found; when there are
+        more, which ones is not defined)."""
         port, _ = await self._bind()
         client = port.client
         prefix = self._endpoint.prefix + "/"
@@ -265,7 +266,7 @@ class EtcdBackend:
                 if status is not None:
                     found.append((run, status))
             start = prefix_end(base)
-        return found
+        return sorted(found, key=lambda item: item[0])
 
     async def reset(self) -> bool:
         """Delete every key of the run (state, store, records); whether there were any."""

@@ -17,6 +17,9 @@ percent-encoded, so a ``/`` in it stays inside the run's folder):
   succeeded (no lease; cleared when the next round opens);
 * ``c``: written once when a round completes: its revision is the round's **cut**, the
   revision at which ``p/`` holds exactly the round's members (ranks are read there);
+* ``f``: written with a header created by a first join, deleted by the header's next write:
+  while it is there, the run is round 0 forming, with no last call, and a first join needs
+  no read (:meth:`._apply.RunPort.first_join`);
 * ``kv/<key>``: the members' key-value store; ``op/<id>``: the result of an ``add``, kept a
   while so that a retried add never counts twice.
 
@@ -96,6 +99,7 @@ class RunKeys:
         self.base = f"{prefix}/{quote(run_id, safe='')}/"
         self.header = self.base + "h"
         self.cut = self.base + "c"
+        self.fresh = self.base + "f"
         self.participants = self.base + "p/"
         self.finished = self.base + "q/"
         self.redundant = self.base + "r/"
