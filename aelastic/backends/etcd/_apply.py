@@ -498,40 +498,59 @@ class RunPort:
         starting at once. Otherwise the transaction's failure branch is the read, and the
         join goes on as any request (the view is returned)."""
         k, node, rules = self._keys, request.node, request.rules
-        lease = await self._leases.grant(node, rules.window_ms)
-        absent = [
-            {"key": b64(k.member(w, node)), "target": "MOD", "result": "EQUAL", "mod_revision": 0}
-            for w in LISTS
-        ]
-        me = {"request_put": {"key": b64(k.member("p", node)), "value": b64(str(request.port)),
-                              "lease": lease}}  # fmt: skip
-        counts = [
-            range_op(p, prefix_end(p), count_only=True)
-            for p in (k.participants, k.waiting, k.redundant, k.finished)
-        ]
         fresh = Header(epoch=epoch, rules=rules)
-        body = {
-            "compare": [
-                {"key": b64(k.header), "target": "CREATE", "result": "EQUAL",
-                 "create_revision": 0}, *absent,
-            ],
-            "success": [
-                {"request_put": {"key": b64(k.header), "value": b64(encode_header(fresh))}},
-                {"request_put": {"key": b64(k.fresh), "value": ""}},
-                me, range_op(k.header), *counts,
-            ],
-            "failure": [{"request_txn": {
+
+        def body_of(lease: int) -> dict[str, Any]:
+            absent = [
+                {
+                    "key": b64(k.member(w, node)),
+                    "target": "MOD",
+                    "result": "EQUAL",
+                    "mod_revision": 0,
+                }
+                for w in LISTS
+            ]
+            mine = {"key": b64(k.member("p", node)), "value": b64(str(request.port))}
+            me = {"request_put": {**mine, "lease": lease}}
+            counts = [
+                range_op(p, prefix_end(p), count_only=True)
+                for p in (k.participants, k.waiting, k.redundant, k.finished)
+            ]
+            body = {
                 "compare": [
-                    {"key": b64(k.fresh), "target": "CREATE", "result": "GREATER",
-                     "create_revision": 0},
-                    {"key": b64(k.header), "target": "VERSION", "result": "EQUAL", "version": 1},
-                    *absent,
+                    {"key": b64(k.header), "target": "CREATE", "result": "EQUAL",
+                     "create_revision": 0}, *absent,
                 ],
-                "success": [me, range_op(k.header), *counts],
-                "failure": self._view_ops(node),
-            }}],
-        }  # fmt: skip
-        answer = await self._client.call("/v3/kv/txn", body, "join")
+                "success": [
+                    {"request_put": {"key": b64(k.header), "value": b64(encode_header(fresh))}},
+                    {"request_put": {"key": b64(k.fresh), "value": ""}},
+                    me, range_op(k.header), *counts,
+                ],
+                "failure": [{"request_txn": {
+                    "compare": [
+                        {"key": b64(k.fresh), "target": "CREATE", "result": "GREATER",
+                         "create_revision": 0},
+                        {"key": b64(k.header), "target": "VERSION", "result": "EQUAL",
+                         "version": 1},
+                        *absent,
+                    ],
+                    "success": [me, range_op(k.header), *counts],
+                    "failure": self._view_ops(node),
+                }}],
+            }  # fmt: skip
+            return body
+
+        for attempt in range(3):
+            lease = await self._leases.grant(node, rules.window_ms)
+            try:
+                answer = await self._client.call("/v3/kv/txn", body_of(lease), "join")
+                break
+            except LeaseNotFound:  # granted on a leader lost before the grant was applied
+                self._leases.forget(node)
+                if attempt == 2:
+                    raise RendezvousConnectionError(
+                        f"{self.where}: etcd dropped node {node}'s new lease three times"
+                    ) from None
         revision = int(answer.get("header", {}).get("revision", 0))
         responses = answer.get("responses", [])
         if not answer.get("succeeded"):

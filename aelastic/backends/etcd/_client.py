@@ -45,8 +45,12 @@ __all__ = [
     "unb64",
 ]
 
-#: Longest single attempt at one member before the next is tried.
+#: Longest single attempt at one member before it is tried again (or the next one): a
+#: request that a follower forwarded to a leader that died is never answered (etcd gives up
+#: after its request timeout, 5 s and more), so an attempt lasts a few times the recent
+#: answer times, within these bounds.
 ATTEMPT_TIMEOUT = 5.0
+SHORTEST_ATTEMPT = 1.5
 #: Connecting to a member: a member that does not answer in this time is passed over.
 CONNECT_TIMEOUT = 2.0
 
@@ -122,6 +126,7 @@ class EtcdClient:
         self._closed = False
         #: Requests sent (tests and benchmarks read it).
         self.requests = 0
+        self._latency = 0.05  # a moving average of answer times (s)
 
     @property
     def display(self) -> str:
@@ -157,9 +162,14 @@ class EtcdClient:
     def _headers(self) -> dict[str, str] | None:
         return {"Authorization": self._token} if self._token else None
 
+    def attempt_timeout(self) -> float:
+        """How long one attempt may take (see :data:`ATTEMPT_TIMEOUT`)."""
+        return min(max(8 * self._latency, SHORTEST_ATTEMPT), ATTEMPT_TIMEOUT)
+
     async def _post(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         session = self._session_now()
         self.requests += 1
+        started = asyncio.get_running_loop().time()
         limits = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, CONNECT_TIMEOUT))
         try:
             async with session.post(
@@ -173,6 +183,8 @@ class EtcdClient:
             raise _Hangup("it closed the connection without an answer") from None
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             raise _Transient(_said(exc)) from None
+        took = asyncio.get_running_loop().time() - started
+        self._latency += (took - self._latency) / 8
         return _decode(raw, status)
 
     async def call(
@@ -201,9 +213,8 @@ class EtcdClient:
             try:
                 if self.endpoint.username and self._token is None:
                     await self._login(url, max(remaining, 0.001))
-                return await self._post(
-                    url + path, body, min(max(remaining, 0.001), ATTEMPT_TIMEOUT)
-                )
+                attempt = min(max(remaining, 0.001), self.attempt_timeout())
+                return await self._post(url + path, body, attempt)
             except _NotEtcd as exc:
                 raise RendezvousConnectionError(
                     f"The server at {url} does not answer etcd's v3 API ({what}: {exc}): is "
