@@ -45,12 +45,12 @@ __all__ = [
     "unb64",
 ]
 
-#: Longest single attempt at one member before it is tried again (or the next one): a
-#: request that a follower forwarded to a leader that died is never answered (etcd gives up
-#: after its request timeout, 5 s and more), so an attempt lasts a few times the recent
-#: answer times, within these bounds.
-ATTEMPT_TIMEOUT = 5.0
-SHORTEST_ATTEMPT = 1.5
+#: A request unanswered this long makes the client ask the member whether its leader changed
+#: meanwhile (its status: no Raft round trip): a request that a follower forwarded to a
+#: leader that died is never answered (etcd gives up after its request timeout, 5 s and
+#: more), so it is sent again; a request that is only slow (a busy cluster) is waited for,
+#: never sent twice (that would add load exactly when there is too much).
+SLOW = 1.5
 #: Connecting to a member: a member that does not answer in this time is passed over.
 CONNECT_TIMEOUT = 2.0
 
@@ -126,7 +126,8 @@ class EtcdClient:
         self._closed = False
         #: Requests sent (tests and benchmarks read it).
         self.requests = 0
-        self._latency = 0.05  # a moving average of answer times (s)
+        self._term = 0  # the newest Raft term seen in an answer
+        self._probes: dict[str, tuple[float, asyncio.Future[int]]] = {}
 
     @property
     def display(self) -> str:
@@ -162,14 +163,44 @@ class EtcdClient:
     def _headers(self) -> dict[str, str] | None:
         return {"Authorization": self._token} if self._token else None
 
-    def attempt_timeout(self) -> float:
-        """How long one attempt may take (see :data:`ATTEMPT_TIMEOUT`)."""
-        return min(max(8 * self._latency, SHORTEST_ATTEMPT), ATTEMPT_TIMEOUT)
-
     async def _post(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One attempt at member ``url`` (see :data:`SLOW` for one that takes long)."""
+        term = self._term
+        attempt = asyncio.ensure_future(self._send(url, body, timeout))
+        try:
+            while True:
+                done, _ = await asyncio.wait({attempt}, timeout=SLOW)
+                if done:
+                    return attempt.result()
+                base = url.split("/v3/", 1)[0]
+                if await self._leader_changed(base, term):
+                    raise _Transient("the member's leader changed while it had the request")
+        finally:
+            if not attempt.done():
+                attempt.cancel()
+                await asyncio.wait({attempt})
+
+    async def _leader_changed(self, base: str, term: int) -> bool:
+        """Whether member ``base`` is in a newer term than ``term`` (or cannot say): one
+        status request per member and second, shared by the requests waiting on it."""
+        loop = asyncio.get_running_loop()
+        entry = self._probes.get(base)
+        if entry is None or loop.time() - entry[0] > 1.0:
+            probe = asyncio.ensure_future(self._term_of(base))
+            entry = self._probes[base] = (loop.time(), probe)
+        try:
+            now = await asyncio.shield(entry[1])
+        except Exception:
+            return True
+        return now > term or not now
+
+    async def _term_of(self, base: str) -> int:
+        answer = await self._send(base + "/v3/maintenance/status", {}, SLOW)
+        return 0 if not answer.get("leader") else int(answer["header"].get("raft_term", 0))
+
+    async def _send(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         session = self._session_now()
         self.requests += 1
-        started = asyncio.get_running_loop().time()
         limits = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, CONNECT_TIMEOUT))
         try:
             async with session.post(
@@ -183,9 +214,12 @@ class EtcdClient:
             raise _Hangup("it closed the connection without an answer") from None
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             raise _Transient(_said(exc)) from None
-        took = asyncio.get_running_loop().time() - started
-        self._latency += (took - self._latency) / 8
-        return _decode(raw, status)
+        answer = _decode(raw, status)
+        header = answer.get("header") or answer.get("result", {}).get("header") or {}
+        term = int(header.get("raft_term", 0) or 0)
+        if term > self._term:
+            self._term = term
+        return answer
 
     async def call(
         self, path: str, body: dict[str, Any], what: str, within: float | None = None
@@ -213,8 +247,7 @@ class EtcdClient:
             try:
                 if self.endpoint.username and self._token is None:
                     await self._login(url, max(remaining, 0.001))
-                attempt = min(max(remaining, 0.001), self.attempt_timeout())
-                return await self._post(url + path, body, attempt)
+                return await self._post(url + path, body, max(remaining, 0.001))
             except _NotEtcd as exc:
                 raise RendezvousConnectionError(
                     f"The server at {url} does not answer etcd's v3 API ({what}: {exc}): is "
@@ -274,9 +307,13 @@ class EtcdClient:
             if self._token is not None:
                 return
             body = {"name": self.endpoint.username, "password": self.endpoint.password or ""}
-            answer = await self._post(
-                url + "/v3/auth/authenticate", body, min(within, ATTEMPT_TIMEOUT)
-            )
+            try:
+                answer = await self._post(url + "/v3/auth/authenticate", body, within)
+            except EtcdError as exc:
+                if "not enabled" not in str(exc):
+                    raise
+                self._token = ""  # etcd does not check logins: none is sent
+                return
             token = answer.get("token")
             if not isinstance(token, str) or not token:
                 raise EtcdError("etcd did not give an auth token (is auth enabled?)", 0)
@@ -297,7 +334,7 @@ class EtcdClient:
         session = self._session_now()
         url = self._urls[self._current]
         if self.endpoint.username and self._token is None:
-            await self._login(url, ATTEMPT_TIMEOUT)
+            await self._login(url, self.read_timeout)
         limits = aiohttp.ClientTimeout(total=timeout, sock_connect=CONNECT_TIMEOUT)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.requests += 1
