@@ -11,7 +11,8 @@ extra process), and talks to it through the ordinary HTTP backend, like every ot
   node rank are told so. The workers' own store (``MASTER_PORT``) gets another, free port.
 * ``c10d`` (``--rdzv-endpoint host[:port]``, port 29400 by default): the agent that can bind
   the port on the endpoint's host hosts (config ``is_host`` forces it either way); elastic
-  ``--nnodes MIN:MAX`` works as with every backend.
+  ``--nnodes MIN:MAX`` works as with every backend. Port 0 (``localhost:0``, TorchX's
+  single-node jobs) binds a free port, which this node's client then uses: one node only.
 
 A node starts asking at once and keeps asking while the host cannot be reached (nodes start
 in any order) until the join timeout; then it fails naming the address. The hosting agent
@@ -85,17 +86,23 @@ class HostedBackend:
         self._join_timeout = join_timeout
         self._linger = linger
         self._token = token
-        self._client = HttpBackend(
-            run_id,
-            f"http://{_bracket(host)}:{port}",
-            token=token,
-            # A call gives up within the join timeout: the retries are this class's.
-            read_timeout=min(read_timeout, join_timeout),
-            share_connections=False,
-        )
+        self._run_id = run_id
+        self._read_timeout = read_timeout
+        self._client = self._make_client()
         self._runner: Any = None
         self._started = False
         self._lock: asyncio.Lock | None = None
+
+    def _make_client(self) -> HttpBackend:
+        return HttpBackend(
+            self._run_id,
+            f"http://{_bracket(self._host)}:{self._port}",
+            token=self._token,
+            # A call gives up within the join timeout: the retries are this class's.
+            read_timeout=min(self._read_timeout, self._join_timeout),
+            share_connections=False,
+            label=self.name,
+        )
 
     def __repr__(self) -> str:
         return f"HostedBackend({self.name!r}, {self._host}:{self._port}, hosting={self.hosts})"
@@ -142,6 +149,10 @@ class HostedBackend:
                 f"cannot host the {self.name} rendezvous on port {self._port}: "
                 f"{exc.strerror or exc}"
             ) from None
+        if self._port == 0:  # the free port the system picked: this node's client uses it
+            self._port = sock.getsockname()[1]
+            unused, self._client = self._client, self._make_client()
+            await unused.aclose()
         runner = web.AppRunner(create_app(token=self._token or ""), access_log=None)
         await runner.setup()
         try:
@@ -153,9 +164,11 @@ class HostedBackend:
         self._runner = runner
         log.info("hosting the %s rendezvous on port %d", self.name, self._port)
 
-    async def _reach(self, call: Any, *args: Any) -> Any:
-        """``call(*args)``, trying again while the host cannot be reached (join timeout)."""
-        await self._start()
+    async def _reach(self, method: str, *args: Any) -> Any:
+        """The client's ``method(*args)``, trying again while the host cannot be reached
+        (join timeout)."""
+        await self._start()  # may pick the port, and so make the client anew
+        call = getattr(self._client, method)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._join_timeout
         while True:
@@ -172,7 +185,7 @@ class HostedBackend:
     # -- the protocol ---------------------------------------------------------------------
 
     async def apply(self, request: Request, hold: float = 0.0, seen: Token | None = None) -> Reply:
-        reply: Reply = await self._reach(self._client.apply, request, hold, seen)
+        reply: Reply = await self._reach("apply", request, hold, seen)
         if self._rank is None or reply.rank is None:
             return reply
         if request.op is Op.JOIN:
@@ -192,39 +205,39 @@ class HostedBackend:
             )
 
     async def wait_for_change(self, token: Token, timeout: float | None) -> Status | None:
-        result: Status | None = await self._reach(self._client.wait_for_change, token, timeout)
+        result: Status | None = await self._reach("wait_for_change", token, timeout)
         return result
 
     async def snapshot(self) -> Snapshot | None:
-        result: Snapshot | None = await self._reach(self._client.snapshot)
+        result: Snapshot | None = await self._reach("snapshot")
         return result
 
     async def reset(self) -> bool:
-        return bool(await self._reach(self._client.reset))
+        return bool(await self._reach("reset"))
 
     async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
-        result: list[tuple[str, Status]] = await self._reach(self._client.list_runs, limit)
+        result: list[tuple[str, Status]] = await self._reach("list_runs", limit)
         return result
 
     async def kv_set(self, key: str, value: bytes) -> None:
-        await self._reach(self._client.kv_set, key, value)
+        await self._reach("kv_set", key, value)
 
     async def kv_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        result: list[bytes | None] = await self._reach(self._client.kv_get, keys)
+        result: list[bytes | None] = await self._reach("kv_get", keys)
         return result
 
     async def kv_add(self, key: str, amount: int) -> int:
-        return int(await self._reach(self._client.kv_add, key, amount))
+        return int(await self._reach("kv_add", key, amount))
 
     async def kv_compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
-        result: bytes = await self._reach(self._client.kv_compare_set, key, expected, desired)
+        result: bytes = await self._reach("kv_compare_set", key, expected, desired)
         return result
 
     async def kv_delete(self, key: str) -> bool:
-        return bool(await self._reach(self._client.kv_delete, key))
+        return bool(await self._reach("kv_delete", key))
 
     async def kv_wait(self, keys: Sequence[str], timeout: float) -> bool:
-        return bool(await self._reach(self._client.kv_wait, keys, timeout))
+        return bool(await self._reach("kv_wait", keys, timeout))
 
     async def aclose(self) -> None:
         """Close; a hosting node first serves the others until they are done (bounded)."""
@@ -333,4 +346,18 @@ def create_c10d_backend(params: RendezvousParameters) -> RendezvousBackend:
         raise ValueError("The c10d rendezvous needs an endpoint host[:port].")
     host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
     hosting = params.get_as_bool("is_host")
+    if port == 0:
+        # Port 0: the hosting node binds a free port, which no other node can learn.
+        if params.max_nodes > 1:
+            raise ValueError(
+                f"The c10d rendezvous at {params.endpoint} (port 0: a free port picked by "
+                f"the hosting node) is for one node; {params.min_nodes}:{params.max_nodes} "
+                "nodes need a port every node knows (e.g. host:29400)."
+            )
+        if hosting is False:
+            raise ValueError(
+                f"The c10d rendezvous at {params.endpoint} (port 0) must be hosted by this "
+                "node: is_host=false cannot reach it."
+            )
+        hosting = True
     return HostedBackend("c10d", params.run_id, host, port, hosting=hosting, **_settings(params))

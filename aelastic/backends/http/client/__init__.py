@@ -65,6 +65,8 @@ class HttpBackend:
         read_timeout: Seconds the server may keep failing before a call raises.
         share_connections: Share the loop's session with the other backends of the server.
         channel: Send rendezvous requests on the connection's channel (one WebSocket).
+        label: The backend's name in progress events (a node hosting torch's ``c10d``
+            rendezvous reports ``c10d``, as the user asked for it).
 
     Raises:
         ValueError: The endpoint, the token or ``read_timeout`` is invalid.
@@ -84,6 +86,7 @@ class HttpBackend:
         read_timeout: float = 60.0,
         share_connections: bool = True,
         channel: bool = True,
+        label: str = "http",
     ) -> None:
         if not read_timeout > 0:
             raise ValueError(f"The read timeout ({read_timeout}) must be positive.")
@@ -96,6 +99,7 @@ class HttpBackend:
         key: Any = (str(self._base), self._token)
         self._share_key = ("http", key if share_connections else (key, next(_private)))
         self._channel = channel
+        self._label = label
         self._conn: Connection | None = None
         self._feed: RunFeed | None = None
         self._closed = False
@@ -122,7 +126,8 @@ class HttpBackend:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         base, token, endpoint = self._base, self._token, self._endpoint
-        conn = _shared.acquire(self._share_key, lambda: Connection(base, token, endpoint))
+        label = self._label
+        conn = _shared.acquire(self._share_key, lambda: Connection(base, token, endpoint, label))
         entry = conn.feeds.get(self._run_id)
         feed = RunFeed(self._poll) if entry is None else entry[0]
         conn.feeds[self._run_id] = (feed, 1 if entry is None else entry[1] + 1)

@@ -45,11 +45,13 @@ class Connection:
         base: The server's base URL (scheme, host, port and optional path prefix).
         token: Bearer token to send (``None``: none).
         endpoint: How to name the server in messages (no credentials).
+        label: How to name the backend in progress events.
     """
 
-    def __init__(self, base: URL, token: str | None, endpoint: str) -> None:
+    def __init__(self, base: URL, token: str | None, endpoint: str, label: str = "http") -> None:
         self.base = base
         self.endpoint = endpoint
+        self.label = label
         self.loop = asyncio.get_running_loop()
         self.feeds: dict[str, tuple[RunFeed, int]] = {}  # run id -> (feed, users)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -130,7 +132,7 @@ class Connection:
             retry_for = first_failure + read_timeout - now
             report(
                 BackendRetry(
-                    backend="http",
+                    backend=self.label,
                     endpoint=self.endpoint,
                     what=f"{method} {path}",
                     error=problem,
