@@ -252,9 +252,10 @@ async def test_a_round_forms_and_keeps_its_store_across_a_leader_kill() -> None:
 
 async def test_runs_are_listed_one_range_each(server: EtcdServer) -> None:
     prefix = {"etcd_prefix": "/listing"}
-    async with group(server.endpoint, "job/a", 1, 1, 1, **prefix) as a, group(
-        server.endpoint, "job-b", 2, 1, 2, **prefix
-    ) as b:
+    async with (
+        group(server.endpoint, "job/a", 1, 1, 1, **prefix) as a,
+        group(server.endpoint, "job-b", 2, 1, 2, **prefix) as b,
+    ):
         await join_all(a)
         await join_all(b)
         server.put("/listing/foreign/h", "not ours")
