@@ -24,10 +24,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from aelastic.backends.etcd._apply import Deadlines, Leases, RunPort
+from aelastic.backends.etcd._apply import RunPort
 from aelastic.backends.etcd._client import EtcdClient
 from aelastic.backends.etcd._endpoint import parse_endpoint
 from aelastic.backends.etcd._layout import RunKeys
+from aelastic.backends.etcd._leases import Deadlines, Leases
 from aelastic.core import machine
 from aelastic.core.machine import snapshot_of, step
 from aelastic.core.params import Rules

@@ -1,8 +1,7 @@
 """Carrying out one request on etcd: read the run, decide (:mod:`._port`), write, answer.
 
-How it works: a request costs one read transaction (the header, this node's three possible
-keys, the counts of the lists, the first participant, the cut; all count-only or one key,
-so its size does not grow with the job) and, when it changes something, one write
+How it works: a request costs one read transaction (:meth:`._reads.RunReads.read`: its
+size does not grow with the job) and, when it changes something, one write
 transaction compared against that read: the header's mod revision, this node's keys, and
 (when the decision used the participants' count) that no participant joined since. A join
 to a forming round changes neither the header nor any shared key, so a thousand joins at
@@ -11,409 +10,32 @@ round completes...), so a write rarely fails, and when it does the failure branc
 same transaction brings the fresh read and the request is decided again. A blind join
 learns the count it made from its own transaction: the join that made ``min_nodes`` or
 ``max_nodes`` starts the last call or completes the round (any request that finds it
-undone does it, :func:`._port.reconcile`).
-
-Leases: every node has one (time to live: the heartbeat window in whole seconds), granted
-before its first key is written and kept across rounds; a keep-alive renews it (not a
-write: etcd's leader keeps leases, no Raft entry, no watch event).
+undone does it, :func:`._port.reconcile`). A node's first join is one transaction and no
+read (:meth:`RunPort.first_join`). A node's keys live on its lease (:mod:`._leases`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import math
-import time
-from collections.abc import Callable
 from typing import Any
 
-from ...core.errors import RendezvousConnectionError, RendezvousStateError
-from ...core.state import (
-    MemberEntry,
-    NodeDesc,
-    Op,
-    Outcome,
-    Reply,
-    Request,
-    Snapshot,
-    Status,
-    Transition,
-)
+from ...core.errors import RendezvousConnectionError
+from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Transition
 from ...core.token import new_epoch
-from ._client import Compacted, EtcdClient, EtcdError, LeaseNotFound, b64, unb64
-from ._layout import Header, RunKeys, decode_header, encode_header, node_of, prefix_end
-from ._port import LISTS, Member, Plan, View, decide, needs_names, status_of
+from ._client import LeaseNotFound, b64
+from ._layout import Header, decode_header, encode_header, prefix_end
+from ._port import LISTS, Plan, View, decide, needs_names, status_of
+from ._reads import RunReads, members_of, range_of, range_op
 
-__all__ = ["Deadlines", "Leases", "RunPort", "lease_ttl", "range_op"]
+__all__ = ["RunPort"]
 
 #: Attempts of one request whose write found the run changed, before it gives up.
 _ATTEMPTS = 64
 
 
-def lease_ttl(window_ms: int) -> int:
-    """A lease's time to live for a heartbeat window: etcd counts whole seconds."""
-    return max(1, math.ceil(window_ms / 1000))
-
-
-def range_op(key: str | bytes, end: str | bytes | None = None, **options: Any) -> dict[str, Any]:
-    """A range request of a transaction."""
-    body: dict[str, Any] = {"key": b64(key)}
-    if end is not None:
-        body["range_end"] = b64(end)
-    body.update(options)
-    return {"request_range": body}
-
-
-def _members(kvs: list[dict[str, Any]]) -> list[Member]:
-    return [
-        Member(
-            key=unb64(kv.get("key")).decode(errors="replace"),
-            mod=int(kv.get("mod_revision", 0)),
-            create=int(kv.get("create_revision", 0)),
-            value=unb64(kv.get("value")),
-            lease=int(kv.get("lease", 0)),
-        )
-        for kv in kvs
-    ]
-
-
-def _range(response: dict[str, Any]) -> dict[str, Any]:
-    result: dict[str, Any] = response.get("response_range", {})
-    return result
-
-
-class Deadlines:
-    """When this process first saw each last call: it times them from then (ms)."""
-
-    def __init__(self) -> None:
-        self._seen: dict[tuple[str, int], int] = {}
-
-    def saw(self, epoch: str, deadline_id: int, at_ms: int) -> None:
-        """The last call ``deadline_id`` of ``epoch`` was seen (or started) at ``at_ms``."""
-        key = (epoch, deadline_id)
-        if key not in self._seen:
-            if len(self._seen) > 256:
-                self._seen.clear()
-            self._seen[key] = at_ms
-
-    def end(self, epoch: str, deadline_id: int, last_call_ms: int, now: int) -> int:
-        """When the last call ``deadline_id`` ends by this process's clock."""
-        self.saw(epoch, deadline_id, now)
-        return self._seen[(epoch, deadline_id)] + last_call_ms
-
-
-class Leases:
-    """The leases of the nodes of one backend (a node's heartbeat)."""
-
-    def __init__(self, client: EtcdClient, ttl: int | None = None) -> None:
-        self._client = client
-        self._ttl = ttl
-        self._ids: dict[NodeDesc, tuple[int, float]] = {}
-
-    def of(self, node: NodeDesc) -> int | None:
-        entry = self._ids.get(node)
-        return None if entry is None else entry[0]
-
-    def forget(self, node: NodeDesc) -> None:
-        self._ids.pop(node, None)
-
-    async def grant(self, node: NodeDesc, window_ms: int) -> int:
-        ttl = self._ttl or lease_ttl(window_ms)
-        answer = await self._client.call("/v3/lease/grant", {"TTL": ttl}, "lease grant")
-        lease = int(answer.get("ID", 0))
-        if not lease:
-            raise RendezvousConnectionError(
-                f"etcd at {self._client.display} granted no lease: {answer.get('error')}"
-            )
-        self._ids[node] = (lease, time.monotonic())
-        return lease
-
-    async def ensure(self, node: NodeDesc, window_ms: int) -> int:
-        lease = self.of(node)
-        return lease if lease is not None else await self.grant(node, window_ms)
-
-    async def renew(self, node: NodeDesc, window_ms: int) -> bool:
-        """Renew ``node``'s lease; whether it was still alive. A lease renewed less than a
-        fifth of the window ago is not renewed again (a join's beat right after its grant)."""
-        entry = self._ids.get(node)
-        if entry is None:
-            return False
-        if time.monotonic() - entry[1] < window_ms / 5000:
-            return True
-        answer = await self._client.call("/v3/lease/keepalive", {"ID": entry[0]}, "keep-alive")
-        alive = int(answer.get("result", answer).get("TTL", 0)) > 0
-        if alive:
-            self._ids[node] = (entry[0], time.monotonic())
-        else:
-            self.forget(node)
-        return alive
-
-    async def revoke_all(self) -> None:
-        ids, self._ids = [lease for lease, _ in self._ids.values()], {}
-        for lease in ids:
-            with contextlib.suppress(EtcdError, RendezvousConnectionError):
-                await self._client.call("/v3/lease/revoke", {"ID": lease}, "lease revoke", 2.0)
-
-
-class RunPort:
-    """The requests of one run's nodes on etcd (see the module docstring).
-
-    Args:
-        client: The etcd client.
-        keys: The run's keys.
-        leases: The nodes' leases.
-        deadlines: This process's record of the last calls.
-        cut_hint: The cut of the current round as this process heard it (from the watch),
-            so that a finished join reads its rank in the same read.
-    """
-
-    def __init__(
-        self,
-        client: EtcdClient,
-        keys: RunKeys,
-        leases: Leases,
-        deadlines: Deadlines,
-        cut_hint: Callable[[], int | None] | None = None,
-    ) -> None:
-        self._client = client
-        self._keys = keys
-        self._leases = leases
-        self._deadlines = deadlines
-        self._cut_hint = cut_hint
-        self._where_of: dict[NodeDesc, str | None] = {}
-        self.where = f"The rendezvous state of run '{keys.run_id}' at {client.display}"
-
-    @property
-    def client(self) -> EtcdClient:
-        return self._client
-
-    @property
-    def leases(self) -> Leases:
-        return self._leases
-
-    @property
-    def deadlines(self) -> Deadlines:
-        return self._deadlines
-
-    def where_of(self, node: NodeDesc) -> str | None:
-        """The list ``node`` was in after its last request (``p``, ``w``, ``r``)."""
-        return self._where_of.get(node)
-
-    async def status(self, now: int, missing_ok: bool = False) -> Status | None:
-        """The run's status (header and counts; an empty status, or ``None`` with
-        ``missing_ok``, when it has no state)."""
-        k = self._keys
-        body = {"success": [range_op(k.header), *(
-            range_op(p, prefix_end(p), count_only=True)
-            for p in (k.participants, k.waiting, k.redundant, k.finished))]}  # fmt: skip
-        try:
-            answer = await self._client.call("/v3/kv/txn", body, "status")
-            ranges = [_range(r) for r in answer.get("responses", [])]
-            headers = _members(ranges[0].get("kvs", []))
-            if not headers:
-                return None if missing_ok else Status(now_ms=now)
-            h = decode_header(headers[0].value, self.where)
-        except RendezvousStateError:
-            if missing_ok:
-                return None
-            raise
-        counts = [int(r.get("count", 0)) for r in ranges[1:5]]
-        deadline = None
-        if h.deadline is not None and h.rules is not None:
-            deadline = self._deadlines.end(h.epoch, h.deadline[0], h.rules.last_call_ms, now)
-        return status_of(h, counts[0], counts[1], counts[2], counts[3], now, deadline)
-
-    # -- reading --------------------------------------------------------------------------
-
-    def _view_ops(self, node: NodeDesc, rank_at: int | None = None) -> list[dict[str, Any]]:
-        k = self._keys
-        ops = [
-            range_op(k.header),
-            *(range_op(k.member(w, node)) for w in LISTS),
-            *(
-                range_op(p, prefix_end(p), count_only=True)
-                for p in (k.participants, k.waiting, k.redundant, k.finished)
-            ),
-            range_op(k.participants, prefix_end(k.participants), limit=1),
-            range_op(k.cut, keys_only=True),
-        ]
-        if rank_at:
-            ops.append(
-                range_op(k.participants, k.member("p", node), count_only=True, revision=rank_at)
-            )
-        return ops
-
-    def _view(self, responses: list[dict[str, Any]], revision: int) -> tuple[View, int | None]:
-        ranges = [_range(r) for r in responses]
-        headers = _members(ranges[0].get("kvs", []))
-        header = decode_header(headers[0].value, self.where) if headers else None
-        own: dict[str, Member | None] = {}
-        for i, where in enumerate(LISTS, start=1):
-            found = _members(ranges[i].get("kvs", []))
-            own[where] = found[0] if found else None
-        counts = [int(ranges[i].get("count", 0)) for i in range(4, 8)]
-        first = None
-        firsts = _members(ranges[8].get("kvs", []))
-        if firsts:
-            first = (self._node_of(firsts[0].key, "p/"), _port_of(firsts[0].value))
-        cuts = _members(ranges[9].get("kvs", []))
-        rank = int(ranges[10].get("count", 0)) if len(ranges) > 10 else None
-        view = View(
-            revision=revision,
-            header=header,
-            header_mod=headers[0].mod if headers else 0,
-            own=own,
-            participants=counts[0],
-            waiting=counts[1],
-            redundant=counts[2],
-            finished=counts[3],
-            first=first,
-            cut=cuts[0].mod if cuts else 0,
-        )
-        return view, rank
-
-    def _node_of(self, key: str, where: str) -> NodeDesc:
-        try:
-            return node_of(key[len(self._keys.base) + len(where) :])
-        except ValueError:
-            raise RendezvousStateError(
-                f"{self.where}: the key {key!r} is not a node's key aelastic wrote; it was "
-                "left as it is."
-            ) from None
-
-    async def read(self, node: NodeDesc, rank_at: int | None = None) -> tuple[View, int | None]:
-        """One read of the run as ``node`` sees it (and its rank at revision ``rank_at``)."""
-        body = {"success": self._view_ops(node, rank_at)}
-        try:
-            answer = await self._client.call("/v3/kv/txn", body, "read")
-        except Compacted:
-            answer = await self._client.call(
-                "/v3/kv/txn", {"success": self._view_ops(node)}, "read"
-            )
-        revision = int(answer.get("header", {}).get("revision", 0))
-        return self._view(answer.get("responses", []), revision)
-
-    async def _with_extras(self, view: View, node: NodeDesc, count: int) -> View:
-        """``view`` with the ``count`` newest participants (the completion sends them back)."""
-        k = self._keys
-        body = {
-            "success": [
-                *self._view_ops(node),
-                range_op(
-                    k.participants,
-                    prefix_end(k.participants),
-                    sort_target="CREATE",
-                    sort_order="DESCEND",
-                    limit=count,
-                    keys_only=True,
-                ),
-                range_op(k.participants, prefix_end(k.participants), limit=count + 1),
-            ]
-        }
-        answer = await self._client.call("/v3/kv/txn", body, "read")
-        responses = answer.get("responses", [])
-        fresh, _ = self._view(responses[:10], int(answer.get("header", {}).get("revision", 0)))
-        extras = tuple(_members(_range(responses[10]).get("kvs", [])))
-        drop = {m.key for m in extras}
-        first = None
-        for member in _members(_range(responses[11]).get("kvs", [])):
-            if member.key not in drop:
-                first = (self._node_of(member.key, "p/"), _port_of(member.value))
-                break
-        return View(**{**fresh.__dict__, "extras": extras, "first": first})
-
-    async def lost_names(self, view: View, count: int) -> list[str]:
-        """The members etcd removed from the complete round since the header's last write,
-        in order: deletions of ``p/`` keys after the revision the header accounted for,
-        but those of its own write and of the members that left having finished."""
-        header = view.header
-        assert header is not None
-        k = self._keys
-        body = {
-            "create_request": {
-                "key": b64(k.participants),
-                "range_end": b64(prefix_end(k.finished)),
-                "start_revision": header.accounted + 1,
-            }
-        }
-        names: list[str] = []
-        finished: set[tuple[int, str]] = set()
-        try:
-            async with self._client.stream("/v3/watch", body, timeout=5.0) as messages:
-                async for message in _until(messages, 2.0):
-                    if message.get("compact_revision") or message.get("canceled"):
-                        break
-                    for event in message.get("events", []):
-                        kv = event.get("kv", {})
-                        revision = int(kv.get("mod_revision", 0))
-                        if revision > view.revision:
-                            return names
-                        key = unb64(kv.get("key")).decode(errors="replace")
-                        name = key[len(k.base) + 2 :]
-                        if key.startswith(k.finished):
-                            finished.add((revision, name))
-                            continue
-                        lost = event.get("type") == "DELETE" and revision != view.header_mod
-                        if lost and (revision, name) not in finished:
-                            names.append(self._node_of(key, "p/").key)
-                            if len(names) >= count:
-                                return names
-        except (ConnectionError, EtcdError, RendezvousConnectionError, TimeoutError):
-            pass  # the names are for the sample only: the counts stay exact
-        return names
-
-    async def snapshot(self, now: int) -> Snapshot | None:
-        """The whole membership (O(N): for operators), or ``None`` without a state."""
-        k = self._keys
-        every = [
-            range_op(p, prefix_end(p), keys_only=p != k.participants)
-            for p in (k.participants, k.waiting, k.redundant)
-        ]
-        finished = range_op(k.finished, prefix_end(k.finished), count_only=True)
-        body = {"success": [range_op(k.header), *every, finished, range_op(k.cut, keys_only=True)]}
-        answer = await self._client.call("/v3/kv/txn", body, "snapshot")
-        ranges = [_range(r) for r in answer.get("responses", [])]
-        headers = _members(ranges[0].get("kvs", []))
-        if not headers:
-            return None
-        h = decode_header(headers[0].value, self.where)
-        lists = [_members(ranges[i].get("kvs", [])) for i in (1, 2, 3)]
-        done = int(ranges[4].get("count", 0))
-        cuts = _members(ranges[5].get("kvs", []))
-        ranks: dict[str, int] = {}
-        if h.complete and cuts:
-            at = {"revision": cuts[0].mod}
-            cut_body = {"success": [range_op(k.participants, prefix_end(k.participants),
-                                             keys_only=True, **at)]}  # fmt: skip
-            try:
-                cut = await self._client.call("/v3/kv/txn", cut_body, "snapshot")
-                members = _members(_range(cut.get("responses", [{}])[0]).get("kvs", []))
-                ranks = {m.key: i for i, m in enumerate(members)}
-            except Compacted:
-                ranks = {m.key: i for i, m in enumerate(lists[0])}
-        participants = lists[0]
-        if not h.complete:
-            participants = sorted(participants, key=lambda m: m.create)
-        deadline = None
-        if h.deadline is not None and h.rules is not None:
-            deadline = self._deadlines.end(h.epoch, h.deadline[0], h.rules.last_call_ms, now)
-        status = status_of(h, len(lists[0]), len(lists[1]), len(lists[2]), done, now, deadline)
-
-        def entry(member: Member, where: str, rank: int | None = None) -> MemberEntry:
-            return MemberEntry(self._node_of(member.key, where), now, rank)
-
-        return Snapshot(
-            status=status,
-            participants=tuple(
-                entry(m, "p/", ranks.get(m.key) if h.complete else None) for m in participants
-            ),
-            wait_list=tuple(entry(m, "w/") for m in lists[1]),
-            redundancy_list=tuple(entry(m, "r/") for m in lists[2]),
-            master_addr=None if h.master is None else h.master[0],
-            master_port=None if h.master is None else h.master[1],
-        )
-
-    # -- writing --------------------------------------------------------------------------
+class RunPort(RunReads):
+    """The requests of one run's nodes on etcd (see the module docstring; the reads are
+    :class:`~._reads.RunReads`')."""
 
     def _write_ops(
         self, view: View, plan: Plan, node: NodeDesc, lease: int | None
@@ -559,7 +181,7 @@ class RunPort:
             if not nested.get("succeeded"):
                 return self._view(responses, revision)
         ranges = [r["response_range"] for r in responses if "response_range" in r]
-        header = decode_header(_members(ranges[0].get("kvs", []))[0].value, self.where)
+        header = decode_header(members_of(ranges[0].get("kvs", []))[0].value, self.where)
         np, nw, nr, nq = (int(r.get("count", 0)) for r in ranges[1:5])
         self._where_of[node] = "p"
         if np == rules.min_nodes or np >= rules.max_nodes:
@@ -611,7 +233,7 @@ class RunPort:
                     self._deadlines.saw(header.epoch, header.deadline[0], header.deadline[1]
                                         - request.rules.last_call_ms)  # fmt: skip
                 if plan.rank and plan.mark_cut:
-                    rank = int(_range(responses[-1]).get("count", 0))
+                    rank = int(range_of(responses[-1]).get("count", 0))
                     view = View(**{**view.__dict__, "cut": revision})
                 await self._follow_up(request, plan, responses, now, epoch)
                 break
@@ -634,20 +256,6 @@ class RunPort:
         self._where_of[node] = plan.where if plan.known else None
         return self._reply(request, plan, rank)
 
-    async def _rank(self, node: NodeDesc, cut: int) -> int:
-        k = self._keys
-        body = {"success": [range_op(k.participants, k.member("p", node), count_only=True,
-                                     revision=cut)]}  # fmt: skip
-        try:
-            answer = await self._client.call("/v3/kv/txn", body, "rank")
-        except Compacted:
-            raise RendezvousStateError(
-                f"{self.where}: the revision at which round completed was compacted away "
-                "before this node read its rank; compact less often (etcd's "
-                "--auto-compaction-retention) or start the job again."
-            ) from None
-        return int(_range(answer.get("responses", [{}])[0]).get("count", 0))
-
     async def _follow_up(
         self, request: Request, plan: Plan, responses: list[dict[str, Any]], now: int,
         epoch: str,
@@ -657,7 +265,7 @@ class RunPort:
         if request.op is not Op.JOIN or "p" not in plan.put or plan.guard:
             return
         count_index = len(responses) - 1
-        count = int(_range(responses[count_index]).get("count", 0))
+        count = int(range_of(responses[count_index]).get("count", 0))
         rules = request.rules
         if count == rules.min_nodes or count >= rules.max_nodes:
             status = Request(Op.STATUS, request.node, rules)
@@ -677,20 +285,3 @@ class RunPort:
             restart_deadline=plan.restart,
             known=plan.known,
         )
-
-
-async def _until(messages: Any, idle: float) -> Any:
-    """``messages`` until none came for ``idle`` seconds."""
-    iterator = messages.__aiter__()
-    while True:
-        try:
-            yield await asyncio.wait_for(iterator.__anext__(), idle)
-        except (StopAsyncIteration, asyncio.TimeoutError):
-            return
-
-
-def _port_of(value: bytes) -> int:
-    try:
-        return int(value or b"0")
-    except ValueError:
-        return 0

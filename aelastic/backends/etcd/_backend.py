@@ -21,11 +21,12 @@ from ...core.race import uncancellable
 from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Snapshot, Status, Transition
 from ...core.token import Token
 from .. import _shared
-from ._apply import Leases, RunPort
+from ._apply import RunPort
 from ._changes import RunStream, now_ms
 from ._client import EtcdClient, LeaseNotFound, b64, unb64
 from ._endpoint import EtcdEndpoint
 from ._layout import RunKeys, prefix_end
+from ._leases import Leases
 from ._store import KeyValue
 
 __all__ = ["EtcdBackend", "Shared"]

@@ -39,9 +39,9 @@ from ...core.errors import RendezvousConnectionError, RendezvousStateError
 from ...core.race import cancel_and_wait
 from ...core.state import Status
 from .._watch import RunWatch
-from ._apply import Deadlines
 from ._client import EtcdClient, EtcdError, b64, unb64
 from ._layout import RunKeys, decode_header, prefix_end
+from ._leases import Deadlines
 from ._port import status_of
 
 __all__ = ["RunStream", "now_ms", "status_from_header"]

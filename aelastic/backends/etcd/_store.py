@@ -19,9 +19,9 @@ from typing import Any
 
 from ...core.errors import RendezvousConnectionError
 from .._engine import add_int64
-from ._apply import range_op
 from ._client import EtcdClient, LeaseNotFound, b64, unb64
 from ._layout import RunKeys
+from ._reads import range_op
 
 __all__ = ["KeyValue"]
 
