@@ -93,7 +93,7 @@ def test_status_rejects_the_memory_backend(tmp_path: Path) -> None:
     code, out = run_cli(
         ["status", "--rdzv-backend", "memory", "--rdzv-endpoint", "x", "--rdzv-id", "y"], tmp_path
     )
-    assert code == 2 and "redis or http" in out
+    assert code == 2 and "redis, http or etcd" in out
 
 
 def test_serve_port_in_use(tmp_path: Path) -> None:
