@@ -26,6 +26,7 @@ import asyncio
 import base64
 import json
 import random
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -98,6 +99,12 @@ class _Hangup(_Transient):
     """The member took the connection and closed it without an answer."""
 
 
+#: The last status probe of each member, per event loop (see ``_leader_changed``).
+_PROBES: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, dict[str, tuple[float, asyncio.Future[int]]]
+] = weakref.WeakKeyDictionary()
+
+
 def _said(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return text if len(text) <= 160 else text[:157] + "..."
@@ -127,7 +134,6 @@ class EtcdClient:
         #: Requests sent (tests and benchmarks read it).
         self.requests = 0
         self._term = 0  # the newest Raft term seen in an answer
-        self._probes: dict[str, tuple[float, asyncio.Future[int]]] = {}
 
     @property
     def display(self) -> str:
@@ -182,12 +188,15 @@ class EtcdClient:
 
     async def _leader_changed(self, base: str, term: int) -> bool:
         """Whether member ``base`` is in a newer term than ``term`` (or cannot say): one
-        status request per member and second, shared by the requests waiting on it."""
+        status request per member and second in this process (its event loop), shared by
+        every request waiting on that member (a busy cluster is asked once, not by every
+        node of the process)."""
         loop = asyncio.get_running_loop()
-        entry = self._probes.get(base)
+        probes = _PROBES.setdefault(loop, {})
+        entry = probes.get(base)
         if entry is None or loop.time() - entry[0] > 1.0:
             probe = asyncio.ensure_future(self._term_of(base))
-            entry = self._probes[base] = (loop.time(), probe)
+            entry = probes[base] = (loop.time(), probe)
         try:
             now = await asyncio.shield(entry[1])
         except Exception:
