@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any
 
+from ..core.errors import reason
 from ._guard import group_members, start_time
 
 __all__ = ["WorkerProcess", "child_setup", "stop_processes"]
@@ -382,7 +383,7 @@ class _Guardian:
             if not self._warned:
                 self._warned = True
                 log.warning(
-                    "no guardian for the workers (%s): they may outlive a killed agent", exc
+                    "no guardian for the workers (%s): they may outlive a killed agent", reason(exc)
                 )
             return
         finally:

@@ -21,6 +21,7 @@ import signal
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
+from ..core.errors import reason
 from . import callables
 from ._aio import uncancellable
 from ._timer import FILE_VAR, FileTimerServer
@@ -48,7 +49,7 @@ class WorkerSet:
     Args:
         group: The group, after rank assignment.
         attempt: The attempt number (names the log directory).
-        run_dir: ``<log_dir>/<run_id>``, or ``None`` for no log files.
+        run_dir: The agent's ``<log_dir>/<run_id>_<random>``, or ``None`` for no log files.
         scratch: A private directory for callable payloads and results (callables only).
         restart_count: Restarts spent so far.
         run_id: The rendezvous run id.
@@ -153,7 +154,11 @@ class WorkerSet:
             try:
                 return standby.release(env, args, fds)
             except OSError as exc:
-                log.info("warm standby of local rank %d unusable (%s): cold start", local_rank, exc)
+                log.info(
+                    "warm standby of local rank %d unusable (%s): cold start",
+                    local_rank,
+                    reason(exc),
+                )
         standby.close()
         self.discarded.append(standby.process)
         return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import shlex
 import signal
@@ -29,6 +30,8 @@ from ..agent import ElasticAgent, NumaBindingError, RunResult, WorkerSpec
 from ..agent._health import health_port
 from ..agent.prometheus import AgentCollector, serve_metrics
 from ..backends.registry import backend_info
+from ..core.errors import reason, typed
+from ..core.race import fail_after
 from ..core.redact import redact_endpoint
 from ..launcher._config import worker_spec
 from ..launcher._failures import write_root_cause
@@ -269,7 +272,8 @@ async def _launch(
             console.line(_banner(config, name))
             agent = ElasticAgent(spec)
             agent.add_listener(console)
-            agent.add_listener(Progress(console.line))
+            # No progress line once a stop signal came: nothing is waited for any more.
+            agent.add_listener(Progress(lambda text: None if received else console.line(text)))
             failed = await _observe(config, agent, console, observers)
             if failed is not None:
                 return failed
@@ -280,8 +284,10 @@ async def _launch(
                 task.cancel()
             return await _outcome(task, console, received, name, agent, config, outcome)
     finally:
+        # After a stop signal, a hosting node serves the others only within the grace.
         with contextlib.suppress(Exception):
-            await spec.rdzv_handler.aclose()
+            async with fail_after(config.stop_grace_period if received else math.inf):
+                await spec.rdzv_handler.aclose()
 
 
 async def _observe(
@@ -367,9 +373,9 @@ def _failed_to_run(
         for line in _closed_on_arrival(config):
             console.line(line, always=True)
     elif isinstance(exc, RendezvousError):
-        console.line(f"error: rendezvous failed: {type(exc).__name__}: {exc}", always=True)
+        console.line(f"error: rendezvous failed: {typed(exc)}", always=True)
     elif isinstance(exc, OSError):
-        console.line(f"error: cannot start the workers: {exc}", always=True)
+        console.line(f"error: cannot start the workers: {reason(exc)}", always=True)
     else:
         console.line(f"error: {exc}", always=True)
     return EXIT_FAILED

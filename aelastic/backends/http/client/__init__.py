@@ -114,8 +114,19 @@ class HttpBackend:
 
     @property
     def read_timeout(self) -> float:
-        """Seconds the server may keep failing before a call raises."""
+        """Seconds the server may keep failing before a call raises (settable)."""
         return self._read_timeout
+
+    @read_timeout.setter
+    def read_timeout(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError(f"The read timeout ({seconds}) must be positive.")
+        self._read_timeout = float(seconds)
+
+    @property
+    def failing(self) -> bool:
+        """Whether the server has failed since it last answered (an outage under way)."""
+        return self._conn is not None and self._conn.failing_since is not None
 
     def _open(self) -> tuple[Connection, RunFeed]:
         conn, feed = self._conn, self._feed
@@ -176,7 +187,7 @@ class HttpBackend:
             assert answer is not None
             status, doc = answer
         else:
-            status = 200
+            status, conn.failing_since = 200, None  # the server answers (an outage is over)
         if status != 200:
             raise RendezvousStateError(
                 f"The server at {self._endpoint} does not serve rendezvous state format "
