@@ -7,17 +7,19 @@ the members of one endpoint and talks to one member at a time, starting at a ran
 nodes of a job spread over the members), and moves to the next at once when a member is
 gone, has no leader or times out. A call is retried with backoff (after every member was
 tried) until ``read_timeout`` runs out, then fails with ``RendezvousConnectionError``
-naming the endpoint. What retrying cannot mend fails at once with one clear line: a server
-that does not answer etcd's API (another program on that port), a refused login, a
-permission etcd denies. With a user and password (from the environment) the client logs in
-(``/v3/auth/authenticate``) and sends the token with every request, logging in again when
-etcd says the token is no longer valid.
+naming the endpoint; the time counts from the first failure since etcd last answered, so a
+call made during an outage gets what is left (at least one attempt). What retrying cannot
+mend fails at once with one clear line: a server that does not answer etcd's API (another
+program on that port), a refused login, a permission etcd denies. With a user and password
+(from the environment) the client logs in (``/v3/auth/authenticate``) and sends the token
+with every request, logging in again when etcd says the token is no longer valid.
 
 Why not a maintained asyncio etcd client: the ones published speak gRPC (``aetcd``) and
 bring grpcio and protobuf (tens of MB, threads of their own) to every node, while aiohttp is
-already aelastic's dependency and the rendezvous needs a dozen calls; JSON over HTTP costs
-etcd's gateway a translation per request (measured in ``benchmarks/rdzv_scale.py``'s etcd
-rows: within the targets at 1,024 nodes on 2 cores).
+already aelastic's dependency and the rendezvous needs a dozen calls. The price, measured
+(docs/benchmarks.md, the etcd rows): etcd's gateway spends 0.5-0.9 ms of CPU translating
+each request, and aiohttp about 1 ms on the node; on the 2 cores measured, a formation of
+hundreds of nodes at once saturates etcd. etcd's gRPC API is the way further (not done).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ __all__ = [
 #: more), so it is sent again; a request that is only slow (a busy cluster) is waited for,
 #: never sent twice (that would add load exactly when there is too much).
 SLOW = 1.5
+#: Seconds the one attempt of a call made after the outage's budget ran out may take.
+LAST_ATTEMPT = 2.0
 #: Connecting to a member: a member that does not answer in this time is passed over.
 CONNECT_TIMEOUT = 2.0
 
@@ -134,6 +138,7 @@ class EtcdClient:
         #: Requests sent (tests and benchmarks read it).
         self.requests = 0
         self._term = 0  # the newest Raft term seen in an answer
+        self._failing_since: float | None = None  # when the current outage began
 
     @property
     def display(self) -> str:
@@ -248,15 +253,23 @@ class EtcdClient:
         """
         loop = asyncio.get_running_loop()
         budget = self.read_timeout if within is None else within
-        deadline = loop.time() + budget
         delay, tried, relogged, hangups = 0.05, 0, False, 0
+        first_failure: float | None = None  # this call's budget counts from here, or before
         while True:
             url = self._urls[self._current]
-            remaining = deadline - loop.time()
+            started = loop.time()
+            # The budget counts from the first failure since etcd last answered (an outage's
+            # countdown never starts again for a call made during it), and never from later
+            # than this call's own first failure (others' answers do not renew it).
+            since = min(t for t in (started, first_failure, self._failing_since) if t is not None)
+            deadline = since + budget
+            remaining = max(deadline - started, min(budget, LAST_ATTEMPT))
             try:
                 if self.endpoint.username and self._token is None:
-                    await self._login(url, max(remaining, 0.001))
-                return await self._post(url + path, body, max(remaining, 0.001))
+                    await self._login(url, remaining)
+                answer = await self._post(url + path, body, remaining)
+                self._failing_since = None
+                return answer
             except _NotEtcd as exc:
                 raise RendezvousConnectionError(
                     f"The server at {url} does not answer etcd's v3 API ({what}: {exc}): is "
@@ -283,6 +296,9 @@ class EtcdClient:
                     ) from None
             self.next_member(url)
             tried += 1
+            if self._failing_since is None:
+                self._failing_since = since
+            first_failure = since
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise RendezvousConnectionError(
