@@ -264,3 +264,30 @@ async def test_runs_are_listed_one_range_each(server: EtcdServer) -> None:
             assert [(run, s.participants) for run, s in runs] == [("job-b", 2), ("job/a", 1)]
             assert len(await lister.list_runs(1)) == 1
             assert await lister.reset() is False  # the lister's own run has no keys
+
+
+async def test_the_retry_budget_runs_once_per_outage() -> None:
+    """A call made during an outage gets what is left of read_timeout (at least one more
+    attempt); once etcd answered, the next outage has a whole budget again."""
+    etcd = EtcdServer()
+    try:
+        async with backend(etcd.endpoint, "budget", read_timeout=3) as b:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            first = asyncio.ensure_future(b.kv_get(["k"]))
+            await asyncio.sleep(1.5)
+            with pytest.raises(RendezvousConnectionError):
+                await b.kv_get(["k"])
+            late = loop.time() - started
+            with pytest.raises(RendezvousConnectionError):
+                await first
+            assert late < 4.2, late  # what was left of the outage's 3 s (whole: 4.5 s)
+            await asyncio.to_thread(etcd.start)
+            assert await b.kv_get(["k"]) == [None]
+            await asyncio.to_thread(etcd.kill)
+            again = loop.time()
+            with pytest.raises(RendezvousConnectionError):
+                await b.kv_get(["k"])
+            assert loop.time() - again >= 2.5  # a whole budget for the new outage
+    finally:
+        etcd.close()
