@@ -70,7 +70,7 @@ _HEADERS = {
 }
 #: Where a login may send the browser back to: the runs, or a run's page (its id
 #: percent-encoded as :func:`_run_path` writes it).
-_NEXT = re.compile(r"(runs/(?:[A-Za-z0-9._~-]|%[0-9A-Fa-f]{2}){1,1024})?")
+_NEXT = re.compile(r"(runs/(?:[A-Za-z0-9._~-]|%[0-9A-Fa-f]{2}){1,3072})?")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -136,6 +136,8 @@ async def _form(request: web.Request) -> dict[str, str]:
     """
     if request.content_type != "application/x-www-form-urlencoded":
         raise SchemaError("a login is a form (application/x-www-form-urlencoded)")
+    if (request.charset or "utf-8").lower() not in ("utf-8", "us-ascii"):
+        raise SchemaError("a login form is UTF-8")
     if (request.content_length or 0) > _MAX_FORM:
         raise SchemaError("the form is too large for a login")
     try:

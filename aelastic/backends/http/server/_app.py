@@ -130,9 +130,11 @@ def _auth_middleware(token: str, clients: Clients, throttle: AuthThrottle) -> An
             wait = throttle.wait(clients.key(request), "bearer")
             if wait:
                 return too_many_failures(wait)
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        header = request.headers.get("Authorization")
+        given = (header or "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, expected):
-            throttle.failed(clients.key(request), "bearer", connection)
+            if header is not None:  # a guess (none guesses nothing: a 401, not counted)
+                throttle.failed(clients.key(request), "bearer", connection)
             return web.json_response(
                 {"error": "unauthorized: a valid 'Authorization: Bearer <token>' is required"},
                 status=401,

@@ -1,17 +1,19 @@
 """Failed token checks, counted per client: past a few, the client waits.
 
 How it works: each client (:meth:`._clients.Clients.key`) has a bucket of :data:`BURST`
-failures that refills by one every :data:`REFILL` seconds. A failed check (a missing or
-wrong bearer token on the API, the channel's upgrade or ``/metrics``; a wrong token on the
-pages' login form or in their bearer header) takes one. While a client's bucket is empty,
-each of its requests that needs the token is answered ``429`` with ``Retry-After`` before
-its token is compared, a right one included: otherwise a guess that hit would stand out
-from the refused ones, and guessing would go on at full speed. A client whose token is
-right never takes from its bucket, so the nodes of a job behind one address are never
-slowed by their own requests. Nor are they when another program at their address fails:
-a connection that showed the right token once is :meth:`~AuthThrottle.vouch`-ed for and
-never made to wait, and what was let in already (an open channel, a page's session
-cookie) is not checked again; only new connections from that address wait.
+failures that refills by one every :data:`REFILL` seconds. A failed check (a wrong bearer
+token on the API, the channel's upgrade or ``/metrics``; a wrong token on the pages' login
+form or in their bearer header) takes one; a request with no token at all guesses nothing
+(its ``401`` is not counted: a browser's stray request, a scraper not set up yet). While a
+client's bucket is empty, each of its requests that needs the token is answered ``429``
+with ``Retry-After`` before its token is compared, a right one included: otherwise a guess
+that hit would stand out from the refused ones, and guessing would go on at full speed. A
+client whose token is right never takes from its bucket, so the nodes of a job behind one
+address are never slowed by their own requests. Nor are they when another program at their
+address fails: a connection that showed the right token once is
+:meth:`~AuthThrottle.vouch`-ed for and never made to wait, and what was let in already (an
+open channel, a page's session cookie) is not checked again; only new connections from that
+address wait.
 
 The counts are kept for ``/metrics`` (by kind: ``bearer``, ``login``); each client is
 logged at most once every :data:`LOG_EVERY` seconds with its counts (at most
@@ -65,21 +67,22 @@ class AuthThrottle:
     """Failed token checks per client (see the module docstring).
 
     Args:
-        burst: Failed checks a client may make at once.
-        refill: Seconds for one more to be allowed.
+        burst: Failed checks a client may make at once (default :data:`BURST`).
+        refill: Seconds for one more to be allowed (default :data:`REFILL`).
+        max_clients: Clients remembered at most.
         clock: Monotonic seconds (tests pass their own).
     """
 
     def __init__(
         self,
-        burst: int = BURST,
-        refill: float = REFILL,
+        burst: int | None = None,
+        refill: float | None = None,
         *,
         max_clients: int = MAX_CLIENTS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.burst = burst
-        self.refill = refill
+        self.burst = BURST if burst is None else burst
+        self.refill = REFILL if refill is None else refill
         self.max_clients = max_clients
         self._clock = clock
         self._clients: OrderedDict[str, _Bucket] = OrderedDict()
