@@ -44,15 +44,19 @@ A node of the first state format asking at ``/v1/runs/{run}/state`` gets a state
 2 and fails with an error naming both versions. Errors are ``{"error": "..."}`` with ``400``
 (malformed JSON, a body or query that does not fit the schema, unknown fields), ``401``,
 ``404``, ``405``, ``408`` (the body came too slowly), ``413`` (body over ``max_body``),
-``503`` (shutting down, the journal could not be written, the limit of runs) or ``500``.
+``429`` (the client sent too many wrong tokens and must wait, ``Retry-After``; a join past
+the client's ``max_nodes_per_client``), ``503`` (shutting down, the journal could not be
+written, the limit of runs) or ``500``.
 A rejected request changes nothing. Long-polls answer ``503`` at once when the server shuts
 down. Runs nobody changed for ``run_ttl`` (24 h) and nobody waits on are forgotten.
 
 Limits (:func:`serve`): a request that would make a run past ``max_runs`` gets ``503``
 (the runs already there keep working); a client must send a request's head within
 ``read_timeout`` of connecting and its body within ``read_timeout`` after that (``408``),
-else it is dropped; an idle connection is closed after ``keepalive_timeout``; past
-``max_connections`` a new connection is answered ``503`` and closed (:mod:`._guard`).
+else it is dropped; an idle connection (or rendezvous channel) is closed after
+``keepalive_timeout``; past ``max_connections`` a new connection is answered ``503`` and
+closed (:mod:`._guard`). Per client (its address, or the one a trusted proxy names:
+:mod:`._clients`): wrong tokens (:mod:`._throttle`) and nodes in the runs (:mod:`._quota`).
 """
 
 from __future__ import annotations

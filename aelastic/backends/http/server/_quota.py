@@ -9,9 +9,9 @@ once a second per client: a cost of one lookup per pair); if the client is still
 limit the join is refused with :class:`NodeQuotaError` (``429``, the reason and the flag in
 the message) and changes nothing. Requests of nodes already in their run (heartbeats,
 joins of the next round, leaves) are never counted or refused. Clients on this machine
-(loopback) are exempt by default: the scale benchmark and the tests run thousands of
-nodes from ``127.0.0.1``, and behind a proxy every client looks like the proxy unless
-``--trusted-proxy`` names it. :meth:`NodeQuota.sweep` (with the runs' expiry sweep) forgets
+(loopback) are not counted: the scale benchmark and the tests run thousands of nodes from
+``127.0.0.1``; behind a proxy every client looks like the proxy unless ``--trusted-proxy``
+names it. :meth:`NodeQuota.sweep` (with the runs' expiry sweep) forgets
 the pairs of nodes that went.
 """
 
