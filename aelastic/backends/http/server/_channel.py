@@ -26,7 +26,7 @@ the node about 350 us (aiohttp's request parsing, request and response objects, 
 the middlewares, a connection from the pool; the rendezvous work itself is small); as a
 message on an open WebSocket about 160 us on each side (measured, 2,048 nodes beating every
 second), which is what lets one server and 4,096 simulated nodes on this project's 2-core
-machine beat every second (figures in the README).
+machine beat every second (figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
