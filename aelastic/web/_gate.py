@@ -21,18 +21,30 @@ session, the pages' ``GET`` streams included.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import re
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from urllib.parse import parse_qs, unquote
 
 from aiohttp import web
 
 from ..backends.http.server import AuthThrottle, Clients
+from ..backends.http.wire import SchemaError, require_run_id
 
-__all__ = ["COOKIE", "MAX_SESSIONS", "SESSION_TTL", "Gate", "Throttled"]
+__all__ = [
+    "COOKIE",
+    "MAX_SESSIONS",
+    "SESSION_TTL",
+    "Gate",
+    "Throttled",
+    "login_form",
+    "next_page",
+]
 
 #: The session cookie's name.
 COOKIE = "aelastic_session"
@@ -40,6 +52,67 @@ COOKIE = "aelastic_session"
 SESSION_TTL = 12 * 3600.0
 #: Sessions kept at most (the oldest is dropped for a new one).
 MAX_SESSIONS = 1000
+#: Where a login may send the browser back to: the runs, or a run's page (its id
+#: percent-encoded, as the pages write it).
+_NEXT = re.compile(r"(runs/(?:[A-Za-z0-9._~-]|%[0-9A-Fa-f]{2}){1,3072})?")
+#: Largest login form read (a token and a path), and the seconds it may take to arrive.
+_MAX_FORM = 16 * 1024
+_FORM_TIMEOUT = 10.0
+
+
+def next_page(value: object) -> str:
+    """The login's ``next`` (a page of this server), checked.
+
+    Raises:
+        SchemaError: It is not a page of this server.
+    """
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not _NEXT.fullmatch(value):
+        raise SchemaError("'next' must be the runs ('') or a run's page ('runs/<run id>')")
+    if value:
+        try:
+            require_run_id(unquote(value[len("runs/") :], errors="strict"))
+        except (SchemaError, UnicodeDecodeError):
+            raise SchemaError("'next' must name a valid run id") from None
+    return value
+
+
+async def login_form(request: web.Request) -> dict[str, str]:
+    """The fields of a login form (``application/x-www-form-urlencoded``, UTF-8).
+
+    Raises:
+        SchemaError: The body is not such a form (or is larger than a login's).
+    """
+    if request.content_type != "application/x-www-form-urlencoded":
+        raise SchemaError("a login is a form (application/x-www-form-urlencoded)")
+    if (request.charset or "utf-8").lower() not in ("utf-8", "us-ascii"):
+        raise SchemaError("a login form is UTF-8")
+    if (request.content_length or 0) > _MAX_FORM:
+        raise SchemaError("the form is too large for a login")
+    try:
+        raw = await asyncio.wait_for(_body(request), _FORM_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise SchemaError(f"the form did not arrive within {_FORM_TIMEOUT:g} s") from None
+    try:
+        fields = parse_qs(
+            raw.decode("ascii"), keep_blank_values=True, max_num_fields=8, errors="strict"
+        )
+    except (UnicodeDecodeError, ValueError):
+        raise SchemaError("the form is not valid (URL-encoded UTF-8, a few fields)") from None
+    if any(len(values) > 1 for values in fields.values()):
+        raise SchemaError("a field of the form is given more than once")
+    return {name: values[0] for name, values in fields.items()}
+
+
+async def _body(request: web.Request) -> bytes:
+    raw = b""
+    while len(raw) <= _MAX_FORM:
+        chunk = await request.content.read(_MAX_FORM + 1 - len(raw))
+        if not chunk:
+            return raw
+        raw += chunk
+    raise SchemaError("the form is too large for a login")
 
 
 class Throttled(Exception):

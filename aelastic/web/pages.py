@@ -25,21 +25,20 @@ import asyncio
 import hashlib
 import json
 import math
-import re
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import cache
 from html import escape
 from importlib import resources
 from string import Template
-from urllib.parse import parse_qs, quote, unquote
+from urllib.parse import quote
 
 from aiohttp import web
 
 from ..backends._engine import Engine
 from ..backends.http.server import CLIENTS, OWN_AUTH, THROTTLE, AuthThrottle, Clients
 from ..backends.http.wire import SchemaError, require_run_id
-from ._gate import COOKIE, SESSION_TTL, Gate, Throttled
+from ._gate import COOKIE, SESSION_TTL, Gate, Throttled, login_form, next_page
 from .feeds import Feed, FeedHub, FeedLimitError
 from .sources import EngineSource, RunSource
 
@@ -55,9 +54,6 @@ _GONE_EVERY = 1.0
 #: (HTTP/1.1's connections per host), so this leaves room for a few people behind one
 #: address (a NAT; behind a proxy, name it with --trusted-proxy).
 MAX_STREAMS_PER_CLIENT = 16
-#: Largest login form read (a token and a path), and the seconds it may take to arrive.
-_MAX_FORM = 16 * 1024
-_FORM_TIMEOUT = 10.0
 _STATIC = {"style.css": "text/css", "app.js": "text/javascript", "favicon.svg": "image/svg+xml"}
 _HEADERS = {
     "Content-Security-Policy": (
@@ -68,9 +64,6 @@ _HEADERS = {
     "Referrer-Policy": "same-origin",  # "no-referrer" would make a form's Origin "null"
     "Cache-Control": "no-store",
 }
-#: Where a login may send the browser back to: the runs, or a run's page (its id
-#: percent-encoded as :func:`_run_path` writes it).
-_NEXT = re.compile(r"(runs/(?:[A-Za-z0-9._~-]|%[0-9A-Fa-f]{2}){1,3072})?")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -108,61 +101,6 @@ def _login_page(root: str, next_path: str, message: str, status: int = 401) -> w
 
 def _run_path(run_id: str) -> str:
     return "runs/" + quote(run_id, safe="")
-
-
-def _next_path(value: object) -> str:
-    """The login's ``next`` (a page of this server), checked.
-
-    Raises:
-        SchemaError: It is not a page of this server.
-    """
-    if value is None:
-        return ""
-    if not isinstance(value, str) or not _NEXT.fullmatch(value):
-        raise SchemaError("'next' must be the runs ('') or a run's page ('runs/<run id>')")
-    if value:
-        try:
-            require_run_id(unquote(value[len("runs/") :], errors="strict"))
-        except (SchemaError, UnicodeDecodeError):
-            raise SchemaError("'next' must name a valid run id") from None
-    return value
-
-
-async def _form(request: web.Request) -> dict[str, str]:
-    """The fields of a login form (``application/x-www-form-urlencoded``, UTF-8).
-
-    Raises:
-        SchemaError: The body is not such a form (or is larger than a login's).
-    """
-    if request.content_type != "application/x-www-form-urlencoded":
-        raise SchemaError("a login is a form (application/x-www-form-urlencoded)")
-    if (request.charset or "utf-8").lower() not in ("utf-8", "us-ascii"):
-        raise SchemaError("a login form is UTF-8")
-    if (request.content_length or 0) > _MAX_FORM:
-        raise SchemaError("the form is too large for a login")
-    try:
-        raw = await asyncio.wait_for(_body(request), _FORM_TIMEOUT)
-    except asyncio.TimeoutError:
-        raise SchemaError(f"the form did not arrive within {_FORM_TIMEOUT:g} s") from None
-    try:
-        fields = parse_qs(
-            raw.decode("ascii"), keep_blank_values=True, max_num_fields=8, errors="strict"
-        )
-    except (UnicodeDecodeError, ValueError):
-        raise SchemaError("the form is not valid (URL-encoded UTF-8, a few fields)") from None
-    if any(len(values) > 1 for values in fields.values()):
-        raise SchemaError("a field of the form is given more than once")
-    return {name: values[0] for name, values in fields.items()}
-
-
-async def _body(request: web.Request) -> bytes:
-    raw = b""
-    while len(raw) <= _MAX_FORM:
-        chunk = await request.content.read(_MAX_FORM + 1 - len(raw))
-        if not chunk:
-            return raw
-        raw += chunk
-    raise SchemaError("the form is too large for a login")
 
 
 def _throttled(root: str, exc: Throttled, json_answer: bool = False) -> web.Response:
@@ -234,14 +172,17 @@ class _Pages:
                 return web.json_response({"error": "log in first"}, status=401)
         except Throttled as exc:
             return _throttled("./", exc, json_answer=True)
-        if self.streams[self.gate.clients.key(request)] >= MAX_STREAMS_PER_CLIENT:
-            return web.json_response(
-                {"error": f"this address holds {MAX_STREAMS_PER_CLIENT} event streams of "
-                 "these pages already: close a page first"},
-                status=429,
-                headers={"Retry-After": "5"},
-            )  # fmt: skip
-        return None
+        return self._full(request)
+
+    def _full(self, request: web.Request) -> web.Response | None:
+        if self.streams[self.gate.clients.key(request)] < MAX_STREAMS_PER_CLIENT:
+            return None
+        return web.json_response(
+            {"error": f"this address holds {MAX_STREAMS_PER_CLIENT} event streams of these "
+             "pages already: close a page first"},
+            status=429,
+            headers={"Retry-After": "5"},
+        )  # fmt: skip
 
     async def runs_stream(self, request: web.Request) -> web.StreamResponse:
         refused = self._refused(request)
@@ -266,6 +207,9 @@ class _Pages:
         return await self._stream(request, feed)
 
     async def _stream(self, request: web.Request, feed: Feed) -> web.StreamResponse:
+        full = self._full(request)  # again: a source's read may have let others in meanwhile
+        if full is not None:
+            return full
         client = self.gate.clients.key(request)
         self.streams[client] += 1
         try:
@@ -313,8 +257,8 @@ class _Pages:
         if not self.gate.from_here(request):
             return _message_page("./", "Refused", _ELSEWHERE, 403)
         try:
-            form = await _form(request)
-            next_path = _next_path(form.get("next"))
+            form = await login_form(request)
+            next_path = next_page(form.get("next"))
         except SchemaError as exc:
             return _message_page("./", "Bad request", f"Not a login: {exc}.", 400)
         if self.gate.token is None:
