@@ -7,6 +7,9 @@ PY="${PYTHON:-python3}"
 # torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
 "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+# Third-party clients tested under aelastic (tests/examples/test_frameworks.py): about 20 s,
+# with torch named again so that pip keeps the CPU build installed above.
+"$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" lightning accelerate
 
 # The Redis tests start their own redis-server, and redis-sentinel for failover (Debian ships
 # it as a package of its own); the NUMA binding tests use numactl as torchrun does.

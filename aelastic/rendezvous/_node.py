@@ -34,6 +34,7 @@ from ..core.errors import (
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
+    typed,
 )
 from ..core.events import (
     BackendError,
@@ -229,7 +230,7 @@ class NodeRequests:
         return reply
 
     def _failed(self, exc: RendezvousError) -> None:
-        error = f"{type(exc).__name__}: {exc}"
+        error = typed(exc)
         self.publish(BackendError(backend=self._backend_name, error=error))
 
     async def keep_alive(self, hold: float) -> Reply:
@@ -374,7 +375,9 @@ class NodeRequests:
         )
 
     async def _leave_quietly(self) -> None:
-        """Leave what a cancelled or failed join joined; never raises, never hangs."""
-        timeout = self._settings.close_timeout
+        """Leave what a cancelled or failed join joined; never raises, never hangs (one
+        heartbeat timeout at most: a node told to stop must not wait for a store that is
+        gone)."""
+        timeout = max(min(self._settings.heartbeat_timeout, self._settings.close_timeout), 1.0)
         with contextlib.suppress(Exception), anyio.move_on_after(timeout, shield=True):
             await self._request(Op.LEAVE)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from ..core.errors import RendezvousClosedError, RendezvousError
+from ..core.errors import RendezvousClosedError, RendezvousError, reason
 from ..core.events import RendezvousEvent
 from ..core.params import RendezvousInfo, RendezvousSettings, RendezvousStoreInfo
 from ..core.protocol import RendezvousBackend
@@ -167,7 +167,9 @@ class DynamicRendezvousHandler(NodeRequests):
         try:
             await self._request(Op.CLOSE)
         except RendezvousError as exc:
-            log.warning("node %s could not close '%s': %s", self._node, self.get_run_id(), exc)
+            log.warning(
+                "node %s could not close '%s': %s", self._node, self.get_run_id(), reason(exc)
+            )
             return False
         finally:
             await self.aclose()

@@ -4,7 +4,10 @@ How it works: on first use a backend takes the event loop's :class:`~._client.Re
 for its endpoint (or a private one with ``share_connections=false``) and the watch of its
 run's channel. Every call is retried with backoff on connection trouble until
 ``read_timeout`` runs out, then fails with ``RendezvousConnectionError`` naming the
-endpoint (never the password). Trouble includes what a failover looks like from outside:
+endpoint (never the password); the time counts from the first failure since the server
+last answered, not from the call's start, so a call made during an outage gets what is left
+(at least one attempt) and the "retrying for N s more" countdown never starts again while
+nothing answers. Trouble includes what a failover looks like from outside:
 a primary gone, sentinels naming no primary yet, a demoted primary (``READONLY``), a
 cluster down or its slots moving, a primary refusing writes without enough replicas
 (``NOREPLICAS``). A refused login, a server that does not speak Redis, a service name the
@@ -123,6 +126,9 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, ResponseError) and str(exc).startswith("NOREPLICAS")
 
 
+#: Seconds the one attempt of a call made after the outage's budget ran out may take.
+_LAST_ATTEMPT = 2.0
+
 #: Longest idle time of the pub/sub connection before the listener checks it with a PING.
 HEALTH_INTERVAL = 30.0
 
@@ -156,6 +162,8 @@ class RedisCalls:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bind_lock: asyncio.Lock | None = None
         self._closed = False
+        #: Loop time of the first failure since the server last answered (``None``: it does).
+        self._failing_since: float | None = None
 
     @property
     def endpoint(self) -> str:
@@ -230,12 +238,19 @@ class RedisCalls:
     async def _call(self, what: str, attempt: Callable[[float], Awaitable[T]]) -> T:
         """Run ``attempt(timeout)`` with retries on transient failures, within ``read_timeout``."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._read_timeout
         delay = 0.05
         cause: Exception | None = None  # the last failure that was not a timeout
+        first_failure: float | None = None  # this call's budget counts from here, or before
         while True:
+            started = loop.time()
+            since = min(t for t in (started, first_failure, self._failing_since) if t is not None)
+            deadline = since + self._read_timeout
             try:
-                return await attempt(max(deadline - loop.time(), 0.001))
+                result = await attempt(
+                    max(deadline - started, min(self._read_timeout, _LAST_ATTEMPT))
+                )
+                self._failing_since = None
+                return result
             except AuthenticationError as exc:
                 raise RendezvousConnectionError(
                     f"Authentication to Redis at {self.endpoint} failed ({what}): {exc} "
@@ -262,6 +277,9 @@ class RedisCalls:
                     raise
                 if not isinstance(exc, asyncio.TimeoutError):
                     cause = exc
+                if self._failing_since is None:
+                    self._failing_since = since
+                first_failure = since  # never later: others' answers do not renew this call's
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     # The last attempt often had only what was left of the time: a timeout
