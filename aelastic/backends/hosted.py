@@ -44,6 +44,7 @@ from ..core.token import Token
 from ._node_rank import NodeRanks
 from .http.client import HttpBackend
 from .http.wire import DEFAULT_PORT
+from .registry import external_names
 
 __all__ = ["HostedBackend", "create_c10d_backend", "create_static_backend"]
 
@@ -327,7 +328,8 @@ def create_static_backend(params: RendezvousParameters) -> RendezvousBackend:
     if params.min_nodes != params.max_nodes:
         raise ValueError(
             f"The static rendezvous needs a fixed number of nodes, not "
-            f"{params.min_nodes}:{params.max_nodes} (use c10d, redis or http for elastic jobs)."
+            f"{params.min_nodes}:{params.max_nodes} (use c10d or {external_names()} for "
+            "elastic jobs)."
         )
     rank = params.get_as_int("rank")
     if rank is None or not 0 <= rank < params.max_nodes:

@@ -34,6 +34,7 @@ from ..agent._health import health_port
 from ..agent._signals import kept_ignored
 from ..agent._unkillable import WorkersUnkillable
 from ..agent.prometheus import AgentCollector, serve_metrics
+from ..backends.registry import backend_info
 from ..core.errors import reason, typed
 from ..core.race import fail_after
 from ..core.redact import redact_endpoint
@@ -120,7 +121,8 @@ def _closed_on_arrival(config: LaunchConfig) -> list[str]:
         f"error: the job id '{config.run_id}' was used by a job that has finished: its "
         f"rendezvous at {_where(config)} is closed, so no node can join it again"
     ]
-    if config.rdzv_backend in ("redis", "http"):
+    info = backend_info(config.rdzv_backend)
+    if info is not None and info.external:
         reset = shlex.join(
             [
                 "aelastic",

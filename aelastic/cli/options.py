@@ -123,6 +123,13 @@ def _positive_float(text: str) -> float:
 _positive_float.__name__ = "positive number"
 
 
+def _backends_help() -> str:
+    from ..backends.registry import BUILTINS
+
+    names = ", ".join(name for info in BUILTINS for name in (info.name, *info.aliases))
+    return f"static (torchrun's default), c10d, or one of: {names}."
+
+
 def build_parser(
     prog: str = "aelastic run", parser_class: type[argparse.ArgumentParser] = UsageParser
 ) -> argparse.ArgumentParser:
@@ -143,8 +150,8 @@ def build_parser(
     )
     _add(p, ["--nnodes"], default="1:1", help="Number of nodes, or MIN:MAX (default 1:1).")
     _add(p, ["--nproc-per-node"], default="1", help="Workers per node: N, auto, cpu or gpu.")
-    _add(p, ["--rdzv-backend"], default="static", help="memory, redis or http.")
-    _add(p, ["--rdzv-endpoint"], default="", help="redis://host:port/db or host:port.")
+    _add(p, ["--rdzv-backend"], default="static", help=_backends_help())
+    _add(p, ["--rdzv-endpoint"], default="", help="Where the backend is (see `--rdzv-backend`).")
     _add(p, ["--rdzv-id"], default="none", help="Id of the job (same on every node).")
     _add(p, ["--rdzv-conf"], default="", help="Rendezvous settings: key=value,...")
     _flag(p, ["--standalone"], help="Single node, in-process rendezvous, nothing else to start.")

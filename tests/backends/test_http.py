@@ -59,8 +59,10 @@ def server() -> Iterator[HttpServer]:
         yield srv
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def token_server() -> Iterator[HttpServer]:
+    """A server with a token, of this test alone (wrong tokens sent by one test must not
+    make the next one wait: failed checks are limited per client)."""
     with HttpServer(token=TOKEN) as srv:
         yield srv
 
