@@ -21,7 +21,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import anyio
 
@@ -104,18 +104,15 @@ async def watch_stalls(
         now = time.monotonic()
         check = check_stalls(last, now, stall_timeout)
         if not check.stalled:
+            waited_for_peer = False
             await anyio.sleep(max(check.next_check - now, 0.01))
             continue
         stalls = await _describe(pages, running, check.stalled, now)
         if not waited_for_peer and all(s.in_collective for s in stalls):
             waited_for_peer = True
             report(stalls, True)
-            before = {s.local_rank: s.steps for s in stalls}
             await anyio.sleep(stall_timeout)
-            now_reading = {r: pages.read(r) for r in before}
-            if any(x.steps != before[r] or x.paused for r, x in now_reading.items()):
-                continue  # moving again
-            stalls = [replace(s, idle=s.idle + stall_timeout) for s in stalls]
+            continue  # then look again: moving again, or stalled (with whoever stalled since)
         report(stalls, False)
         await _kill([running[s.local_rank] for s in stalls], grace)
         await anyio.sleep_forever()

@@ -57,7 +57,8 @@ async def supervise(
                 running.remove(proc)
                 _exited(proc, group, events)
             failed = [p for p in workers.processes if p.returncode not in (None, 0)]
-            if failed:
+            # Workers stopped together for a stall (SIGKILLed) die at once: all are failures.
+            if failed and not any(p.local_rank in workers.stalls for p in running):
                 events.set_state(WorkerState.FAILED)
                 return Observation(Trigger.WORKER_FAILED), workers.failures(failed)
         events.set_state(WorkerState.SUCCEEDED)

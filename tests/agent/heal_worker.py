@@ -14,6 +14,9 @@ Files go to ``$HEAL_DIR``. Modes:
   node runs it (no ``$HEAL_DIR/hung.KIND`` yet), hangs: ``own`` inside ``stuck_in_step``,
   ``collective`` inside ``all_reduce`` of the file ``$HEAL_COLLECTIVE`` (a stand-in that
   lives under a ``torch/distributed/`` directory, as a rank waiting for a stuck peer would).
+* ``hang_pair``: on attempt 0, after five progress reports, local rank 0 waits in the
+  ``$HEAL_COLLECTIVE`` stand-in and local rank 1, one report later, hangs in
+  ``stuck_in_step``.
 * ``frozen PATH``: local rank 1 reads PATH (a file of a frozen FUSE mount: uninterruptible
   sleep) after writing ``$HEAL_DIR/reading``; local rank 0 waits for that file, then fails.
 """
@@ -57,6 +60,19 @@ def main() -> int:
                 time.sleep(float(os.environ.get("HEAL_LATER", "0.5")))
                 aelastic.worker.progress()
                 stuck_in_step()
+            import runpy
+
+            runpy.run_path(os.environ["HEAL_COLLECTIVE"])["all_reduce"]()
+        return 0
+    if mode == "hang_pair":
+        for _ in range(5):
+            time.sleep(0.02)
+            aelastic.worker.progress()
+        if attempt == 0 and local == 1:  # a moment after rank 0: seen stalled second
+            time.sleep(0.3)
+            aelastic.worker.progress()
+            stuck_in_step()
+        if attempt == 0:
             import runpy
 
             runpy.run_path(os.environ["HEAL_COLLECTIVE"])["all_reduce"]()

@@ -308,3 +308,37 @@ async def test_a_node_waiting_in_a_collective_lets_the_hung_peer_act_first(
     health = waiting.job_health or hung.job_health
     assert health is not None and health.latest is not None
     assert health.latest.root.host == "127.0.0.2" and health.incidents_total == 1
+
+
+async def test_workers_stopped_together_for_a_stall_are_all_failures_the_stuck_one_first(
+    run_id: str, tmp_path: Path
+) -> None:
+    """Local rank 0 waits in a collective for local rank 1, which hangs by itself a moment
+    later: rank 0 is seen first and waited on (it waits for a peer), then both are stopped
+    together, both are failures of the attempt, and the root cause is rank 1."""
+    fake = tmp_path / "torch" / "distributed" / "c10d.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("import time\ndef all_reduce():\n    time.sleep(600)\n")
+    spec = heal_spec(
+        make_handler(run_id),
+        tmp_path,
+        "hang_pair",
+        nproc=2,
+        stall_timeout=1.0,
+        max_restarts=1,
+        env={"HEAL_COLLECTIVE": str(fake)},
+    )
+    agent = ElasticAgent(spec)
+    events = recorder(agent)
+    result = await asyncio.wait_for(agent.run(), 60)
+    assert result.state is WorkerState.SUCCEEDED and agent.restart_count == 1
+    exited = [e.global_rank for e in events if e.kind.value == "worker_exited" and e.attempt == 0]
+    assert sorted(exited) == [0, 1]  # both reaped before the decision
+    stalls = [e for e in events if isinstance(e, WorkerStalled)]
+    assert [(e.global_rank, e.waiting_for_peer) for e in stalls] == [
+        (0, True),
+        (0, False),
+        (1, False),
+    ]
+    [failure] = [e for e in events if isinstance(e, JobFailure)]
+    assert failure.root["rank"] == 1 and "stuck_in_step" in failure.root["message"]
