@@ -138,9 +138,14 @@ class Engine:
         with self.lock:
             run = self.run(run_id)
             before = run.token
-            if run.state is None:
-                run.state = RunState(new_epoch())  # a new token: who waits for a run wakes
-            reply = step(run.state, request, now)
+            state = run.state
+            if state is None:
+                state = RunState(new_epoch())
+                reply = step(state, request, now)
+                if state.made:  # a join made the run: a new token, who waits for it wakes
+                    run.state = state
+            else:
+                reply = step(state, request, now)
             if run.token != before:
                 _wake(run.status_waiters)
             if reply.transition not in _QUIET:

@@ -198,6 +198,9 @@ class HostedBackend:
         result: Snapshot | None = await self._reach(self._client.snapshot)
         return result
 
+    async def close_run(self) -> bool:
+        return bool(await self._reach(self._client.close_run))
+
     async def reset(self) -> bool:
         return bool(await self._reach(self._client.reset))
 

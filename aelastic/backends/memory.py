@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from ..core.params import RendezvousParameters
 from ..core.redact import redact_endpoint
-from ..core.state import Reply, Request, Snapshot, Status
+from ..core.state import Reply, Request, Snapshot, Status, Transition
 from ..core.token import Token
 from ._engine import Engine, now_ms
 
@@ -65,6 +65,10 @@ class MemoryBackend:
 
     async def snapshot(self) -> Snapshot | None:
         return self._engine.snapshot(self._run_id, now_ms())
+
+    async def close_run(self) -> bool:
+        reply = self._engine.apply(self._run_id, Request.operator_close(), now_ms())
+        return reply.transition is Transition.MARK_CLOSED
 
     async def reset(self) -> bool:
         return self._engine.delete(self._run_id)

@@ -18,12 +18,23 @@ same random interleavings. Its semantics are torch's ``DynamicRendezvousHandler`
 * CLOSE: the run is closed; later joins fail with ``RendezvousClosedError``.
 * KEEP_ALIVE: the node's heartbeat. STATUS: nothing but the pruning.
 
-Every request first prunes the nodes silent for the heartbeat window. Cost: O(1) per
+One set of rules per run: the join that makes a run fixes its rules (node bounds, last
+call, heartbeat window), and every later decision uses them, whoever asks; a join whose
+rules differ is refused (:attr:`~.state.Outcome.ERROR_RULES`, the reply names the run's).
+A node acts only for itself: its first join stores the secret it sent, and a join,
+keep-alive, leave or close for a listed node with another secret changes nothing
+(:attr:`~.state.Outcome.ERROR_FORBIDDEN`). A close takes a member's secret, or the
+operator (``Request.operator``, made by a backend for a caller it trusts). A state that no
+join made (a status, a leave or a close of an unknown run) is answered and not stored.
+
+Every request first prunes the nodes silent for the run's heartbeat window. Cost: O(1) per
 request (plus O(pruned)), O(N) once per round at completion. The status's token changes
 only when a field that watchers act on changes (see :meth:`~.state.Status.signature`).
 """
 
 from __future__ import annotations
+
+import hmac
 
 from .state import (
     MAX_LOST_SAMPLE,
@@ -38,7 +49,7 @@ from .state import (
     Status,
     Transition,
 )
-from .token import make
+from .token import NO_STATE, make
 
 __all__ = ["beat_due_ms", "expiry_ms", "prune", "snapshot_of", "status_of", "step"]
 
@@ -60,7 +71,10 @@ def expiry_ms(last_beat_ms: int, window_ms: int) -> int:
 
 
 def status_of(state: RunState, now_ms: int) -> Status:
-    """The status header of ``state`` at ``now_ms``."""
+    """The status header of ``state`` at ``now_ms`` (an empty one, token ``NO_STATE``,
+    when no join made the run)."""
+    if not state.made:
+        return Status(token=NO_STATE, now_ms=now_ms)
     return Status(
         token=make(state.epoch, state.generation),
         round=state.round,
@@ -94,6 +108,7 @@ def snapshot_of(state: RunState, now_ms: int) -> Snapshot:
         ),
         master_addr=None if state.master is None else state.master[0],
         master_port=None if state.master is None else state.master[1],
+        rules=state.rules,
     )
 
 
@@ -127,8 +142,16 @@ def _open_next_round(state: RunState) -> None:
     state.master = None
 
 
-def _remove(state: RunState, node: NodeDesc, rules_min: int, finished: bool = False) -> None:
+def _owns(state: RunState, node: NodeDesc, secret: str) -> bool:
+    """Whether ``node`` is listed under ``secret`` (compared in constant time)."""
+    stored = state.secrets.get(node)
+    return stored is not None and hmac.compare_digest(stored.encode(), secret.encode())
+
+
+def _remove(state: RunState, node: NodeDesc, finished: bool = False) -> None:
+    assert state.rules is not None
     state.beats.pop(node, None)
+    state.secrets.pop(node, None)
     if node not in state.participants:
         state.wait_list.discard(node)
         state.redundancy_list.discard(node)
@@ -136,7 +159,7 @@ def _remove(state: RunState, node: NodeDesc, rules_min: int, finished: bool = Fa
     del state.participants[node]
     state.ports.pop(node, None)
     if not state.complete:
-        if len(state.participants) < rules_min:
+        if len(state.participants) < state.rules.min_nodes:
             state.deadline_ms = None
     elif not state.participants:
         _open_next_round(state)
@@ -148,9 +171,11 @@ def _remove(state: RunState, node: NodeDesc, rules_min: int, finished: bool = Fa
             state.lost_sample.append(node.key)
 
 
-def prune(state: RunState, window_ms: int, now_ms: int, rules_min: int) -> int:
-    """Remove the nodes whose last heartbeat is older than the window; how many."""
-    expired = now_ms - window_ms
+def prune(state: RunState, now_ms: int) -> int:
+    """Remove the nodes whose last heartbeat is older than the run's window; how many."""
+    if state.rules is None:
+        return 0
+    expired = now_ms - state.rules.window_ms
     dead: list[tuple[int, str, NodeDesc]] = []
     for node, beat in state.beats.items():
         if beat >= expired:
@@ -158,7 +183,7 @@ def prune(state: RunState, window_ms: int, now_ms: int, rules_min: int) -> int:
         dead.append((beat, node.key, node))
     dead.sort()  # by time, then name: the order of a sorted set (Redis)
     for _, _, node in dead:
-        _remove(state, node, rules_min)
+        _remove(state, node)
     return len(dead)
 
 
@@ -196,19 +221,36 @@ class _Answer:
         self.restart = restart
 
 
+_FORBIDDEN = _Answer(Outcome.ERROR_FORBIDDEN)
+
+
+def _enter(state: RunState, req: Request, now_ms: int) -> None:
+    """A node not yet listed is listed: its heartbeat and its secret."""
+    if req.node not in state.secrets:
+        state.secrets[req.node] = req.secret
+    _beat(state, req.node, now_ms)
+
+
 def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
-    node, rules = req.node, req.rules
+    node = req.node
+    if state.knows(node) and not _owns(state, node, req.secret):
+        return _FORBIDDEN
     if state.closed:
         if node in state.redundancy_list:
             return _Answer(Outcome.GRACEFUL_EXIT)
         return _Answer(Outcome.ERROR_CLOSED)
+    if state.rules is None:
+        state.rules = req.rules  # this join makes the run: its rules are the run's
+    elif req.rules != state.rules:
+        return _Answer(Outcome.ERROR_RULES)
+    rules = state.rules
     expired, restart, transition = req.expired, False, Transition.NONE
     if node in state.redundancy_list:
         if len(state.participants) >= rules.max_nodes:
             # A redundant node waits, without a deadline, until a slot opens.
             _beat(state, node, now_ms)
             return _Answer(Outcome.WAIT, Transition.KEEP_ALIVE)
-        _remove(state, node, rules.min_nodes)
+        _remove(state, node)
         expired, restart = False, True
         transition = Transition.REMOVE_FROM_REDUNDANCY_LIST
     if state.complete and node in state.participants:
@@ -216,7 +258,7 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
         return _Answer(Outcome.FINISH, transition, restart=restart)
     if expired:
         if state.knows(node):
-            _remove(state, node, rules.min_nodes)
+            _remove(state, node)
             transition = Transition.REMOVE
         return _Answer(Outcome.ERROR_TIMEOUT, transition)
     if state.complete:
@@ -228,7 +270,7 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
             else:
                 state.redundancy_list.add(node)
                 transition = Transition.ADD_TO_REDUNDANCY_LIST
-        _beat(state, node, now_ms)
+        _enter(state, req, now_ms)
         return _Answer(Outcome.WAIT, transition, restart=restart)
     if node in state.participants:
         count = len(state.participants)
@@ -244,7 +286,7 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
     state.seq += 1
     state.participants[node] = state.seq
     state.ports[node] = req.port
-    _beat(state, node, now_ms)
+    _enter(state, req, now_ms)
     count = len(state.participants)
     if count == rules.min_nodes:
         state.deadline_ms = now_ms + rules.last_call_ms
@@ -254,40 +296,47 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
     return _Answer(Outcome.WAIT, Transition.ADD_TO_PARTICIPANTS, state.deadline_ms, restart)
 
 
+def _close(state: RunState, req: Request) -> _Answer:
+    if state.closed or not state.made:
+        return _Answer(Outcome.FINISH)  # closed already, or no run to close
+    if not req.operator and not _owns(state, req.node, req.secret):
+        return _FORBIDDEN  # only a member, or the operator, closes a run
+    state.closed = True
+    return _Answer(Outcome.FINISH, Transition.MARK_CLOSED)
+
+
 def _apply(state: RunState, req: Request, now_ms: int) -> _Answer:
-    node = req.node
-    if req.op is Op.JOIN:
+    node, op = req.node, req.op
+    if op is Op.JOIN:
         return _join(state, req, now_ms)
-    if req.op is Op.LEAVE:
-        if not state.knows(node):
-            return _Answer(Outcome.FINISH)
-        _remove(state, node, req.rules.min_nodes, req.finished)
+    if op is Op.CLOSE:
+        return _close(state, req)
+    if op is Op.STATUS or not state.knows(node):
+        return _Answer(Outcome.FINISH)
+    if not _owns(state, node, req.secret):
+        return _FORBIDDEN  # a leave or a heartbeat for another node
+    if op is Op.LEAVE:
+        _remove(state, node, req.finished)
         return _Answer(Outcome.FINISH, Transition.REMOVE)
-    if req.op is Op.CLOSE:
-        if state.closed:
-            return _Answer(Outcome.FINISH)
-        state.closed = True
-        return _Answer(Outcome.FINISH, Transition.MARK_CLOSED)
-    if req.op is Op.KEEP_ALIVE and state.knows(node):
-        _beat(state, node, now_ms)
-        return _Answer(Outcome.FINISH, Transition.KEEP_ALIVE)
-    return _Answer(Outcome.FINISH)
+    _beat(state, node, now_ms)
+    return _Answer(Outcome.FINISH, Transition.KEEP_ALIVE)
 
 
 def step(state: RunState, request: Request, now_ms: int) -> Reply:
     """Apply ``request`` to ``state`` (in place) at the backend's time ``now_ms``.
 
     Args:
-        state: The run's state; changed in place.
+        state: The run's state; changed in place. A state that is not
+            :attr:`~.state.RunState.made` afterwards is not to be stored.
         request: What a node asks.
         now_ms: The backend's time in whole milliseconds.
 
     Returns:
         The reply: outcome, status, and for a finished join the node's rank and the
-        bootstrap address.
+        bootstrap address; for a join refused for its rules, the run's rules.
     """
     before = _signature(state)
-    pruned = prune(state, request.rules.window_ms, now_ms, request.rules.min_nodes)
+    pruned = prune(state, now_ms)
     answer = _apply(state, request, now_ms)
     if _signature(state) != before:
         state.generation += 1
@@ -298,6 +347,7 @@ def step(state: RunState, request: Request, now_ms: int) -> Reply:
     finished_join = request.op is Op.JOIN and answer.outcome is Outcome.FINISH
     master = state.master if finished_join else None
     oldest = next(iter(state.beats.values()), None) if request.op is Op.KEEP_ALIVE else None
+    refused_rules = answer.outcome is Outcome.ERROR_RULES
     return Reply(
         outcome=answer.outcome,
         status=status_of(state, now_ms),
@@ -307,7 +357,8 @@ def step(state: RunState, request: Request, now_ms: int) -> Reply:
         master_port=None if master is None else master[1],
         wake_at_ms=answer.wake_at_ms,
         restart_deadline=answer.restart,
-        known=state.knows(node),
+        known=_owns(state, node, request.secret),
         oldest_beat_ms=oldest,
         pruned=pruned,
+        run_rules=state.rules if refused_rules else None,
     )

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import itertools
 import os
+import secrets
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,13 +29,7 @@ from typing import Any
 import anyio
 
 from ..core.clock import SYSTEM_CLOCK, Clock, SystemClock
-from ..core.errors import (
-    RendezvousClosedError,
-    RendezvousConnectionError,
-    RendezvousError,
-    RendezvousGracefulExitError,
-    RendezvousTimeoutError,
-)
+from ..core.errors import RendezvousConnectionError, RendezvousError
 from ..core.events import (
     BackendError,
     Event,
@@ -49,6 +44,7 @@ from ..core.protocol import RendezvousBackend
 from ..core.race import Signal, first_of
 from ..core.state import NodeDesc, Op, Outcome, Reply, Request, Status, Transition
 from ._heartbeat import Heartbeats
+from ._refusals import join_refused
 
 __all__ = ["HandlerStats", "NodeRequests"]
 
@@ -128,6 +124,9 @@ class NodeRequests:
         # the node needs no separate long-poll to watch its round.
         self._holds = bool(getattr(backend, "holds_keep_alive", False))
         self._node = NodeDesc(local_addr or socket.getfqdn(), os.getpid(), next(_local_ids))
+        # This node's secret: sent with each of its requests, so no other client can act
+        # for it (the backend keeps it from the first join). Never shown, never logged.
+        self._secret = secrets.token_hex(16)
         self._status: Status | None = None
         self._round: _Round | None = None
         self._joined = False
@@ -207,6 +206,7 @@ class NodeRequests:
             finished=finished,
             port=port,
             now_ms=round(self._clock.time() * 1000),
+            secret=self._secret,
         )
         listened = self.hub.listened
         try:
@@ -264,7 +264,7 @@ class NodeRequests:
             if outcome is Outcome.FINISH:
                 return reply
             if outcome is not Outcome.WAIT:
-                raise self._error(outcome)
+                raise join_refused(self._settings, self._node, reply)
             if self.hub.listened:
                 self._publish_wait(reply.status, deadline)
             # Ask again when the status changes, the last call ends, the join times out,
@@ -360,18 +360,6 @@ class NodeRequests:
             await _settle(change)
             return None
         return change.result()
-
-    def _error(self, outcome: Outcome) -> RendezvousError:
-        run_id = self._settings.run_id
-        if outcome is Outcome.ERROR_CLOSED:
-            return RendezvousClosedError(f"The rendezvous '{run_id}' is closed.")
-        if outcome is Outcome.GRACEFUL_EXIT:
-            return RendezvousGracefulExitError(
-                f"The rendezvous '{run_id}' is closed, terminating pending rendezvous."
-            )
-        return RendezvousTimeoutError(
-            f"The rendezvous '{run_id}' did not complete on time for node {self._node}."
-        )
 
     async def _leave_quietly(self) -> None:
         """Leave what a cancelled or failed join joined; never raises, never hangs."""

@@ -25,10 +25,11 @@ from ..core.events import RendezvousEvent
 from ..core.params import RendezvousInfo, RendezvousSettings, RendezvousStoreInfo
 from ..core.protocol import RendezvousBackend
 from ..core.race import first_of
-from ..core.state import NodeDesc, Op
+from ..core.state import NodeDesc, Op, Outcome
 from ..core.store import Store
 from ..core.view import MembershipView, view_of
 from ._node import HandlerStats, NodeRequests, _Round
+from ._refusals import close_refused
 
 __all__ = ["DynamicRendezvousHandler", "HandlerStats", "RendezvousEvent"]
 
@@ -142,9 +143,19 @@ class DynamicRendezvousHandler(NodeRequests):
         return (await self._request(Op.STATUS)).status.closed
 
     async def set_closed(self) -> None:
-        """Mark the rendezvous as closed: later joins fail with ``RendezvousClosedError``."""
+        """Mark the rendezvous as closed: later joins fail with ``RendezvousClosedError``.
+
+        Raises:
+            RendezvousError: This node is not a member of the run (only a member, or the
+                operator with ``aelastic status --close``, closes a run).
+        """
         if not self._shut_down:
-            await self._request(Op.CLOSE)
+            await self._close()
+
+    async def _close(self) -> None:
+        reply = await self._request(Op.CLOSE)
+        if reply.outcome is Outcome.ERROR_FORBIDDEN:
+            raise close_refused(self.get_run_id(), self._node)
 
     async def num_nodes_waiting(self) -> int:
         """Number of nodes waiting to join the next round (late arrivals)."""
@@ -165,7 +176,7 @@ class DynamicRendezvousHandler(NodeRequests):
             return True
         await self._heartbeats.stop()
         try:
-            await self._request(Op.CLOSE)
+            await self._close()
         except RendezvousError as exc:
             log.warning("node %s could not close '%s': %s", self._node, self.get_run_id(), exc)
             return False

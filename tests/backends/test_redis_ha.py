@@ -17,7 +17,6 @@ import pytest
 from aelastic import RendezvousConnectionError, RendezvousParameters
 from aelastic.backends.redis import RedisBackend, create_backend, parse_endpoint
 from aelastic.backends.redis._client import RedisClient
-from aelastic.core.state import Op, Request
 from aelastic.rendezvous import DynamicRendezvousHandler
 from tests._redis_ha import SERVICE, RedisCluster, SentinelGroup, wait_until
 from tests._redis_server import RedisServer, free_port
@@ -265,7 +264,7 @@ async def test_a_state_written_under_another_primary_takes_a_new_epoch(run_id: s
             waiting = asyncio.ensure_future(backend.wait_for_change(before.status.token, 60))
             await asyncio.sleep(0)
             node = handlers[1]
-            await node.backend.apply(Request(Op.KEEP_ALIVE, node.node, node.settings.rules))
+            await node.keep_alive(0.0)
             with anyio.fail_after(PROMPT):
                 moved = await waiting
             assert moved is not None
@@ -274,7 +273,7 @@ async def test_a_state_written_under_another_primary_takes_a_new_epoch(run_id: s
             after = await backend.snapshot()
             assert after is not None and len(after.participants) == 2
             # Once only: the state now carries this primary's id.
-            await node.backend.apply(Request(Op.KEEP_ALIVE, node.node, node.settings.rules))
+            await node.keep_alive(0.0)
             again = await backend.snapshot()
             assert again is not None
             assert again.status.token.split(".")[0] == moved.token.split(".")[0]
@@ -297,7 +296,7 @@ async def test_a_join_lost_in_a_failover_makes_the_round_form_again(run_id: str)
                 client.zrem(keys[1], str(second.node))
                 client.hset(keys[0], mapping={"complete": "0", "replid": "f" * 40})
             # The first request the "promoted" server serves moves the run to a new epoch.
-            await first.backend.apply(Request(Op.KEEP_ALIVE, first.node, first.settings.rules))
+            await first.keep_alive(0.0)
             with anyio.fail_after(PROMPT):
                 views = await asyncio.gather(*watches)
             assert all(view.removed for view in views)

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from aelastic.backends.redis import _lua, _scripts
 from aelastic.core.machine import snapshot_of, step
 from aelastic.core.params import Rules
-from aelastic.core.state import Op, RunState
+from aelastic.core.state import Op, Request, RunState
 from aelastic.core.wire import (
     reply_from_json,
     reply_to_json,
@@ -43,12 +43,13 @@ def client() -> Iterator[redis.Redis]:
             c.close()
 
 
-def _lua_step(c: redis.Redis, keys: _scripts.RunKeys, rules: Rules, item: Step, now: int) -> Any:
-    r = rules
+def _lua_step(c: redis.Redis, keys: _scripts.RunKeys, req: Request, now: int) -> Any:
+    r = req.rules
     args = [
-        item.op.value, item.request(r).node.key, r.min_nodes, r.max_nodes, r.last_call_ms,
-        r.window_ms, "1" if item.expired else "0", "1" if item.finished else "0",
-        1000 + item.node, now, "feed", 60_000, keys.channel,
+        req.op.value, req.node.key, r.min_nodes, r.max_nodes, r.last_call_ms,
+        r.window_ms, "1" if req.expired else "0", "1" if req.finished else "0",
+        req.port, now, "feed", 60_000, keys.channel, "0", req.secret,
+        "1" if req.operator else "0",
     ]  # fmt: skip
     return json.loads(c.eval(_lua.OP, len(keys.rendezvous), *keys.rendezvous, *args))
 
@@ -65,6 +66,7 @@ def _comparable(doc: dict[str, Any]) -> dict[str, Any]:
         "wait_list": sorted(snap.wait_list, key=lambda e: e.node),
         "redundancy_list": sorted(snap.redundancy_list, key=lambda e: e.node),
         "master": (snap.master_addr, snap.master_port),
+        "rules": snap.rules,
     }
 
 
@@ -82,11 +84,20 @@ def run_both(client: redis.Redis, rules: Rules, steps: list[Step]) -> None:
     now = T0
     for item in steps:
         now += item.advance_ms
-        expected = reply_to_json(step(state, item.request(rules), now))
-        got = reply_to_json(reply_from_json(_lua_step(client, keys, rules, item, now)))
+        request = item.request(rules)
+        expected = reply_to_json(step(state, request, now))
+        got = reply_to_json(reply_from_json(_lua_step(client, keys, request, now)))
         assert got == expected, item
+        lua_snapshot = _snapshot(client, keys, now)
+        if not state.made:  # nothing stored on either side
+            assert lua_snapshot == {"absent": True}, item
+            continue
         py_snapshot = _comparable(json.loads(json.dumps(snapshot_to_json(snapshot_of(state, now)))))
-        assert _comparable(_snapshot(client, keys, now)) == py_snapshot, item
+        assert _comparable(lua_snapshot) == py_snapshot, item
+        lua_secrets = client.hgetall(keys.rendezvous[6])
+        assert {k.decode(): v.decode() for k, v in lua_secrets.items()} == {
+            n.key: s for n, s in state.secrets.items()
+        }, item
 
 
 def test_many_losses_of_a_complete_round_agree(client: redis.Redis) -> None:

@@ -18,6 +18,7 @@ from aelastic import RendezvousParameters
 from aelastic.backends.registry import create_backend
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Request
+from tests._rendezvous_helpers import SECRET
 
 from ._proc import cli_env, run_cli
 
@@ -126,7 +127,9 @@ def endpoint(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
 
 
 def _join(index: int) -> Request:
-    return Request(Op.JOIN, NodeDesc("10.1.2.3", 500 + index, 0), Rules(2, 2, 60_000, 60_000))
+    return Request(
+        Op.JOIN, NodeDesc("10.1.2.3", 500 + index, 0), Rules(2, 2, 60_000, 60_000), secret=SECRET
+    )
 
 
 @asynccontextmanager

@@ -7,6 +7,7 @@ import pytest
 from aelastic.core.machine import beat_due_ms, expiry_ms, snapshot_of, status_of, step
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Outcome, Reply, Request, RunState, Transition
+from aelastic.core.token import NO_STATE
 from aelastic.core.view import view_of
 
 A, B, C, D = (NodeDesc("10.0.0.1", 100 + i, 0) for i in range(4))
@@ -200,3 +201,85 @@ def test_an_empty_state_answers_every_request(op: Op) -> None:
 def test_the_heartbeat_rule() -> None:
     assert beat_due_ms(T0, 5_000) == T0 + 5_000
     assert expiry_ms(T0, 15_000) == T0 + 15_000
+
+
+# -- one set of rules per run; a node acts only for itself ---------------------------------
+
+SECRET_A, SECRET_B, FORGED = "a" * 32, "b" * 32, "f" * 32
+
+
+def act(
+    s: RunState, node: NodeDesc, op: Op, secret: str, now: int = T0, r: Rules | None = None
+) -> Reply:
+    return step(s, Request(op, node, r or rules(2, 2), port=1, secret=secret), now)
+
+
+def test_the_first_join_fixes_the_rules_and_a_join_with_others_is_refused() -> None:
+    s = RunState("e")
+    assert act(s, A, Op.JOIN, SECRET_A).outcome is Outcome.WAIT
+    assert s.rules == rules(2, 2)
+    other = Rules(2, 2, last_call_ms=1_000, window_ms=15_000)
+    refused = act(s, B, Op.JOIN, SECRET_B, r=other)
+    assert refused.outcome is Outcome.ERROR_RULES and refused.run_rules == rules(2, 2)
+    assert not s.knows(B) and not refused.known
+    assert act(s, B, Op.JOIN, SECRET_B).outcome is Outcome.FINISH  # the run's rules: in
+
+
+def test_a_forged_window_prunes_nobody_the_runs_own_does() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    act(s, B, Op.JOIN, SECRET_B)
+    tiny = Rules(1, 1, last_call_ms=1, window_ms=1)
+    for op in Op:  # any request from a stranger, with a 1 ms window
+        reply = act(s, C, op, FORGED, now=T0 + 2_000, r=tiny)
+        assert reply.pruned == 0 and len(s.participants) == 2, op
+    reply = act(s, C, Op.STATUS, FORGED, now=T0 + 3_001, r=tiny)
+    assert reply.pruned == 2 and not s.participants  # silent past the run's own window
+
+
+def test_requests_for_a_node_need_its_secret() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    act(s, B, Op.JOIN, SECRET_B)
+    before = (dict(s.participants), dict(s.beats), s.closed, s.generation)
+    for op in (Op.JOIN, Op.LEAVE, Op.KEEP_ALIVE, Op.CLOSE):
+        reply = act(s, A, op, FORGED, now=T0 + 10)
+        assert reply.outcome is Outcome.ERROR_FORBIDDEN and not reply.known, op
+    assert (dict(s.participants), dict(s.beats), s.closed, s.generation) == before
+    assert act(s, A, Op.KEEP_ALIVE, SECRET_A, now=T0 + 20).known  # the node's own: yes
+
+
+def test_a_retried_join_with_the_same_secret_gets_the_same_answer() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    first = act(s, B, Op.JOIN, SECRET_B)
+    again = act(s, B, Op.JOIN, SECRET_B, now=T0 + 5)  # its reply was lost
+    assert first.outcome is again.outcome is Outcome.FINISH and first.rank == again.rank
+
+
+def test_a_node_dropped_from_the_run_may_come_back_under_a_new_secret() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    act(s, A, Op.LEAVE, SECRET_A)
+    assert act(s, A, Op.JOIN, SECRET_B).outcome is Outcome.WAIT and s.secrets[A] == SECRET_B
+
+
+def test_a_run_is_closed_by_a_member_or_its_operator_only() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    assert act(s, C, Op.CLOSE, FORGED).outcome is Outcome.ERROR_FORBIDDEN  # a stranger
+    assert not s.closed
+    closed = step(s, Request.operator_close(), T0)
+    assert closed.transition is Transition.MARK_CLOSED and s.closed
+    t = RunState("e")
+    act(t, A, Op.JOIN, SECRET_A)
+    assert act(t, A, Op.CLOSE, SECRET_A).transition is Transition.MARK_CLOSED
+    assert act(t, C, Op.CLOSE, FORGED).outcome is Outcome.FINISH  # closed already: no news
+
+
+@pytest.mark.parametrize("op", [Op.STATUS, Op.LEAVE, Op.KEEP_ALIVE, Op.CLOSE])
+def test_only_a_join_makes_a_run(op: Op) -> None:
+    s = RunState("e")
+    reply = act(s, A, op, SECRET_A)
+    assert not s.made and reply.status.token == NO_STATE and not reply.known
+    assert not step(s, Request.operator_close(), T0).status.closed

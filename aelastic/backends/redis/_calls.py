@@ -228,6 +228,12 @@ class RedisCalls:
                     f"A key of run '{self._run_id}' at {self.endpoint} holds a value of the "
                     f"wrong Redis type ({what}); it was left as it is."
                 ) from None
+            if "unauthenticated" in str(exc):  # a long command before any login
+                raise RendezvousConnectionError(
+                    f"Authentication to Redis at {self.endpoint} failed ({what}): it requires "
+                    "a login and refused a request without one. Check the username/password "
+                    "(config keys or AELASTIC_REDIS_* variables)."
+                ) from None
             raise RendezvousConnectionError(
                 f"Redis at {self.endpoint} failed {what}: {exc}"
             ) from None

@@ -1,9 +1,10 @@
 """The rendezvous state machine in Lua: one script applies one node's request atomically.
 
 How it works: this is a line-by-line port of :func:`aelastic.core.machine.step` onto the
-Redis layout of a run (see :mod:`._layout`): a header hash, the participants as a sorted set
-(score: join order, then rank), the wait and redundancy lists as sets, the heartbeats as a
-sorted set (score: time), the participants' bootstrap ports as a hash. Every request costs
+Redis layout of a run (see :mod:`._scripts`): a header hash (with the run's rules), the
+participants as a sorted set (score: join order, then rank), the wait and redundancy lists
+as sets, the heartbeats as a sorted set (score: time), the participants' bootstrap ports and
+the nodes' secrets as hashes (a secret is compared with Lua's byte equality). Every request costs
 O(1) commands plus O(pruned), and O(N) once per round at completion. Property tests run the
 same random interleavings through this script and through the Python machine and require
 the same replies and states (``tests/backends/test_redis_machine.py``): change one, change
@@ -22,94 +23,29 @@ error object and left untouched.
 
 from __future__ import annotations
 
+from ._lua_header import HEADER as _HEADER
+
 __all__ = ["OP", "SNAPSHOT", "STATUS"]
 
-# Shared: reading and checking the header. KEYS: header, participants, ports, wait list,
-# redundancy list, beats. Returns h (a table) or nil plus an error object.
-_HEADER = r"""
-local HS, P, PORTS, W, R, B = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local TYPES = {[HS] = 'hash', [P] = 'zset', [PORTS] = 'hash', [W] = 'set', [R] = 'set',
-               [B] = 'zset'}
-
--- Checks the Redis type of the given keys (all six by default); returns an error object
--- and whether the header exists.
-local function check_types(keys)
-  local exists = false
-  for _, key in ipairs(keys or KEYS) do
-    local kind = redis.call('TYPE', key)['ok']
-    if kind ~= 'none' and kind ~= TYPES[key] then
-      return {error = 'type', key = key, kind = kind}, false
-    end
-    if key == HS and kind ~= 'none' then exists = true end
-  end
-  return nil, exists
-end
-
-local function load_header(epoch, exists)
-  local f = redis.call('HMGET', HS, 'format', 'epoch', 'version', 'round', 'complete',
-    'closed', 'deadline', 'seq', 'world', 'lost', 'finished', 'sample', 'master_addr',
-    'master_port', 'data', 'replid')
-  if not f[1] and not f[2] and not f[15] then
-    if exists then return nil, {error = 'foreign'} end
-    return {fresh = true, epoch = epoch, gen = 0, round = 0, complete = false,
-            closed = false, deadline = false, seq = 0, world = 0, lost = 0, finished = 0,
-            sample = {}, master_addr = false, master_port = false, replid = false}
-  end
-  if f[1] ~= '2' then
-    local ok, doc = pcall(cjson.decode, f[15] or '')
-    if ok and type(doc) == 'table' and doc['format'] == 'aelastic.rendezvous.state' then
-      return nil, {error = 'version', version = doc['version']}
-    end
-    return nil, {error = 'foreign'}
-  end
-  local sample = {}
-  if f[12] and f[12] ~= '' then
-    for name in string.gmatch(f[12], '[^\n]+') do table.insert(sample, name) end
-  end
-  return {fresh = false, epoch = f[2], gen = tonumber(f[3]), round = tonumber(f[4]),
-          complete = f[5] == '1', closed = f[6] == '1',
-          deadline = (f[7] ~= '' and tonumber(f[7])) or false, seq = tonumber(f[8]),
-          world = tonumber(f[9]), lost = tonumber(f[10]), finished = tonumber(f[11]),
-          sample = sample, master_addr = (f[13] ~= '' and f[13]) or false,
-          master_port = (f[14] ~= '' and tonumber(f[14])) or false,
-          replid = (f[16] and f[16] ~= '' and f[16]) or false}
-end
-
-local function status_of(h, now)
-  local st = {token = h.epoch .. '.' .. string.format('%d', h.gen), round = h.round,
-              complete = h.complete, closed = h.closed, now = now,
-              participants = redis.call('ZCARD', P), world = h.world,
-              waiting = redis.call('SCARD', W), redundant = redis.call('SCARD', R),
-              lost = h.lost, finished = h.finished, lost_sample = h.sample}
-  if h.deadline then st.deadline = h.deadline end
-  return st
-end
-
-local function server_now(given)
-  if given and given ~= '' then return tonumber(given) end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-"""
-
-#: KEYS: header, participants, ports, wait list, redundancy list, beats.
+#: KEYS: header, participants, ports, wait list, redundancy list, beats, secrets.
 #: ARGV: op, node, min, max, last call ms, window ms, expired, finished, port, now ms or '',
-#: new epoch, ttl ms, channel, '1' to follow the primary's replication id (optional).
-#: -> reply JSON | error JSON.
+#: new epoch, ttl ms, channel, '1' to follow the primary's replication id, the node's
+#: secret, '1' for an operator's close. -> reply JSON | error JSON.
 OP = (
     _HEADER
     + r"""
 local op, node = ARGV[1], ARGV[2]
-local min_n, max_n = tonumber(ARGV[3]), tonumber(ARGV[4])
-local last_call, window = tonumber(ARGV[5]), tonumber(ARGV[6])
+local asked = {min = tonumber(ARGV[3]), max = tonumber(ARGV[4]),
+               last_call = tonumber(ARGV[5]), window = tonumber(ARGV[6])}
 local expired, finished = ARGV[7] == '1', ARGV[8] == '1'
 local port = tonumber(ARGV[9])
 local ttl, channel = ARGV[12], ARGV[13]
+local secret, operator = ARGV[15] or '', ARGV[16] == '1'
 
--- A heartbeat or a status touches the header and the heartbeats (and, rarely, prunes):
--- the other keys are checked by the requests that change membership.
+-- A heartbeat or a status touches the header, the heartbeats and the secrets (and,
+-- rarely, prunes): the other keys are checked by the requests that change membership.
 local light = op == 'keep_alive' or op == 'status'
-local bad, exists = check_types(light and {HS, B} or nil)
+local bad, exists = check_types(light and {HS, B, S} or nil)
 if bad then return cjson.encode(bad) end
 local h, err = load_header(ARGV[11], exists)
 if not h then return cjson.encode(err) end
@@ -135,7 +71,13 @@ local function signature()
 end
 
 local function knows(n) return redis.call('ZSCORE', B, n) ~= false end
+local function owns(n) return redis.call('HGET', S, n) == secret end
 local function beat(n) redis.call('ZADD', B, now, n) end
+-- A node not yet listed is listed: its heartbeat and its secret.
+local function enter(n)
+  redis.call('HSETNX', S, n, secret)
+  beat(n)
+end
 
 local function open_next_round()
   h.round = h.round + 1
@@ -148,6 +90,7 @@ end
 
 local function remove(n, fin)
   redis.call('ZREM', B, n)
+  redis.call('HDEL', S, n)
   if redis.call('ZSCORE', P, n) == false then
     redis.call('SREM', W, n)
     redis.call('SREM', R, n)
@@ -157,7 +100,7 @@ local function remove(n, fin)
   redis.call('HDEL', PORTS, n)
   local count = redis.call('ZCARD', P)
   if not h.complete then
-    if count < min_n then h.deadline = false end
+    if count < h.rules.min then h.deadline = false end
   elseif count == 0 then
     open_next_round()
   elseif fin then
@@ -169,7 +112,9 @@ local function remove(n, fin)
 end
 
 local function prune()
-  local dead = redis.call('ZRANGEBYSCORE', B, '-inf', '(' .. string.format('%d', now - window))
+  if not h.rules then return 0 end
+  local dead = redis.call('ZRANGEBYSCORE', B, '-inf',
+    '(' .. string.format('%d', now - h.rules.window))
   for _, n in ipairs(dead) do remove(n, false) end
   return #dead
 end
@@ -188,12 +133,24 @@ local function complete()
   h.sample = {}
 end
 
+local function same_rules(a, b)
+  return a.min == b.min and a.max == b.max and a.last_call == b.last_call
+    and a.window == b.window
+end
+
 -- returns outcome, transition, wake_at, restart
 local function join()
+  if knows(node) and not owns(node) then return 'error_forbidden', 'none' end
   if h.closed then
     if redis.call('SISMEMBER', R, node) == 1 then return 'graceful_exit', 'none' end
     return 'error_closed', 'none'
   end
+  if not h.rules then
+    h.rules = asked  -- this join makes the run: its rules are the run's
+  elseif not same_rules(h.rules, asked) then
+    return 'error_rules', 'none'
+  end
+  local min_n, max_n = h.rules.min, h.rules.max
   local exp, restart, transition = expired, false, 'none'
   if redis.call('SISMEMBER', R, node) == 1 then
     if redis.call('ZCARD', P) >= max_n then
@@ -225,7 +182,7 @@ local function join()
         transition = 'add_to_redundancy_list'
       end
     end
-    beat(node)
+    enter(node)
     return 'wait', transition, false, restart
   end
   if is_participant then
@@ -242,9 +199,9 @@ local function join()
   h.seq = h.seq + 1
   redis.call('ZADD', P, h.seq, node)
   redis.call('HSET', PORTS, node, port)
-  beat(node)
+  enter(node)
   local count = redis.call('ZCARD', P)
-  if count == min_n then h.deadline = now + last_call end
+  if count == min_n then h.deadline = now + h.rules.last_call end
   if count == max_n then
     complete()
     return 'finish', 'mark_complete', false, restart
@@ -252,23 +209,26 @@ local function join()
   return 'wait', 'add_to_participants', h.deadline, restart
 end
 
+local function close()
+  if h.closed or not h.rules then return 'finish', 'none' end
+  -- only a member, or the operator, closes a run
+  if not operator and not owns(node) then return 'error_forbidden', 'none' end
+  h.closed = true
+  return 'finish', 'mark_closed'
+end
+
 local function apply()
   if op == 'join' then return join() end
+  if op == 'close' then return close() end
+  if op == 'status' or not knows(node) then return 'finish', 'none' end
+  -- a leave or a heartbeat for another node
+  if not owns(node) then return 'error_forbidden', 'none' end
   if op == 'leave' then
-    if not knows(node) then return 'finish', 'none' end
     remove(node, finished)
     return 'finish', 'remove'
   end
-  if op == 'close' then
-    if h.closed then return 'finish', 'none' end
-    h.closed = true
-    return 'finish', 'mark_closed'
-  end
-  if op == 'keep_alive' and knows(node) then
-    beat(node)
-    return 'finish', 'keep_alive'
-  end
-  return 'finish', 'none'
+  beat(node)
+  return 'finish', 'keep_alive'
 end
 
 local before = signature()
@@ -278,37 +238,45 @@ local outcome, transition, wake_at, restart = apply()
 if signature() ~= before then h.gen = h.gen + 1 end
 if transition == 'none' and pruned > 0 then transition = 'prune' end
 
-local fields = {'format', '2', 'epoch', h.epoch, 'version', string.format('%d', h.gen),
-  'round', string.format('%d', h.round), 'complete', h.complete and '1' or '0',
-  'closed', h.closed and '1' or '0',
-  'deadline', h.deadline and string.format('%d', h.deadline) or '',
-  'seq', string.format('%d', h.seq), 'world', string.format('%d', h.world),
-  'lost', string.format('%d', h.lost), 'finished', string.format('%d', h.finished),
-  'sample', table.concat(h.sample, '\n'), 'master_addr', h.master_addr or '',
-  'master_port', h.master_port and string.format('%d', h.master_port) or '',
-  'replid', h.replid or ''}
-if h.fresh then
-  table.insert(fields, 'data')
-  table.insert(fields, '{"format":"aelastic.rendezvous.state","version":2}')
-end
-if h.fresh or moved or cjson.encode(h) ~= header_before then
-  redis.call('HSET', HS, unpack(fields))
-end
--- Every key's expiry is refreshed when membership changes, and otherwise once half of it
--- is used up (a heartbeat then costs one PTTL).
-if not light or pruned > 0 or redis.call('PTTL', HS) < tonumber(ttl) / 2 then
-  for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ttl) end
-else
-  redis.call('PEXPIRE', B, ttl)
+-- A state that no join made is answered and not stored.
+if h.rules then
+  local r = h.rules
+  local fields = {'format', '3', 'epoch', h.epoch, 'version', string.format('%d', h.gen),
+    'round', string.format('%d', h.round), 'complete', h.complete and '1' or '0',
+    'closed', h.closed and '1' or '0',
+    'deadline', h.deadline and string.format('%d', h.deadline) or '',
+    'seq', string.format('%d', h.seq), 'world', string.format('%d', h.world),
+    'lost', string.format('%d', h.lost), 'finished', string.format('%d', h.finished),
+    'sample', table.concat(h.sample, '\n'), 'master_addr', h.master_addr or '',
+    'master_port', h.master_port and string.format('%d', h.master_port) or '',
+    'replid', h.replid or '', 'min', string.format('%d', r.min),
+    'max', string.format('%d', r.max), 'last_call', string.format('%d', r.last_call),
+    'window', string.format('%d', r.window)}
+  if h.fresh then
+    table.insert(fields, 'data')
+    table.insert(fields, '{"format":"aelastic.rendezvous.state","version":3}')
+  end
+  if h.fresh or moved or cjson.encode(h) ~= header_before then
+    redis.call('HSET', HS, unpack(fields))
+  end
+  -- Every key's expiry is refreshed when membership changes, and otherwise once half of
+  -- it is used up (a heartbeat then costs one PTTL).
+  if not light or pruned > 0 or redis.call('PTTL', HS) < tonumber(ttl) / 2 then
+    for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ttl) end
+  else
+    redis.call('PEXPIRE', B, ttl)
+    redis.call('PEXPIRE', S, ttl)
+  end
 end
 
 local status = status_of(h, now)
-if h.fresh or moved or signature() ~= before then
+if h.rules and (h.fresh or moved or signature() ~= before) then
   redis.pcall('PUBLISH', channel, 's' .. cjson.encode(status))
 end
 local reply = {outcome = outcome, status = status, transition = transition,
-               restart = restart or false, known = knows(node), pruned = pruned}
+               restart = restart or false, known = owns(node), pruned = pruned}
 if wake_at then reply.wake_at = wake_at end
+if outcome == 'error_rules' then reply.rules = h.rules end
 if op == 'join' and outcome == 'finish' then
   reply.rank = tonumber(redis.call('ZSCORE', P, node))
   reply.master_addr = h.master_addr
@@ -360,7 +328,8 @@ end
 local wait, redundant = redis.call('SMEMBERS', W), redis.call('SMEMBERS', R)
 local snap = {status = status_of(h, server_now(ARGV[1])),
               participants = entries(redis.call('ZRANGE', P, 0, -1, 'WITHSCORES'), true),
-              wait_list = entries(wait, false), redundancy_list = entries(redundant, false)}
+              wait_list = entries(wait, false), redundancy_list = entries(redundant, false),
+              rules = h.rules}
 if h.master_addr then
   snap.master_addr = h.master_addr
   snap.master_port = h.master_port

@@ -28,7 +28,7 @@ from ._answer import failure
 from ._channel import add_channel
 from ._guard import DEFAULT_READ_TIMEOUT, RateLimitedLog
 from ._metrics import install as install_metrics
-from ._routes import BODY_TIMEOUT, REPLAYS, STORE, Replays, add_routes
+from ._routes import BODY_TIMEOUT, HAS_TOKEN, REPLAYS, STORE, Replays, add_routes
 from ._runs import PersistenceError, RunLimitError, RunStore
 
 __all__ = [
@@ -185,6 +185,7 @@ def create_app(
     app = web.Application(client_max_size=max_body, middlewares=middlewares)
     store = RunStore(persist_path, max_runs=max_runs)
     app[STORE] = store
+    app[HAS_TOKEN] = secret is not None
     app[REPLAYS] = Replays()
     app[BODY_TIMEOUT] = read_timeout
 

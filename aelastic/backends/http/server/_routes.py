@@ -9,12 +9,15 @@ may carry an ``Idempotency-Key`` so that a retried ``kv/add`` counts once (:clas
 Long-polls (``status?token=&wait=``, ``kv/wait``) are held until the change, the timeout,
 or the server's shutdown (then ``503``, and clients retry against the restarted server).
 A request that may make a new run is first admitted by the store (``503`` past its limit
-of runs); a body must arrive within ``BODY_TIMEOUT`` (``408``).
+of runs); a body must arrive within ``BODY_TIMEOUT`` (``408``). The operator's routes
+(closing and deleting a run) need the server's token; on a server without one they are
+taken only from its own machine (a loopback peer that no proxy forwarded: ``403`` else).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -22,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ....core.state import FORMAT, FORMAT_VERSION
+from ....core.state import FORMAT, FORMAT_VERSION, Request, Transition
 from ....core.wire import (
     WireError,
     reply_to_json,
@@ -35,6 +38,7 @@ from ..wire import (
     API_PREFIX,
     API_VERSION,
     MAX_LISTED_RUNS,
+    TOKEN_ENV,
     SchemaError,
     b64encode,
     require_bytes,
@@ -50,7 +54,7 @@ from ..wire import (
 from ._answer import answer
 from ._runs import RunStore
 
-__all__ = ["BODY_TIMEOUT", "REPLAYS", "STORE", "Replays", "add_routes"]
+__all__ = ["BODY_TIMEOUT", "HAS_TOKEN", "REPLAYS", "STORE", "Replays", "add_routes", "is_loopback"]
 
 _MAX_REPLAYS = 8192
 _MAX_REPLAY_SIZE = 1024
@@ -91,6 +95,10 @@ class Replays:
 
 
 STORE: web.AppKey[RunStore] = web.AppKey("aelastic_run_store", RunStore)
+#: Whether the server checks a token (its operator's routes are then open to token holders).
+HAS_TOKEN = web.AppKey("aelastic_has_token", bool)
+#: Headers a proxy adds: a request carrying one came from elsewhere, whatever its peer.
+_FORWARDED = ("Forwarded", "X-Forwarded-For", "X-Real-IP")
 REPLAYS = web.AppKey("aelastic_replays", Replays)
 #: Seconds a request's body may take to arrive.
 BODY_TIMEOUT = web.AppKey("aelastic_body_timeout", float)
@@ -174,6 +182,17 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, IPv4 mapped in IPv6 too, or ``localhost``) is this
+    machine's loopback."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host == "localhost"
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool((mapped or address).is_loopback)
+
+
 # -- health and the rendezvous ------------------------------------------------------------
 
 
@@ -244,9 +263,43 @@ async def _list_runs(request: web.Request) -> web.Response:
     return web.json_response({"runs": body})
 
 
+def _operator(request: web.Request) -> None:
+    """Let an operator's request through: a token holder's, or (no token) one from this
+    machine that no proxy forwarded.
+
+    Raises:
+        web.HTTPForbidden: It is neither.
+    """
+    if request.app[HAS_TOKEN]:
+        return  # the token was checked
+    peer = request.remote or ""
+    local = is_loopback(peer) and not any(h in request.headers for h in _FORWARDED)
+    if not local:
+        raise web.HTTPForbidden(
+            reason="this server has no token: a run is closed or deleted only from the "
+            "server's own machine (loopback); run `aelastic status --close/--reset` there, "
+            f"or start the server with a token ({TOKEN_ENV})"
+        )
+
+
+async def _close_run(request: web.Request) -> web.Response:
+    run_id = _run_id(request)
+    _query(request, set())
+    _operator(request)
+    engine = _store(request).engine
+
+    def apply() -> _Reply:
+        reply = engine.apply(run_id, Request.operator_close(), now_ms())
+        closed = reply.transition is Transition.MARK_CLOSED
+        return 200, {"closed": closed, "status": status_to_json(reply.status)}
+
+    return await _mutate(request, apply)
+
+
 async def _delete_run(request: web.Request) -> web.Response:
     run_id = _run_id(request)
     _query(request, set())
+    _operator(request)
     store = _store(request)
     return await _mutate(request, lambda: (200, {"deleted": store.delete(run_id)}))
 
@@ -357,6 +410,7 @@ def add_routes(app: web.Application) -> None:
         ("GET", run + "/status", _status),
         ("GET", run, _snapshot),
         ("DELETE", run, _delete_run),
+        ("POST", run + "/close", _close_run),
         ("GET", run + "/state", _first_format_state),
         ("PUT", run + "/state", _first_format_state),
         ("POST", run + "/kv/set", _kv_set),
