@@ -141,13 +141,15 @@ class Heartbeats:
                 hold = until_check if until_check > 0.001 else interval
                 phase = 0.0
             self._hold(hold > 0)
+            limit = self._settings.heartbeat_timeout + hold
             try:
                 # A structured deadline, not asyncio.wait_for: on Python 3.11 that can
                 # swallow a cancellation arriving as the beat completes (the loop never ends).
-                async with fail_after(self._settings.heartbeat_timeout + hold):
+                async with fail_after(limit):
                     reply = await self._member.keep_alive(hold)
             except (RendezvousError, TimeoutError) as exc:
-                log.warning("%s failed to send a heartbeat: %s", self._name, exc)
+                reason = str(exc) or f"no answer within {limit:g} s (heartbeat_timeout)"
+                log.warning("%s failed to send a heartbeat: %s", self._name, reason)
                 next_beat, check_at = asked + min(interval, 1.0), None
                 self._hold(False)
                 continue

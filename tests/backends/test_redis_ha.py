@@ -8,6 +8,7 @@ replica; the failures that retrying cannot fix end in one-line errors.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -199,6 +200,39 @@ async def test_sentinel_store_writes_wait_for_the_replica_and_survive_a_failover
             with anyio.fail_after(3 * PROMPT):
                 assert await infos[1].store.get("weights") == b"v1"
                 assert await infos[1].store.add("counter", 1) == 6
+
+
+async def test_a_sentinel_failover_with_short_heartbeats_keeps_the_round(run_id: str) -> None:
+    """1 s heartbeats (a 3 s window) and a primary killed: the failover takes longer than the
+    window, and the beats sent meanwhile were lost with the old primary. They are not counted
+    against the members: nobody is removed, the watchers see no change (no restart), and
+    the members beat on the new primary."""
+    conf = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "heartbeat_timeout": 2}
+    with SentinelGroup(down_after_ms=4000) as ha:  # a failover longer than the window
+        async with handler_group("redis", ha.endpoint, run_id, 2, 2, 2, **conf) as handlers:
+            assert_one_group(await join_all(handlers, 3 * PROMPT), 2)
+            watches = [asyncio.ensure_future(h.watch()) for h in handlers]
+            killed = time.monotonic()
+            await anyio.to_thread.run_sync(ha.kill_primary)
+            backend = handlers[0].backend
+            assert isinstance(backend, RedisBackend)
+
+            async def beating_on_the_new_primary() -> bool:
+                snapshot = await backend.snapshot()
+                assert snapshot is not None and snapshot.status.lost == 0, snapshot
+                beats = [e.beat_ms for e in snapshot.participants]
+                return len(beats) == 2 and min(beats) > snapshot.status.now_ms - 1_500
+
+            await eventually(beating_on_the_new_primary, 3 * PROMPT)
+            assert time.monotonic() - killed > 3.0  # longer than the window
+            await asyncio.sleep(4.0)  # another window on the new primary
+            assert not any(w.done() for w in watches), [w.result() for w in watches if w.done()]
+            snapshot = await backend.snapshot()
+            assert snapshot is not None and snapshot.status.lost == 0
+            assert set(snapshot.ranks()) == {h.node for h in handlers}
+            for watch in watches:
+                watch.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
 
 
 async def test_status_through_sentinel_needs_no_primary_address(

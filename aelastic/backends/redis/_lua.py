@@ -16,7 +16,9 @@ the status's token changed. Time is the server's (``TIME``) unless a test passes
 Beyond the Python machine, the script keeps the primary's replication id in the header:
 a request that finds another id (a replica was promoted, and may have missed the latest
 writes) moves the state to a new epoch and publishes it, so a version lost in a failover
-never shares a token with a later one, and every waiter re-reads the state.
+never shares a token with a later one, and every waiter re-reads the state; and it takes
+every listed node's heartbeat as now, so that the beats lost with the old primary (and
+those sent while the sentinels chose another) are not counted against the members.
 A header of another format version, or keys of the wrong Redis type, are answered with an
 error object and left untouched.
 """
@@ -61,6 +63,20 @@ if ARGV[14] == '1' then
   if replid and h.replid ~= replid then
     if not h.fresh then h.epoch, moved = ARGV[11], true end
     h.replid = replid
+  end
+end
+-- The beats sent while the old primary failed and the sentinels chose another (longer than
+-- a short window) are lost, as are those it had not replicated: they are not counted
+-- against the members. Every listed node's beat is taken as now (O(N), once a failover).
+if moved then
+  local listed = redis.call('ZRANGE', B, 0, -1)
+  for i = 1, #listed, 500 do
+    local args = {}
+    for j = i, math.min(i + 499, #listed) do
+      table.insert(args, now)
+      table.insert(args, listed[j])
+    end
+    redis.call('ZADD', B, unpack(args))
   end
 end
 
