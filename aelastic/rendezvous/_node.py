@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import secrets
 import socket
@@ -48,12 +49,16 @@ from ._refusals import join_refused
 
 __all__ = ["HandlerStats", "NodeRequests"]
 
+log = logging.getLogger("aelastic.rendezvous")
+
 _local_ids = itertools.count()
 
 #: Transitions that are not published (a heartbeat, or nothing changed).
 _QUIET = frozenset({Transition.NONE, Transition.KEEP_ALIVE})
 #: Asked again this long after the last call's end by the backend's clock (absorbs drift).
 _LATE = 0.002
+#: Other names a node takes when its own is listed under another secret, before it fails.
+_RENAMES = 3
 
 
 @dataclass
@@ -254,6 +259,7 @@ class NodeRequests:
         expired = False
         interval = self._settings.keep_alive_interval
         clock = self._clock
+        renamed = 0
         while True:
             sent = clock.monotonic()
             hold = max(min(interval, deadline - sent), 0.0)
@@ -263,6 +269,10 @@ class NodeRequests:
             outcome = reply.outcome
             if outcome is Outcome.FINISH:
                 return reply
+            if outcome is Outcome.ERROR_FORBIDDEN and renamed < _RENAMES:
+                renamed += 1
+                self._rename()
+                continue
             if outcome is not Outcome.WAIT:
                 raise join_refused(self._settings, self._node, reply)
             if self.hub.listened:
@@ -277,6 +287,21 @@ class NodeRequests:
             if wake > 0:
                 await self._wait_change(reply.status.token, wake)
             expired = clock.monotonic() > deadline
+
+    def _rename(self) -> None:
+        """Take another name: this one is listed under another secret (another process of
+        the same address and pid, or a client that took it once the run dropped this node);
+        a node is never locked out of its run by its name."""
+        old = self._node
+        self._node = NodeDesc(old.addr, old.pid, next(_local_ids))
+        log.warning(
+            "node %s is in run '%s' under another secret (another process with this address "
+            "and pid, or a client that took the name once the run dropped this node): joining "
+            "as %s",
+            old,
+            self._settings.run_id,
+            self._node,
+        )
 
     def _publish_wait(self, status: Status, deadline: float) -> None:
         last_call = None

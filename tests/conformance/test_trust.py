@@ -125,3 +125,24 @@ async def test_a_run_no_join_made_is_not_made_by_reading_or_closing_it(
         assert await backend.snapshot() is None
     finally:
         await backend.aclose()
+
+
+async def test_a_node_whose_name_is_taken_joins_under_another(make_params: MakeParams) -> None:
+    """Another client listed this node's name first (a process with the same address and
+    pid, or one that took the name once the run dropped the node): the node is not locked
+    out, it joins under another name."""
+    params = make_params(2, 2)
+    async with handler_group(
+        params.backend, params.endpoint, params.run_id, 1, 2, 2, **params.config
+    ) as (node,):
+        taken = node.node
+        other = create_backend(params)
+        try:
+            await other.apply(Request(Op.JOIN, taken, node.settings.rules, secret=FORGED))
+            with anyio.fail_after(PROMPT):
+                info = await node.next_rendezvous()
+        finally:
+            await other.aclose()
+        assert node.node != taken and node.node.addr == taken.addr
+        assert info.world_size == 2
+        assert set(_members(await node.backend.snapshot())) == {taken, node.node}
