@@ -13,7 +13,12 @@ from .core.errors import (
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
-from .core.params import RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
+from .core.params import (
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeout,
+)
 
 __version__ = "0.1.0"
 
@@ -26,6 +31,7 @@ __all__ = [
     "RendezvousParameters",
     "RendezvousStateError",
     "RendezvousStoreInfo",
+    "RendezvousTimeout",
     "RendezvousTimeoutError",
     "StoreTimeoutError",
     "__version__",

@@ -17,7 +17,19 @@ from hypothesis import strategies as st
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Request
 
-NODES = [NodeDesc("10.0.0.1", 100 + i, i % 2) for i in range(6)]
+#: Names that sort differently by bytes, by a locale and by join order: addresses that are
+#: prefixes of others, with '.', '-' and '_', upper case, a non-ASCII one; pids of different
+#: digit counts (torch's rank order: address, then pid, then local id).
+NODES = [
+    NodeDesc("10.0.0.1", 100, 0),
+    NodeDesc("10.0.0.1", 99, 1),
+    NodeDesc("10.0.0.10", 7, 0),
+    NodeDesc("10.0.0-2", 1000, 0),
+    NodeDesc("node-a.example", 5, 1),
+    NodeDesc("node.a", 12345, 0),
+    NodeDesc("Node_b", 3, 0),
+    NodeDesc("nœud.example", 42, 0),
+]
 #: Each node's own secret; a forged request carries :data:`FORGED`.
 SECRETS = [f"{i:02d}" + "c0ffee" * 5 for i in range(len(NODES))]
 FORGED = "f0" * 16

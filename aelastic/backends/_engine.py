@@ -261,6 +261,15 @@ class Engine:
                 self._on_change(run_id)
             return not run.empty()
 
+    def forget_if_over(self, run_id: str) -> bool:
+        """Forget ``run_id`` if it is closed and no node is in it; whether it was."""
+        with self.lock:
+            run = self.runs.get(run_id)
+            state = None if run is None else run.state
+            if state is None or not state.closed or state.beats:
+                return False
+        return self.delete(run_id)
+
     def wake_everyone(self) -> None:
         """Wake every waiter of every run (a server shutting down)."""
         with self.lock:

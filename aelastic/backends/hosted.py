@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import socket
 from collections.abc import Sequence
@@ -176,7 +177,26 @@ class HostedBackend:
             return reply
         if request.op is Op.JOIN:
             await self._claim(request, reply)
+            addr, port = await self._master(request, reply)
+            return replace(reply, rank=self._rank, master_addr=addr, master_port=port)
         return replace(reply, rank=self._rank)
+
+    async def _master(self, request: Request, reply: Reply) -> tuple[str, int]:
+        """Where the workers bootstrap: node rank 0's address and port (not the first node
+        of the round's order, whose rank the node rank replaced); node rank 0 says it."""
+        key = f"static/master/{reply.status.round}"
+        if self._rank == 0:
+            mine = (request.node.addr, request.port)
+            await self._client.kv_set(key, json.dumps(mine).encode())
+            return mine
+        if not await self._reach(self._client.kv_wait, [key], self._join_timeout):
+            raise RendezvousError(
+                f"node rank 0 did not say where the workers bootstrap within the join "
+                f"timeout ({self._join_timeout:g} s)"
+            )
+        (raw,) = await self._client.kv_get([key])
+        addr, port = json.loads(raw or b"null")
+        return str(addr), int(port)
 
     async def _claim(self, request: Request, reply: Reply) -> None:
         """Take this node rank in the round; two nodes with one node rank are an error."""

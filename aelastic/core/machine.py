@@ -9,13 +9,18 @@ same random interleavings. Its semantics are torch's ``DynamicRendezvousHandler`
 * JOIN: a node joins the participants of an open round. At ``min_nodes`` the last call
   starts (``last_call_timeout``); at ``max_nodes`` the round completes at once. A completed
   round admits latecomers to the wait list (the next round) or, at ``max_nodes``, to the
-  redundancy list. Ranks are fixed at completion, in join order, so every member agrees; the
-  reply carries this node's rank and where rank 0's workers bootstrap. A participant asks
+  redundancy list. Ranks are fixed at completion in torch's order, the sorted node
+  descriptors (address, then pid, then local id), so every member agrees; the reply carries
+  this node's rank and where rank 0's workers bootstrap. A participant asks
   again when the last call ends, and the first to ask then completes the round.
 * LEAVE: the node removes itself; when the last participant of a complete round is gone
   the next round opens. A member that leaves a complete round is counted as finished (its
   workers succeeded: the others need not act) or lost.
-* CLOSE: the run is closed; later joins fail with ``RendezvousClosedError``.
+* CLOSE: the run is closed; later joins fail with ``RendezvousClosedError`` (and end the
+  joining node's part in it). Once its last node has gone, a closed run stays closed for
+  :func:`reuse_grace_ms` (two heartbeat windows), so that a late node of its job still
+  learns that it closed; then the next join makes it a new run (the next round, the
+  joiner's rules): a job id can be used again.
 * KEEP_ALIVE: the node's heartbeat. STATUS: nothing but the pruning.
 
 One set of rules per run: the join that makes a run fixes its rules (node bounds, last
@@ -36,22 +41,30 @@ from __future__ import annotations
 
 import hmac
 
+from .params import Rules
 from .state import (
     MAX_LOST_SAMPLE,
-    MemberEntry,
     NodeDesc,
     Op,
     Outcome,
     Reply,
     Request,
     RunState,
-    Snapshot,
-    Status,
     Transition,
+    snapshot_of,
+    status_of,
 )
-from .token import NO_STATE, make
 
-__all__ = ["beat_due_ms", "expiry_ms", "prune", "snapshot_of", "status_of", "step"]
+__all__ = [
+    "beat_due_ms",
+    "expiry_ms",
+    "prune",
+    "reopen_at_ms",
+    "reuse_grace_ms",
+    "snapshot_of",
+    "status_of",
+    "step",
+]
 
 
 # -- the heartbeat rule ---------------------------------------------------------------------
@@ -65,51 +78,6 @@ def beat_due_ms(last_beat_ms: int, interval_ms: int) -> int:
 def expiry_ms(last_beat_ms: int, window_ms: int) -> int:
     """When a node whose last heartbeat is ``last_beat_ms`` is dead (and pruned)."""
     return last_beat_ms + window_ms
-
-
-# -- reading --------------------------------------------------------------------------------
-
-
-def status_of(state: RunState, now_ms: int) -> Status:
-    """The status header of ``state`` at ``now_ms`` (an empty one, token ``NO_STATE``,
-    when no join made the run)."""
-    if not state.made:
-        return Status(token=NO_STATE, now_ms=now_ms)
-    return Status(
-        token=make(state.epoch, state.generation),
-        round=state.round,
-        complete=state.complete,
-        closed=state.closed,
-        deadline_ms=state.deadline_ms,
-        now_ms=now_ms,
-        participants=len(state.participants),
-        world=state.world,
-        waiting=len(state.wait_list),
-        redundant=len(state.redundancy_list),
-        lost=state.lost,
-        finished=state.finished,
-        lost_sample=tuple(state.lost_sample),
-    )
-
-
-def snapshot_of(state: RunState, now_ms: int) -> Snapshot:
-    """The whole membership of ``state`` at ``now_ms``."""
-    beats = state.beats
-    rank = state.complete
-    return Snapshot(
-        status=status_of(state, now_ms),
-        participants=tuple(
-            MemberEntry(n, beats.get(n, 0), r if rank else None)
-            for n, r in state.participants.items()
-        ),
-        wait_list=tuple(MemberEntry(n, beats.get(n, 0)) for n in sorted(state.wait_list)),
-        redundancy_list=tuple(
-            MemberEntry(n, beats.get(n, 0)) for n in sorted(state.redundancy_list)
-        ),
-        master_addr=None if state.master is None else state.master[0],
-        master_port=None if state.master is None else state.master[1],
-        rules=state.rules,
-    )
 
 
 def _signature(state: RunState) -> tuple[object, ...]:
@@ -148,10 +116,13 @@ def _owns(state: RunState, node: NodeDesc, secret: str) -> bool:
     return stored is not None and hmac.compare_digest(stored.encode(), secret.encode())
 
 
-def _remove(state: RunState, node: NodeDesc, finished: bool = False) -> None:
+def _remove(state: RunState, node: NodeDesc, at_ms: int, finished: bool = False) -> None:
+    """Remove ``node`` (gone at ``at_ms``: a closed run empty since then may be reused)."""
     assert state.rules is not None
     state.beats.pop(node, None)
     state.secrets.pop(node, None)
+    if state.closed and not state.beats:
+        state.vacated_ms = at_ms
     if node not in state.participants:
         state.wait_list.discard(node)
         state.redundancy_list.discard(node)
@@ -182,13 +153,15 @@ def prune(state: RunState, now_ms: int) -> int:
             break  # ordered by beat: the rest are younger
         dead.append((beat, node.key, node))
     dead.sort()  # by time, then name: the order of a sorted set (Redis)
-    for _, _, node in dead:
-        _remove(state, node)
+    for beat, _, node in dead:
+        _remove(state, node, expiry_ms(beat, state.rules.window_ms))
     return len(dead)
 
 
 def _complete(state: RunState) -> None:
-    order = sorted(state.participants, key=state.participants.__getitem__)
+    # Ranks in torch's order: the sorted node descriptors (address, then pid, then local
+    # id), so hosts get a stable, name-ordered rank layout whatever the join order.
+    order = sorted(state.participants)
     state.participants = {node: rank for rank, node in enumerate(order)}
     first = order[0]
     state.master = (first.addr, state.ports.get(first, 0))
@@ -231,14 +204,48 @@ def _enter(state: RunState, req: Request, now_ms: int) -> None:
     _beat(state, req.node, now_ms)
 
 
+def reuse_grace_ms(rules: Rules) -> int:
+    """How long a closed run stays closed once its last node left: then the next join makes
+    it a new run (its id is reused). Two heartbeat windows: a node of the old job that went
+    silent just before the end is dropped after one window, and still learns that the run
+    closed if it comes back within another."""
+    return 2 * rules.window_ms
+
+
+def reopen_at_ms(state: RunState) -> int | None:
+    """When the closed run ``state`` can be reused (``None``: nodes are still in it)."""
+    if state.beats or state.vacated_ms is None or state.rules is None:
+        return None
+    return state.vacated_ms + reuse_grace_ms(state.rules)
+
+
+def _reopen(state: RunState, rules: Rules) -> None:
+    """The closed, empty run becomes a new one: the next round, the joiner's rules."""
+    state.closed = False
+    state.rules = rules
+    state.vacated_ms = None
+    _open_next_round(state)
+
+
+def _join_closed(state: RunState, node: NodeDesc, now_ms: int) -> _Answer:
+    """A join to a closed run ends this node's join (it is removed)."""
+    redundant = node in state.redundancy_list
+    transition = Transition.NONE
+    if state.knows(node):
+        _remove(state, node, now_ms)
+        transition = Transition.REMOVE
+    return _Answer(Outcome.GRACEFUL_EXIT if redundant else Outcome.ERROR_CLOSED, transition)
+
+
 def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
     node = req.node
     if state.knows(node) and not _owns(state, node, req.secret):
         return _FORBIDDEN
     if state.closed:
-        if node in state.redundancy_list:
-            return _Answer(Outcome.GRACEFUL_EXIT)
-        return _Answer(Outcome.ERROR_CLOSED)
+        reopen = reopen_at_ms(state)
+        if reopen is None or now_ms < reopen:
+            return _join_closed(state, node, now_ms)
+        _reopen(state, req.rules)
     if state.rules is None:
         state.rules = req.rules  # this join makes the run: its rules are the run's
     elif req.rules != state.rules:
@@ -250,7 +257,7 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
             # A redundant node waits, without a deadline, until a slot opens.
             _beat(state, node, now_ms)
             return _Answer(Outcome.WAIT, Transition.KEEP_ALIVE)
-        _remove(state, node)
+        _remove(state, node, now_ms)
         expired, restart = False, True
         transition = Transition.REMOVE_FROM_REDUNDANCY_LIST
     if state.complete and node in state.participants:
@@ -258,7 +265,7 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
         return _Answer(Outcome.FINISH, transition, restart=restart)
     if expired:
         if state.knows(node):
-            _remove(state, node)
+            _remove(state, node, now_ms)
             transition = Transition.REMOVE
         return _Answer(Outcome.ERROR_TIMEOUT, transition)
     if state.complete:
@@ -296,12 +303,14 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
     return _Answer(Outcome.WAIT, Transition.ADD_TO_PARTICIPANTS, state.deadline_ms, restart)
 
 
-def _close(state: RunState, req: Request) -> _Answer:
+def _close(state: RunState, req: Request, now_ms: int) -> _Answer:
     if state.closed or not state.made:
         return _Answer(Outcome.FINISH)  # closed already, or no run to close
     if not req.operator and not _owns(state, req.node, req.secret):
         return _FORBIDDEN  # only a member, or the operator, closes a run
     state.closed = True
+    if not state.beats:
+        state.vacated_ms = now_ms
     return _Answer(Outcome.FINISH, Transition.MARK_CLOSED)
 
 
@@ -310,13 +319,13 @@ def _apply(state: RunState, req: Request, now_ms: int) -> _Answer:
     if op is Op.JOIN:
         return _join(state, req, now_ms)
     if op is Op.CLOSE:
-        return _close(state, req)
+        return _close(state, req, now_ms)
     if op is Op.STATUS or not state.knows(node):
         return _Answer(Outcome.FINISH)
     if not _owns(state, node, req.secret):
         return _FORBIDDEN  # a leave or a heartbeat for another node
     if op is Op.LEAVE:
-        _remove(state, node, req.finished)
+        _remove(state, node, now_ms, req.finished)
         return _Answer(Outcome.FINISH, Transition.REMOVE)
     _beat(state, node, now_ms)
     return _Answer(Outcome.FINISH, Transition.KEEP_ALIVE)
@@ -348,6 +357,7 @@ def step(state: RunState, request: Request, now_ms: int) -> Reply:
     master = state.master if finished_join else None
     oldest = next(iter(state.beats.values()), None) if request.op is Op.KEEP_ALIVE else None
     refused_rules = answer.outcome is Outcome.ERROR_RULES
+    closed = answer.outcome is Outcome.ERROR_CLOSED
     return Reply(
         outcome=answer.outcome,
         status=status_of(state, now_ms),
@@ -361,4 +371,5 @@ def step(state: RunState, request: Request, now_ms: int) -> Reply:
         oldest_beat_ms=oldest,
         pruned=pruned,
         run_rules=state.rules if refused_rules else None,
+        reopen_at_ms=reopen_at_ms(state) if closed else None,
     )

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .params import Rules
+from .token import NO_STATE, make
 
 __all__ = [
     "FORMAT",
@@ -38,6 +39,8 @@ __all__ = [
     "Snapshot",
     "Status",
     "Transition",
+    "snapshot_of",
+    "status_of",
 ]
 
 #: Format tag of the rendezvous state.
@@ -223,6 +226,8 @@ class Reply:
         pruned: How many silent nodes this request removed.
         run_rules: The run's rules, when a join was refused for other ones
             (:attr:`Outcome.ERROR_RULES`).
+        reopen_at_ms: When a closed run refusing a join can be used again by a new job
+            (:attr:`Outcome.ERROR_CLOSED`; ``None``: nodes are still in it).
     """
 
     outcome: Outcome
@@ -237,6 +242,7 @@ class Reply:
     oldest_beat_ms: int | None = None
     pruned: int = 0
     run_rules: Rules | None = None
+    reopen_at_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -283,7 +289,8 @@ class RunState:
     ``beats`` is ordered by heartbeat: a beat moves its node to the end, so the oldest is
     first and finding the silent nodes costs nothing while nobody is silent. ``rules`` is
     ``None`` until a join makes the run (a state without rules is not stored); ``secrets``
-    holds each listed node's secret (never shown).
+    holds each listed node's secret (never shown); ``vacated_ms`` when a closed run's last
+    node left (the run can be reused :func:`~.machine.reuse_grace_ms` later).
     """
 
     epoch: str
@@ -305,6 +312,8 @@ class RunState:
     redundancy_list: set[NodeDesc] = field(default_factory=set)
     beats: dict[NodeDesc, int] = field(default_factory=dict)
     secrets: dict[NodeDesc, str] = field(default_factory=dict, repr=False)
+    #: When the last node of a closed run left (``None``: open, or nodes are still in it).
+    vacated_ms: int | None = None
 
     @property
     def made(self) -> bool:
@@ -314,3 +323,48 @@ class RunState:
     def knows(self, node: NodeDesc) -> bool:
         """Whether ``node`` is anywhere in the state (every listed node has a heartbeat)."""
         return node in self.beats
+
+
+# -- reading a state ------------------------------------------------------------------------
+
+
+def status_of(state: RunState, now_ms: int) -> Status:
+    """The status header of ``state`` at ``now_ms`` (an empty one, token ``NO_STATE``,
+    when no join made the run)."""
+    if not state.made:
+        return Status(token=NO_STATE, now_ms=now_ms)
+    return Status(
+        token=make(state.epoch, state.generation),
+        round=state.round,
+        complete=state.complete,
+        closed=state.closed,
+        deadline_ms=state.deadline_ms,
+        now_ms=now_ms,
+        participants=len(state.participants),
+        world=state.world,
+        waiting=len(state.wait_list),
+        redundant=len(state.redundancy_list),
+        lost=state.lost,
+        finished=state.finished,
+        lost_sample=tuple(state.lost_sample),
+    )
+
+
+def snapshot_of(state: RunState, now_ms: int) -> Snapshot:
+    """The whole membership of ``state`` at ``now_ms`` (never its secrets)."""
+    beats = state.beats
+    rank = state.complete
+    return Snapshot(
+        status=status_of(state, now_ms),
+        participants=tuple(
+            MemberEntry(n, beats.get(n, 0), r if rank else None)
+            for n, r in state.participants.items()
+        ),
+        wait_list=tuple(MemberEntry(n, beats.get(n, 0)) for n in sorted(state.wait_list)),
+        redundancy_list=tuple(
+            MemberEntry(n, beats.get(n, 0)) for n in sorted(state.redundancy_list)
+        ),
+        master_addr=None if state.master is None else state.master[0],
+        master_port=None if state.master is None else state.master[1],
+        rules=state.rules,
+    )

@@ -255,6 +255,7 @@ def reply_to_json(reply: Reply) -> dict[str, Any]:
         "oldest": reply.oldest_beat_ms,
         "pruned": reply.pruned,
         "rules": None if reply.run_rules is None else rules_to_json(reply.run_rules),
+        "reopen_at": reply.reopen_at_ms,
     }
 
 
@@ -283,6 +284,7 @@ def reply_from_json(doc: Any) -> Reply:
         oldest_beat_ms=_int(d, "oldest", optional=True),
         pruned=_int(d, "pruned"),
         run_rules=rules_from_json(d.get("rules")),
+        reopen_at_ms=_int(d, "reopen_at", optional=True),
     )
 
 

@@ -25,6 +25,7 @@ from ..core.params import (
     RendezvousParameters,
     RendezvousSettings,
     RendezvousStoreInfo,
+    RendezvousTimeout,
 )
 from ..core.state import NodeDesc
 from ..core.view import MembershipView
@@ -49,6 +50,7 @@ __all__ = [
     "RendezvousSettings",
     "RendezvousStateError",
     "RendezvousStoreInfo",
+    "RendezvousTimeout",
     "RendezvousTimeoutError",
     "RendezvousWaiting",
     "StoreTimeoutError",

@@ -40,7 +40,7 @@ from ..core.events import (
     RendezvousWaiting,
     reporting,
 )
-from ..core.params import RendezvousSettings
+from ..core.params import RendezvousSettings, free_port
 from ..core.protocol import RendezvousBackend
 from ..core.race import Signal, first_of
 from ..core.state import NodeDesc, Op, Outcome, Reply, Request, Status, Transition
@@ -91,13 +91,6 @@ async def _settle(task: asyncio.Task[Any]) -> None:
         task.exception()  # retrieved: not logged as never retrieved
     if cancelled:
         raise asyncio.CancelledError
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class NodeRequests:
@@ -255,7 +248,7 @@ class NodeRequests:
 
     async def _join(self, deadline: float) -> Reply:
         """Ask to join until the round completes; ``deadline`` is on the monotonic clock."""
-        port = _free_port()
+        port = free_port()
         expired = False
         interval = self._settings.keep_alive_interval
         clock = self._clock

@@ -3,10 +3,13 @@
 How it works: the state machine answers a refused request with an outcome (closed, timed
 out, rules that differ from the run's, a node listed under another secret); these
 functions turn it into the exception the node raises, with a message that says what
-happened and what to do. They never name a secret.
+happened and what to do (a closed run: when its id is free again). They never name a
+secret.
 """
 
 from __future__ import annotations
+
+import math
 
 from ..core.errors import (
     RendezvousClosedError,
@@ -51,11 +54,30 @@ def _rules_differ(settings: RendezvousSettings, run: Rules) -> RendezvousError:
     )
 
 
+def _closed(run_id: str, reply: Reply) -> RendezvousClosedError:
+    reset = f"`aelastic status --rdzv-id {run_id} --reset`"
+    if reply.reopen_at_ms is None:
+        when = "two heartbeat windows after they have left (some of its nodes are still in it)"
+        reopens_in = None
+    else:
+        reopens_in = max(reply.reopen_at_ms - reply.status.now_ms, 0) / 1000
+        when = (
+            f"in {math.ceil(reopens_in)} s (two heartbeat windows after its last node left, "
+            "so that a late node of that job still learns that it closed)"
+        )
+    error = RendezvousClosedError(
+        f"The rendezvous '{run_id}' is closed: the job that used this id is over. A new job "
+        f"can use the id {when}, at once after {reset}, or with another --rdzv-id."
+    )
+    error.reopens_in = reopens_in
+    return error
+
+
 def join_refused(settings: RendezvousSettings, node: NodeDesc, reply: Reply) -> RendezvousError:
     """The error a join answered ``reply`` (any outcome but finish or wait) raises."""
     run_id, outcome = settings.run_id, reply.outcome
     if outcome is Outcome.ERROR_CLOSED:
-        return RendezvousClosedError(f"The rendezvous '{run_id}' is closed.")
+        return _closed(run_id, reply)
     if outcome is Outcome.GRACEFUL_EXIT:
         return RendezvousGracefulExitError(
             f"The rendezvous '{run_id}' is closed, terminating pending rendezvous."

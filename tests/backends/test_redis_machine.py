@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from aelastic.backends.redis import _lua, _scripts
 from aelastic.core.machine import snapshot_of, step
 from aelastic.core.params import Rules
-from aelastic.core.state import Op, Request, RunState
+from aelastic.core.state import NodeDesc, Op, Request, RunState
 from aelastic.core.wire import (
     reply_from_json,
     reply_to_json,
@@ -116,3 +116,55 @@ def test_many_losses_of_a_complete_round_agree(client: redis.Redis) -> None:
         Step(1, Op.JOIN, 10),
     ]
     run_both(client, Rules(2, 6, last_call_ms=5, window_ms=2_000), join + losses)
+
+
+def test_a_closed_run_used_again_agrees(client: redis.Redis) -> None:
+    """Closed, left by its nodes, refused to a late node for two windows, then made again by
+    a join with other rules (rare at random)."""
+    steps = [Step(i, Op.JOIN, 1) for i in range(3)] + [
+        Step(0, Op.CLOSE, 5),
+        Step(1, Op.JOIN, 5),  # a member asks again: closed, and out
+        Step(0, Op.LEAVE, 5),
+        Step(5, Op.JOIN, 5),  # a late node: closed, nodes still in it
+        Step(2, Op.KEEP_ALIVE, 100),
+        Step(3, Op.STATUS, 2_500),  # the last one pruned: empty since its expiry
+        Step(6, Op.JOIN, 1_000),  # a late node: closed, free again later
+        Step(7, Op.JOIN, 3_000, variant=1),  # two windows later: a new run, its rules
+        Step(4, Op.JOIN, 10),  # the old rules: refused
+    ]
+    run_both(client, Rules(2, 5, last_call_ms=5, window_ms=2_000), steps)
+
+
+def test_ranks_of_a_large_round_agree_and_sorting_them_is_quick(client: redis.Redis) -> None:
+    """4,096 nodes whose names sort differently by bytes, by a locale and by join order:
+    Lua and Python give the same ranks, and the script that completes the round (and sorts
+    them) keeps Redis busy for a moment only."""
+    import random
+    import time
+
+    rng = random.Random(7)
+    nodes = [
+        NodeDesc(rng.choice(["10.0.", "10.0-", "node.", "node-", "Node_"]) + str(i % 97),
+            rng.randrange(1, 10 ** rng.randrange(1, 7)), i % 3)
+        for i in range(4096)
+    ]  # fmt: skip
+    nodes = list(dict.fromkeys(nodes))
+    rules = Rules(len(nodes), len(nodes), last_call_ms=1, window_ms=600_000)
+    keys = _scripts.RunKeys("parity", f"run-{next(_runs)}")
+    state = RunState("feed")
+    for number, node in enumerate(nodes[:-1]):
+        request = Request(Op.JOIN, node, rules, port=number, secret="s" * 16)
+        step(state, request, T0)
+        _lua_step(client, keys, request, T0)
+    last = Request(Op.JOIN, nodes[-1], rules, port=1, secret="s" * 16)
+    expected = step(state, last, T0)
+    started = time.perf_counter()
+    got = reply_from_json(_lua_step(client, keys, last, T0))
+    took = time.perf_counter() - started
+    assert got.rank == expected.rank and got.master_addr == expected.master_addr
+    lua_ranks = {
+        e.node: e.rank for e in snapshot_from_json(_snapshot(client, keys, T0)).participants
+    }
+    assert lua_ranks == dict(state.participants)
+    assert took < 2.0, f"completing a round of {len(nodes)} took {took:.3f} s"
+    print(f"completion of {len(nodes)} nodes (sort included): {took * 1000:.1f} ms")

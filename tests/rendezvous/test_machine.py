@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from aelastic.core.machine import beat_due_ms, expiry_ms, snapshot_of, status_of, step
+from aelastic.core.machine import (
+    beat_due_ms,
+    expiry_ms,
+    reuse_grace_ms,
+    snapshot_of,
+    status_of,
+    step,
+)
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Outcome, Reply, Request, RunState, Transition
 from aelastic.core.token import NO_STATE
@@ -54,17 +61,35 @@ def test_min_nodes_starts_the_last_call_and_its_end_completes_the_round() -> Non
     assert (other.master_addr, other.master_port) == (A.addr, 1000 + A.pid)
 
 
-def test_max_nodes_completes_at_once_with_ranks_in_join_order() -> None:
+def test_max_nodes_completes_at_once_with_ranks_in_torchs_order() -> None:
+    """Ranks follow the sorted node descriptors (address, pid, local id), not join order."""
     s = RunState("e")
     for node in (C, A):
         ask(s, node, r=rules(3, 3))
     last = ask(s, B, r=rules(3, 3))
-    assert last.outcome is Outcome.FINISH and last.rank == 2
+    assert last.outcome is Outcome.FINISH and last.rank == 1
     assert {n: e.rank for n, e in ((e.node, e) for e in snapshot_of(s, T0).participants)} == {
-        C: 0,
-        A: 1,
-        B: 2,
+        A: 0,
+        B: 1,
+        C: 2,
     }
+    assert last.master_addr == A.addr and last.master_port == 1000 + A.pid
+
+
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        [NodeDesc("b", 1, 0), NodeDesc("a-b", 1, 0), NodeDesc("a", 1, 0), NodeDesc("a.b", 1, 0)],
+        [NodeDesc("h", 10, 0), NodeDesc("h", 9, 0), NodeDesc("h", 100, 1), NodeDesc("h", 100, 0)],
+        [NodeDesc("10.0.0.10", 1, 0), NodeDesc("10.0.0.9", 1, 0), NodeDesc("10.0.0.1", 2, 0)],
+    ],
+)
+def test_ranks_are_sorted_as_tuples(nodes: list[NodeDesc]) -> None:
+    s = RunState("e")
+    r = rules(len(nodes), len(nodes))
+    for node in nodes:
+        ask(s, node, r=r)
+    assert sorted(s.participants, key=s.participants.__getitem__) == sorted(nodes)
 
 
 def test_only_watched_fields_move_the_token() -> None:
@@ -283,3 +308,42 @@ def test_only_a_join_makes_a_run(op: Op) -> None:
     reply = act(s, A, op, SECRET_A)
     assert not s.made and reply.status.token == NO_STATE and not reply.known
     assert not step(s, Request.operator_close(), T0).status.closed
+
+
+# -- a job id used again ------------------------------------------------------------------
+
+
+def test_a_closed_run_is_reused_once_empty_for_two_windows() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    act(s, B, Op.JOIN, SECRET_B)  # round 0: A and B
+    act(s, A, Op.CLOSE, SECRET_A, now=T0 + 10)
+    act(s, A, Op.LEAVE, SECRET_A, now=T0 + 20)
+    late = act(s, C, Op.JOIN, FORGED, now=T0 + 30)
+    assert late.outcome is Outcome.ERROR_CLOSED and late.reopen_at_ms is None  # B is in it
+    act(s, B, Op.LEAVE, SECRET_B, now=T0 + 40)  # the last node leaves
+    grace = reuse_grace_ms(rules(2, 2))
+    assert grace == 2 * 3_000
+    late = act(s, C, Op.JOIN, FORGED, now=T0 + 40 + grace - 1)
+    assert late.outcome is Outcome.ERROR_CLOSED and late.reopen_at_ms == T0 + 40 + grace
+    other = Rules(1, 1, last_call_ms=1, window_ms=60_000)
+    before = s.round
+    fresh = act(s, C, Op.JOIN, FORGED, now=T0 + 40 + grace, r=other)
+    assert fresh.outcome is Outcome.FINISH and fresh.rank == 0  # a new run, the new rules
+    assert s.round == before + 1 and not s.closed and s.rules == other
+
+
+def test_a_join_to_a_closed_run_ends_the_nodes_part_in_it() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A, r=rules(1, 1))
+    act(s, B, Op.JOIN, SECRET_B, r=rules(1, 1))  # redundant
+    act(s, C, Op.JOIN, FORGED, r=rules(1, 1))  # redundant too
+    step(s, Request.operator_close(), T0 + 5)
+    assert act(s, B, Op.JOIN, SECRET_B, r=rules(1, 1)).outcome is Outcome.GRACEFUL_EXIT
+    assert not s.knows(B)
+    closed = act(s, A, Op.JOIN, SECRET_A, now=T0 + 6, r=rules(1, 1))
+    assert closed.outcome is Outcome.ERROR_CLOSED and not s.knows(A)
+    assert s.vacated_ms is None  # C is still in it
+    act(s, C, Op.KEEP_ALIVE, FORGED, now=T0 + 2_000, r=rules(1, 1))
+    pruned = act(s, A, Op.STATUS, SECRET_A, now=T0 + 10_000, r=rules(1, 1))
+    assert pruned.pruned == 1 and s.vacated_ms == T0 + 2_000 + 3_000  # when C expired

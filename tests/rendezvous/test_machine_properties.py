@@ -41,13 +41,16 @@ class Checker:
         if not s.made:
             assert not s.beats and not s.closed, "a state no join made holds nothing"
             return
-        assert s.rules is not None
-        if s.rules is not None and self.rules is None:
+        if self.closed and not s.closed:  # a closed run made again by a join
+            assert s.round > self.round and s.vacated_ms is None, "reused in a new round"
+            self.rules = None  # the joiner's
+        if self.rules is None:
             self.rules = s.rules
-        assert s.rules == self.rules, "a run's rules never change"
+        assert s.rules is not None and s.rules == self.rules, "a run's rules never change"
         r = self.rules
         assert s.round >= self.round, "rounds never go back"
-        assert s.closed or not self.closed, "a closed rendezvous stays closed"
+        if s.closed and not s.beats:
+            assert s.vacated_ms is not None, "an empty closed run knows since when"
         self.round, self.closed = s.round, s.closed
         parts, waiting, redundant = set(s.participants), s.wait_list, s.redundancy_list
         assert not (parts & waiting) and not (parts & redundant) and not (waiting & redundant)
@@ -69,6 +72,7 @@ class Checker:
             group = self.groups.get(s.round)
             if group is None:
                 assert sorted(ranks.values()) == list(range(len(ranks)))
+                assert sorted(ranks, key=ranks.__getitem__) == sorted(ranks), "torch's order"
                 assert r.min_nodes <= len(ranks) <= r.max_nodes, "world size out of bounds"
                 assert s.world == len(ranks)
                 self.groups[s.round] = ranks

@@ -25,7 +25,8 @@ error object and left untouched.
 
 from __future__ import annotations
 
-from ._lua_header import HEADER as _HEADER
+from ._lua_read import HEADER as _HEADER
+from ._lua_read import SNAPSHOT, STATUS
 
 __all__ = ["OP", "SNAPSHOT", "STATUS"]
 
@@ -104,9 +105,11 @@ local function open_next_round()
   h.master_addr, h.master_port = false, false
 end
 
-local function remove(n, fin)
+-- Removes n, gone at time `at` (a closed run empty since then may be reused).
+local function remove(n, at, fin)
   redis.call('ZREM', B, n)
   redis.call('HDEL', S, n)
+  if h.closed and redis.call('ZCARD', B) == 0 then h.vacated = at end
   if redis.call('ZSCORE', P, n) == false then
     redis.call('SREM', W, n)
     redis.call('SREM', R, n)
@@ -130,14 +133,46 @@ end
 local function prune()
   if not h.rules then return 0 end
   local dead = redis.call('ZRANGEBYSCORE', B, '-inf',
-    '(' .. string.format('%d', now - h.rules.window))
-  for _, n in ipairs(dead) do remove(n, false) end
-  return #dead
+    '(' .. string.format('%d', now - h.rules.window), 'WITHSCORES')
+  for i = 1, #dead, 2 do remove(dead[i], tonumber(dead[i + 1]) + h.rules.window, false) end
+  return #dead / 2
 end
 
+-- A decimal number as bytes that order as the number: its length (2 bytes), its digits.
+local function ordered(digits)
+  return string.char(math.floor(#digits / 256), #digits % 256) .. digits
+end
+
+-- Ranks in torch's order, Python's NodeDesc order (address, then pid, then local id),
+-- sorted by Redis: each name goes into ORDER as a member whose bytes order as that tuple
+-- (equal scores order by memcmp, which is Python's str order on UTF-8; a NUL ends the
+-- address, so a prefix comes first). Not Lua's `<` on strings: that is strcoll, the server's
+-- locale, which may ignore '.' and '-'. (Measured, Redis CPU per completion of 4,096
+-- nodes: 32 ms; a table.sort with a byte-comparing function, 70 ms; join order, 10 ms.)
 local function complete()
-  local order = redis.call('ZRANGE', P, 0, -1)
-  for i, n in ipairs(order) do redis.call('ZADD', P, i - 1, n) end
+  local names, by_key = redis.call('ZRANGE', P, 0, -1), {}
+  for i = 1, #names, 500 do
+    local args = {}
+    for j = i, math.min(i + 499, #names) do
+      local addr, pid, id = string.match(names[j], '^(.*)_(%d+)_(%d+)$')
+      local key = addr .. '\0' .. ordered(pid) .. ordered(id)
+      by_key[key] = names[j]
+      args[#args + 1] = 0
+      args[#args + 1] = key
+    end
+    redis.call('ZADD', ORDER, unpack(args))
+  end
+  local order = redis.call('ZRANGE', ORDER, 0, -1)
+  redis.call('DEL', ORDER)
+  for i = 1, #order, 500 do
+    local args = {}
+    for j = i, math.min(i + 499, #order) do
+      order[j] = by_key[order[j]]
+      args[#args + 1] = j - 1
+      args[#args + 1] = order[j]
+    end
+    redis.call('ZADD', P, unpack(args))
+  end
   local first = order[1]
   h.master_addr = string.match(first, '^(.*)_%d+_%d+$')
   h.master_port = tonumber(redis.call('HGET', PORTS, first) or '0')
@@ -154,12 +189,31 @@ local function same_rules(a, b)
     and a.window == b.window
 end
 
+-- When the closed run can be reused (two heartbeat windows after its last node left);
+-- false while nodes are still in it.
+local function reopen_at()
+  if not h.vacated or redis.call('ZCARD', B) > 0 then return false end
+  return h.vacated + 2 * h.rules.window
+end
+
 -- returns outcome, transition, wake_at, restart
 local function join()
   if knows(node) and not owns(node) then return 'error_forbidden', 'none' end
   if h.closed then
-    if redis.call('SISMEMBER', R, node) == 1 then return 'graceful_exit', 'none' end
-    return 'error_closed', 'none'
+    local reopen = reopen_at()
+    if not reopen or now < reopen then
+      -- a join to a closed run ends this node's part in it
+      local outcome = 'error_closed'
+      if redis.call('SISMEMBER', R, node) == 1 then outcome = 'graceful_exit' end
+      if knows(node) then
+        remove(node, now, false)
+        return outcome, 'remove'
+      end
+      return outcome, 'none'
+    end
+    -- closed and empty long enough: a new run (the next round, the joiner's rules)
+    h.closed, h.rules, h.vacated = false, asked, false
+    open_next_round()
   end
   if not h.rules then
     h.rules = asked  -- this join makes the run: its rules are the run's
@@ -173,7 +227,7 @@ local function join()
       beat(node)
       return 'wait', 'keep_alive'
     end
-    remove(node, false)
+    remove(node, now, false)
     exp, restart, transition = false, true, 'remove_from_redundancy_list'
   end
   local is_participant = redis.call('ZSCORE', P, node) ~= false
@@ -183,7 +237,7 @@ local function join()
   end
   if exp then
     if knows(node) then
-      remove(node, false)
+      remove(node, now, false)
       transition = 'remove'
     end
     return 'error_timeout', transition
@@ -230,6 +284,7 @@ local function close()
   -- only a member, or the operator, closes a run
   if not operator and not owns(node) then return 'error_forbidden', 'none' end
   h.closed = true
+  if redis.call('ZCARD', B) == 0 then h.vacated = now end
   return 'finish', 'mark_closed'
 end
 
@@ -240,7 +295,7 @@ local function apply()
   -- a leave or a heartbeat for another node
   if not owns(node) then return 'error_forbidden', 'none' end
   if op == 'leave' then
-    remove(node, finished)
+    remove(node, now, finished)
     return 'finish', 'remove'
   end
   beat(node)
@@ -267,7 +322,8 @@ if h.rules then
     'master_port', h.master_port and string.format('%d', h.master_port) or '',
     'replid', h.replid or '', 'min', string.format('%d', r.min),
     'max', string.format('%d', r.max), 'last_call', string.format('%d', r.last_call),
-    'window', string.format('%d', r.window)}
+    'window', string.format('%d', r.window),
+    'vacated', h.vacated and string.format('%d', h.vacated) or ''}
   if h.fresh then
     table.insert(fields, 'data')
     table.insert(fields, '{"format":"aelastic.rendezvous.state","version":3}')
@@ -293,6 +349,7 @@ local reply = {outcome = outcome, status = status, transition = transition,
                restart = restart or false, known = owns(node), pruned = pruned}
 if wake_at then reply.wake_at = wake_at end
 if outcome == 'error_rules' then reply.rules = h.rules end
+if outcome == 'error_closed' then reply.reopen_at = reopen_at() or nil end
 if op == 'join' and outcome == 'finish' then
   reply.rank = tonumber(redis.call('ZSCORE', P, node))
   reply.master_addr = h.master_addr
@@ -303,53 +360,5 @@ if op == 'keep_alive' then
   if oldest[2] then reply.oldest = tonumber(oldest[2]) end
 end
 return cjson.encode(reply)
-"""
-)
-
-#: KEYS: as OP. ARGV: now ms or ''. -> status JSON | {"absent": true} | error JSON.
-STATUS = (
-    _HEADER
-    + r"""
-local bad, exists = check_types()
-if bad then return cjson.encode(bad) end
-local h, err = load_header('', exists)
-if not h then return cjson.encode(err) end
-if h.fresh then return cjson.encode({absent = true}) end
-return cjson.encode(status_of(h, server_now(ARGV[1])))
-"""
-)
-
-#: KEYS: as OP. ARGV: now ms or ''. -> snapshot JSON | {"absent": true} | error JSON.
-SNAPSHOT = (
-    _HEADER
-    + r"""
-local bad, exists = check_types()
-if bad then return cjson.encode(bad) end
-local h, err = load_header('', exists)
-if not h then return cjson.encode(err) end
-if h.fresh then return cjson.encode({absent = true}) end
-local beats = {}
-local raw = redis.call('ZRANGE', B, 0, -1, 'WITHSCORES')
-for i = 1, #raw, 2 do beats[raw[i]] = tonumber(raw[i + 1]) end
-local function entries(list, ranked)
-  local out = {}
-  for i = 1, #list, ranked and 2 or 1 do
-    local n = list[i]
-    local row = {n, beats[n] or 0}
-    if ranked and h.complete then row[3] = tonumber(list[i + 1]) end
-    table.insert(out, row)
-  end
-  return out
-end
-local wait, redundant = redis.call('SMEMBERS', W), redis.call('SMEMBERS', R)
-local snap = {status = status_of(h, server_now(ARGV[1])),
-              participants = entries(redis.call('ZRANGE', P, 0, -1, 'WITHSCORES'), true),
-              wait_list = entries(wait, false), redundancy_list = entries(redundant, false),
-              rules = h.rules}
-if h.master_addr then
-  snap.master_addr = h.master_addr
-  snap.master_port = h.master_port
-end
-return cjson.encode(snap)
 """
 )

@@ -10,7 +10,8 @@ Redis Cluster hash tag, so a run lives on one slot and multi-key scripts stay le
   drawn again when the primary's replication id, ``replid``, changed: after a failover);
 * ``...:p`` participants (sorted set: join order, then rank), ``...:ports`` their bootstrap
   ports, ``...:w`` wait list and ``...:r`` redundancy list (sets), ``...:b`` heartbeats
-  (sorted set by time), ``...:s`` the nodes' secrets (hash): see :mod:`._lua` for the
+  (sorted set by time), ``...:s`` the nodes' secrets (hash), ``...:order`` (a sorted set
+  that lives only while a completing round's ranks are sorted): see :mod:`._lua` for the
   scripts that change them;
 * ``...:kv:<key>``: one string per key of the members' store;
 * ``...:op:<id>``: the result of a ``kv_add``, kept a while so a retried add never counts twice;
@@ -95,6 +96,7 @@ class RunKeys:
             f"{self.base}:r",
             f"{self.base}:b",
             f"{self.base}:s",
+            f"{self.base}:order",
         )
 
     def __repr__(self) -> str:

@@ -85,7 +85,7 @@ from ._guard import (
     quiet_accept_errors,
     raise_open_file_limit,
 )
-from ._routes import is_loopback
+from ._operator import is_loopback
 from ._runs import PersistenceError
 
 __all__ = [

@@ -28,7 +28,8 @@ from ._answer import failure
 from ._channel import add_channel
 from ._guard import DEFAULT_READ_TIMEOUT, RateLimitedLog
 from ._metrics import install as install_metrics
-from ._routes import BODY_TIMEOUT, HAS_TOKEN, REPLAYS, STORE, Replays, add_routes
+from ._operator import HAS_TOKEN
+from ._routes import BODY_TIMEOUT, REPLAYS, STORE, Replays, add_routes
 from ._runs import PersistenceError, RunLimitError, RunStore
 
 __all__ = [

@@ -10,14 +10,12 @@ Long-polls (``status?token=&wait=``, ``kv/wait``) are held until the change, the
 or the server's shutdown (then ``503``, and clients retry against the restarted server).
 A request that may make a new run is first admitted by the store (``503`` past its limit
 of runs); a body must arrive within ``BODY_TIMEOUT`` (``408``). The operator's routes
-(closing and deleting a run) need the server's token; on a server without one they are
-taken only from its own machine (a loopback peer that no proxy forwarded: ``403`` else).
+(closing and deleting a run) are checked by :mod:`._operator`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -38,7 +36,6 @@ from ..wire import (
     API_PREFIX,
     API_VERSION,
     MAX_LISTED_RUNS,
-    TOKEN_ENV,
     SchemaError,
     b64encode,
     require_bytes,
@@ -52,9 +49,10 @@ from ..wire import (
     require_token,
 )
 from ._answer import answer
+from ._operator import require_operator
 from ._runs import RunStore
 
-__all__ = ["BODY_TIMEOUT", "HAS_TOKEN", "REPLAYS", "STORE", "Replays", "add_routes", "is_loopback"]
+__all__ = ["BODY_TIMEOUT", "REPLAYS", "STORE", "Replays", "add_routes"]
 
 _MAX_REPLAYS = 8192
 _MAX_REPLAY_SIZE = 1024
@@ -95,10 +93,6 @@ class Replays:
 
 
 STORE: web.AppKey[RunStore] = web.AppKey("aelastic_run_store", RunStore)
-#: Whether the server checks a token (its operator's routes are then open to token holders).
-HAS_TOKEN = web.AppKey("aelastic_has_token", bool)
-#: Headers a proxy adds: a request carrying one came from elsewhere, whatever its peer.
-_FORWARDED = ("Forwarded", "X-Forwarded-For", "X-Real-IP")
 REPLAYS = web.AppKey("aelastic_replays", Replays)
 #: Seconds a request's body may take to arrive.
 BODY_TIMEOUT = web.AppKey("aelastic_body_timeout", float)
@@ -182,17 +176,6 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address, IPv4 mapped in IPv6 too, or ``localhost``) is this
-    machine's loopback."""
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return host == "localhost"
-    mapped = getattr(address, "ipv4_mapped", None)
-    return bool((mapped or address).is_loopback)
-
-
 # -- health and the rendezvous ------------------------------------------------------------
 
 
@@ -263,29 +246,10 @@ async def _list_runs(request: web.Request) -> web.Response:
     return web.json_response({"runs": body})
 
 
-def _operator(request: web.Request) -> None:
-    """Let an operator's request through: a token holder's, or (no token) one from this
-    machine that no proxy forwarded.
-
-    Raises:
-        web.HTTPForbidden: It is neither.
-    """
-    if request.app[HAS_TOKEN]:
-        return  # the token was checked
-    peer = request.remote or ""
-    local = is_loopback(peer) and not any(h in request.headers for h in _FORWARDED)
-    if not local:
-        raise web.HTTPForbidden(
-            reason="this server has no token: a run is closed or deleted only from the "
-            "server's own machine (loopback); run `aelastic status --close/--reset` there, "
-            f"or start the server with a token ({TOKEN_ENV})"
-        )
-
-
 async def _close_run(request: web.Request) -> web.Response:
     run_id = _run_id(request)
     _query(request, set())
-    _operator(request)
+    require_operator(request)
     engine = _store(request).engine
 
     def apply() -> _Reply:
@@ -299,7 +263,7 @@ async def _close_run(request: web.Request) -> web.Response:
 async def _delete_run(request: web.Request) -> web.Response:
     run_id = _run_id(request)
     _query(request, set())
-    _operator(request)
+    require_operator(request)
     store = _store(request)
     return await _mutate(request, lambda: (200, {"deleted": store.delete(run_id)}))
 

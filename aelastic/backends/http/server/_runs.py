@@ -74,6 +74,7 @@ def _state_doc(state: RunState) -> dict[str, Any]:
         "lost": state.lost,
         "finished": state.finished,
         "lost_sample": list(state.lost_sample),
+        "vacated": state.vacated_ms,
         "master": None if state.master is None else list(state.master),
         "participants": [[n.key, v] for n, v in state.participants.items()],
         "ports": [[n.key, p] for n, p in state.ports.items()],
@@ -103,7 +104,7 @@ def _state_from(doc: Any, beat: int) -> RunState:
     epoch, generation = doc.get("epoch"), doc.get("generation")
     if not isinstance(epoch, str) or parse(f"{epoch}.{_int(generation, 'generation')}") is None:
         raise SchemaError("a state has an invalid epoch or generation")
-    deadline, master = doc.get("deadline"), doc.get("master")
+    deadline, master, vacated = doc.get("deadline"), doc.get("master"), doc.get("vacated")
     try:
         rules = rules_from_json(doc.get("rules"))
     except WireError as exc:
@@ -127,6 +128,7 @@ def _state_from(doc: Any, beat: int) -> RunState:
         lost=_int(doc.get("lost"), "lost"),
         finished=_int(doc.get("finished"), "finished"),
         lost_sample=[_node(k).key for k in doc.get("lost_sample") or []],
+        vacated_ms=None if vacated is None else _int(vacated, "vacated"),
         master=None if master is None else (str(master[0]), _int(master[1], "master port")),
         participants={_node(k): _int(v, "rank") for k, v in doc.get("participants") or []},
         ports={_node(k): _int(v, "port") for k, v in doc.get("ports") or []},

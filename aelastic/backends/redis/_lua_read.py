@@ -1,22 +1,24 @@
-"""Lua shared by the rendezvous scripts: the run's keys, reading and checking its header.
+"""The Lua that reads a run: the header every rendezvous script starts with, and the
+scripts reading a run's status and snapshot.
 
-How it works: every rendezvous script (:mod:`._lua`) starts with this text. It names the
-run's keys, checks their Redis types, reads the header hash into a table ``h`` (the run's
-rules in ``h.rules``; ``false`` while no join made the run), and makes the status of
-``h``, as :func:`aelastic.core.machine.status_of` does.
+How it works: every rendezvous script (these and :mod:`._lua`'s ``OP``) starts with
+:data:`HEADER`. It names the run's keys, checks their Redis types, reads the header hash
+into a table ``h`` (the run's rules in ``h.rules``; ``false`` while no join made the run),
+and makes the status of ``h``, as :func:`aelastic.core.state.status_of` does.
 """
 
 from __future__ import annotations
 
-__all__ = ["HEADER"]
+__all__ = ["HEADER", "SNAPSHOT", "STATUS"]
 
-#: KEYS: header, participants, ports, wait list, redundancy list, beats, secrets.
+#: KEYS: header, participants, ports, wait list, redundancy list, beats, secrets, and a
+#: sorted set used (and deleted) while a round's ranks are fixed.
 #: Defines check_types, load_header, status_of, server_now.
 HEADER = r"""
-local HS, P, PORTS, W, R, B, S = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6],
-  KEYS[7]
+local HS, P, PORTS, W, R, B, S, ORDER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
+  KEYS[6], KEYS[7], KEYS[8]
 local TYPES = {[HS] = 'hash', [P] = 'zset', [PORTS] = 'hash', [W] = 'set', [R] = 'set',
-               [B] = 'zset', [S] = 'hash'}
+               [B] = 'zset', [S] = 'hash', [ORDER] = 'zset'}
 
 -- Checks the Redis type of the given keys (all of them by default); returns an error
 -- object and whether the header exists.
@@ -35,13 +37,13 @@ end
 local function load_header(epoch, exists)
   local f = redis.call('HMGET', HS, 'format', 'epoch', 'version', 'round', 'complete',
     'closed', 'deadline', 'seq', 'world', 'lost', 'finished', 'sample', 'master_addr',
-    'master_port', 'data', 'replid', 'min', 'max', 'last_call', 'window')
+    'master_port', 'data', 'replid', 'min', 'max', 'last_call', 'window', 'vacated')
   if not f[1] and not f[2] and not f[15] then
     if exists then return nil, {error = 'foreign'} end
     return {fresh = true, epoch = epoch, gen = 0, round = 0, complete = false,
             closed = false, deadline = false, seq = 0, world = 0, lost = 0, finished = 0,
             sample = {}, master_addr = false, master_port = false, replid = false,
-            rules = false}
+            rules = false, vacated = false}
   end
   if f[1] ~= '3' then
     local ok, doc = pcall(cjson.decode, f[15] or '')
@@ -62,7 +64,8 @@ local function load_header(epoch, exists)
           master_port = (f[14] ~= '' and tonumber(f[14])) or false,
           replid = (f[16] and f[16] ~= '' and f[16]) or false,
           rules = {min = tonumber(f[17]), max = tonumber(f[18]),
-                   last_call = tonumber(f[19]), window = tonumber(f[20])}}
+                   last_call = tonumber(f[19]), window = tonumber(f[20])},
+          vacated = (f[21] and f[21] ~= '' and tonumber(f[21])) or false}
 end
 
 -- The status of h; an empty one (token '') while no join made the run.
@@ -87,3 +90,51 @@ local function server_now(given)
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 """
+
+#: KEYS: as OP. ARGV: now ms or ''. -> status JSON | {"absent": true} | error JSON.
+STATUS = (
+    HEADER
+    + r"""
+local bad, exists = check_types()
+if bad then return cjson.encode(bad) end
+local h, err = load_header('', exists)
+if not h then return cjson.encode(err) end
+if h.fresh then return cjson.encode({absent = true}) end
+return cjson.encode(status_of(h, server_now(ARGV[1])))
+"""
+)
+
+#: KEYS: as OP. ARGV: now ms or ''. -> snapshot JSON | {"absent": true} | error JSON.
+SNAPSHOT = (
+    HEADER
+    + r"""
+local bad, exists = check_types()
+if bad then return cjson.encode(bad) end
+local h, err = load_header('', exists)
+if not h then return cjson.encode(err) end
+if h.fresh then return cjson.encode({absent = true}) end
+local beats = {}
+local raw = redis.call('ZRANGE', B, 0, -1, 'WITHSCORES')
+for i = 1, #raw, 2 do beats[raw[i]] = tonumber(raw[i + 1]) end
+local function entries(list, ranked)
+  local out = {}
+  for i = 1, #list, ranked and 2 or 1 do
+    local n = list[i]
+    local row = {n, beats[n] or 0}
+    if ranked and h.complete then row[3] = tonumber(list[i + 1]) end
+    table.insert(out, row)
+  end
+  return out
+end
+local wait, redundant = redis.call('SMEMBERS', W), redis.call('SMEMBERS', R)
+local snap = {status = status_of(h, server_now(ARGV[1])),
+              participants = entries(redis.call('ZRANGE', P, 0, -1, 'WITHSCORES'), true),
+              wait_list = entries(wait, false), redundancy_list = entries(redundant, false),
+              rules = h.rules}
+if h.master_addr then
+  snap.master_addr = h.master_addr
+  snap.master_port = h.master_port
+end
+return cjson.encode(snap)
+"""
+)
