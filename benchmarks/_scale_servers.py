@@ -7,6 +7,11 @@
   reply's exact bytes each) are subtracted.
 * :class:`HttpUnderTest`: aelastic's HTTP server app in its own process with a counting
   middleware (``benchmarks/_counting_http_server.py``).
+* :class:`EtcdUnderTest`: a real ``etcd`` (``tests/_etcd_server.py``); counters from its
+  ``/metrics`` (plain HTTP, not counted itself): ``grpc_server_msg_received_total`` (every
+  request message: each JSON request of the gateway is one, a watch's one too) and
+  ``etcd_network_client_grpc_sent_bytes_total`` (the answers as protobuf: the JSON the
+  gateway sends is larger, by about half again); connections are not counted (-1).
 * :class:`TorchStoreUnderTest`: torch's ``TCPStore`` server behind a byte-counting TCP
   proxy, in one process (``benchmarks/_scale_torch.py host``).
 
@@ -31,6 +36,7 @@ if str(ROOT) not in sys.path:
 
 __all__ = [
     "Counters",
+    "EtcdUnderTest",
     "HttpUnderTest",
     "RedisUnderTest",
     "ServerUnderTest",
@@ -192,6 +198,32 @@ class HttpUnderTest:
 
     def close(self) -> None:
         _stop(self._process)
+
+
+class EtcdUnderTest:
+    """An ``etcd`` member on loopback, its counters read from ``/metrics``."""
+
+    def __init__(self) -> None:
+        from tests._etcd_server import EtcdServer
+
+        self._server = EtcdServer().start()
+        assert self._server.process is not None
+        self.pid = self._server.process.pid
+        self.endpoint = self._server.endpoint
+
+    def snapshot(self) -> Counters:
+        with urllib.request.urlopen(self._server.url + "/metrics", timeout=30) as answer:
+            text = answer.read().decode()
+        received = sent = 0.0
+        for line in text.splitlines():
+            if line.startswith("grpc_server_msg_received_total{"):
+                received += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("etcd_network_client_grpc_sent_bytes_total"):
+                sent += float(line.rsplit(" ", 1)[1])
+        return Counters(int(received), int(sent), -1, cpu_seconds(self.pid))
+
+    def close(self) -> None:
+        self._server.close()
 
 
 class TorchStoreUnderTest:

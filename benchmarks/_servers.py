@@ -1,7 +1,8 @@
-"""Real servers for the benchmarks: redis-server and aelastic's HTTP server on loopback.
+"""Real servers for the benchmarks: redis-server, aelastic's HTTP server, etcd, on loopback.
 
-The same helpers the tests use (``tests/_redis_server.py``, ``tests/_http_server.py``):
-each starts a real server on a free loopback port and stops it afterwards.
+The same helpers the tests use (``tests/_redis_server.py``, ``tests/_http_server.py``,
+``tests/_etcd_server.py``): each starts a real server on a free loopback port and stops it
+afterwards.
 """
 
 from __future__ import annotations
@@ -34,5 +35,10 @@ def server_endpoint(backend: str) -> Iterator[str]:
 
         with HttpServer() as http:
             yield http.url
+    elif backend == "etcd":
+        from tests._etcd_server import EtcdServer
+
+        with EtcdServer() as etcd:
+            yield etcd.endpoint
     else:
         raise ValueError(f"no server for backend {backend!r}")

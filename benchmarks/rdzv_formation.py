@@ -298,7 +298,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="2,8,16,32,64,128,256,512,1024")
     parser.add_argument("--torch-max", type=int, default=64, help="largest N run on torch")
-    parser.add_argument("--backends", default="memory,redis,http")
+    parser.add_argument("--backends", default="memory,redis,http,etcd")
     parser.add_argument("--server-max", type=int, default=256, help="largest N over a server")
     parser.add_argument("--wakeup-samples", type=int, default=5)
     parser.add_argument("--plot", type=Path, help="write formation time vs N as a PNG here")

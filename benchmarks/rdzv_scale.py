@@ -4,7 +4,7 @@ Every simulated node is a handler with its own connections that does its own rea
 shared between nodes of one process), so the server sees what N real nodes would send it.
 The nodes run in a few worker processes (``--procs``), plus one more process holding a
 single node, the one killed in the last phase. The benchmark starts its own servers on free
-loopback ports: ``redis-server``, and aelastic's HTTP server app (as ``aelastic serve``
+loopback ports: ``redis-server``, ``etcd``, and aelastic's HTTP server app (as ``aelastic serve``
 runs it) with a counting middleware; both fresh for each N.
 
 For each backend and N (min = max = N, ``keep_alive_interval=1``, large join and last-call
@@ -56,6 +56,7 @@ from benchmarks._scale_node import raise_fd_limit
 from benchmarks._scale_report import format_report, plot, save
 from benchmarks._scale_servers import (
     ROOT,
+    EtcdUnderTest,
     HttpUnderTest,
     RedisUnderTest,
     ServerUnderTest,
@@ -73,6 +74,7 @@ TORCH_CONFIG = {k: v for k, v in CONFIG.items() if k != "share_connections"}
 SERVERS: dict[str, Callable[[], ServerUnderTest]] = {
     "redis": RedisUnderTest,
     "http": HttpUnderTest,
+    "etcd": EtcdUnderTest,
 }
 
 

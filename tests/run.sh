@@ -7,19 +7,24 @@ PY="${PYTHON:-python3}"
 # torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
 "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+# Third-party clients tested under aelastic (tests/examples/test_frameworks.py): about 20 s,
+# with torch named again so that pip keeps the CPU build installed above.
+"$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" lightning accelerate
 
 # The Redis tests start their own redis-server, and redis-sentinel for failover (Debian ships
-# it as a package of its own); the NUMA binding tests use numactl as torchrun does.
+# it as a package of its own); the etcd tests their own etcd (Debian's etcd-server: 3.4, the
+# v3 API); the NUMA binding tests use numactl as torchrun does.
 if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-sentinel >/dev/null 2>&1 \
-    || ! command -v numactl >/dev/null 2>&1; then
+    || ! command -v etcd >/dev/null 2>&1 || ! command -v numactl >/dev/null 2>&1; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-sentinel \
-        numactl >/dev/null
+        etcd-server numactl >/dev/null
     # The tests start their own servers; the packaged services are not needed.
     $SUDO service redis-server stop >/dev/null 2>&1 || true
     $SUDO service redis-sentinel stop >/dev/null 2>&1 || true
+    $SUDO service etcd stop >/dev/null 2>&1 || true
 fi
 
 # The pages are tested in a real browser: Debian's chromium, driven by Playwright (the dev

@@ -20,6 +20,8 @@ CORE_MODULES = [
     "aelastic.backends.http.server",
     "aelastic.agent",
     "aelastic.cli",
+    "aelastic.launcher",
+    "aelastic.run",
     "aelastic.web",
     "aelastic.web.pages",
     "aelastic.web.dashboard",
@@ -108,6 +110,7 @@ _LAYERS = {
     "backends": {"core", "backends"},
     "rendezvous": {"core", "backends", "rendezvous"},
     "agent": {"core", "backends", "rendezvous", "agent"},
+    "launcher": {"core", "backends", "rendezvous", "agent", "launcher"},
     "web": {"core", "backends", "web"},
     "sync": {"core", "backends", "rendezvous", "sync"},
 }

@@ -156,8 +156,24 @@ def test_event_data_is_redacted_for_every_subscriber() -> None:
 
 def test_workers_inherit_no_credential() -> None:
     parent = {name: SECRET for name in SECRET_ENV}
-    parent.update(AELASTIC_REDIS_USERNAME="alice", HOME="/root")
-    assert inherited_env(parent) == {"AELASTIC_REDIS_USERNAME": "alice", "HOME": "/root"}
+    parent.update(
+        AELASTIC_REDIS_USERNAME="alice",
+        AELASTIC_ETCD_USERNAME="bob",
+        AELASTIC_ETCD_PASSWORD=SECRET,
+        AELASTIC_ETCD_TOKEN=SECRET,
+        AELASTIC_TEST_HUB="/tmp/hub",  # not a credential
+        PET_RDZV_ENDPOINT=f"rediss://alice:{SECRET}@redis-host:6379/0",
+        PET_RDZV_CONF=f"join_timeout=60,password={SECRET}",
+        HOME="/root",
+    )
+    assert inherited_env(parent) == {
+        "AELASTIC_TEST_HUB": "/tmp/hub",
+        "PET_RDZV_ENDPOINT": "rediss://alice:***@redis-host:6379/0",
+        "PET_RDZV_CONF": "join_timeout=60,password=***",
+        "HOME": "/root",
+    }
+    bare = inherited_env({"PET_RDZV_ENDPOINT": f"alice:{SECRET}@host:29400"})
+    assert bare == {"PET_RDZV_ENDPOINT": "alice:***@host:29400"}
     assert {
         "AELASTIC_REDIS_PASSWORD",
         "AELASTIC_REDIS_SENTINEL_PASSWORD",

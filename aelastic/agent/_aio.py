@@ -6,6 +6,7 @@ import logging
 from collections.abc import Awaitable
 from typing import Any
 
+from ..core.errors import reason
 from ..core.race import cancel_and_wait, uncancellable
 
 __all__ = ["cancel_and_wait", "quietly", "uncancellable"]
@@ -18,4 +19,4 @@ async def quietly(awaitable: Awaitable[Any], what: str) -> None:
     try:
         await awaitable
     except Exception as exc:
-        log.warning("could not %s: %s", what, exc)
+        log.warning("could not %s: %s", what, reason(exc))

@@ -10,6 +10,7 @@ stderr (SCM_RIGHTS). It applies them, empties ``__main__`` and runs the script t
 ``python -m`` does. End-of-file on the socket (the agent closed it, or is gone) makes it
 exit 0. Everything happens inside one function with local imports, so that emptying
 ``__main__`` leaves nothing of the standby behind but the few standard modules it imported.
+An uncaught error of the worker is printed as Python prints it, without the standby's frames.
 """
 
 
@@ -77,4 +78,27 @@ def _serve() -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    try:
+        _serve()
+    except BaseException as _exc:
+        # The worker's own uncaught error, shown and ended as Python does for a script, but
+        # without this file's frames (``__main__`` is the worker's now: local names only).
+        import sys as _sys
+
+        if isinstance(_exc, SystemExit):
+            raise
+        _here = _sys._getframe().f_code.co_filename
+        _tb = _exc.__traceback__
+        while _tb is not None and _tb.tb_frame.f_code.co_filename == _here:
+            _tb = _tb.tb_next
+        _sys.excepthook(type(_exc), _exc.with_traceback(_tb), _tb)
+        if not isinstance(_exc, KeyboardInterrupt):
+            _sys.exit(1)
+        import atexit as _atexit
+        import os as _os
+        import signal as _signal
+
+        _atexit._run_exitfuncs()
+        _sys.stdout.flush()
+        _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+        _os.kill(_os.getpid(), _signal.SIGINT)  # killed by SIGINT, as Python ends then

@@ -34,6 +34,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ..core.errors import reason
+
 __all__ = ["ENABLE_VAR", "FILE_VAR", "FileTimerServer", "TimerRequest", "parse_request"]
 
 log = logging.getLogger("aelastic.watchdog")  # shown by `aelastic run` (warnings)
@@ -191,7 +193,7 @@ class FileTimerServer:
         try:
             request = parse_request(line)
         except ValueError as exc:
-            log.warning("file-timer watchdog: ignored a request (%s): %.200r", exc, line)
+            log.warning("file-timer watchdog: ignored a request (%s): %.200r", reason(exc), line)
             return
         key = (request.pid, request.scope_id)
         if request.is_release:
@@ -257,7 +259,7 @@ class FileTimerServer:
         except ProcessLookupError:
             pass  # gone already
         except OSError as exc:
-            log.error("file-timer watchdog: cannot signal pid %d: %s", pid, exc)
+            log.error("file-timer watchdog: cannot signal pid %d: %s", pid, reason(exc))
         for key in [k for k in self._timers if k[0] == pid]:
             del self._timers[key]
 

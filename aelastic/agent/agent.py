@@ -30,9 +30,16 @@ from types import MappingProxyType
 
 import anyio
 
-from ..core.errors import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
+from ..core.errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    reason,
+    typed,
+)
 from ..core.events import Event
 from ._aio import quietly, uncancellable
+from ._forks import ForkServer, fork_server_for
 from ._publish import AgentPublisher
 from ._services import agent_services, last_word
 from ._signals import forwarding, free_signals, raise_for, sigint_interrupts, signals_to_handle
@@ -91,6 +98,7 @@ class ElasticAgent:
         self._joined = False
         self._used = False
         self._stop_signal: int = signal.SIGTERM
+        self._forks: ForkServer | None = None
 
     def __repr__(self) -> str:
         return f"ElasticAgent(role={self._spec.role!r}, group={self._group!r})"
@@ -154,20 +162,24 @@ class ElasticAgent:
         self._used = True
         result: RunResult | None = None
         try:
+            self._forks = self._forks or fork_server_for(self._spec)  # a callable under fork
             async with agent_services(self):  # events of the store, NUMA check, health check
                 result = await self._invoke_run()
             return result
         finally:
             await uncancellable(self._shutdown(result))
 
-    def run_sync(self, role: str = DEFAULT_ROLE) -> RunResult:
+    def run_sync(
+        self, role: str = DEFAULT_ROLE, *, signals: tuple[signal.Signals, ...] | None = None
+    ) -> RunResult:
         """:meth:`run` on a private event loop, for plain scripts; releases the handler after.
 
         Works from any thread that is not itself running an event loop (another thread may
         run one). In the main thread, as torch's agent, the signals of
         ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (SIGTERM, SIGINT, SIGHUP, SIGQUIT by default)
         stop the workers with that same signal, the grace period, then SIGKILL, even if
-        inherited ignored; a handler of the program's own is left alone.
+        inherited ignored; a handler of the program's own is left alone. ``signals``
+        replaces that list.
 
         Raises:
             KeyboardInterrupt: SIGINT stopped the run.
@@ -176,7 +188,10 @@ class ElasticAgent:
         """
         if asyncio._get_running_loop() is not None:
             raise RuntimeError("run_sync() called from a running event loop: await run() instead")
-        handled, received = free_signals(signals_to_handle()), list[signal.Signals]()
+        if not self._used:  # before the loop and its threads: a safe state to fork from
+            self._forks = fork_server_for(self._spec)
+        wanted = signals_to_handle() if signals is None else signals
+        handled, received = free_signals(wanted), list[signal.Signals]()
 
         async def main() -> RunResult:
             try:
@@ -216,7 +231,7 @@ class ElasticAgent:
                 return RunResult(WorkerState.SUCCEEDED)
             except RendezvousError as exc:
                 if failures:  # our own failure is the root cause, the rendezvous the end
-                    return self._failed(failures, f"no restart ({type(exc).__name__}: {exc})")
+                    return self._failed(failures, f"no restart ({typed(exc)})")
                 raise
             except GroupChanged as changed:
                 await self._act_on_membership(changed.decision)
@@ -313,6 +328,7 @@ class ElasticAgent:
             self._scratch,
             self.restart_count,
             self._handler.get_run_id(),
+            self._forks,
         )
         started = time.monotonic()
         standbys = await self._standbys.take()
@@ -366,7 +382,7 @@ class ElasticAgent:
                 self._handler.node, group.group_world_size, self._spec.exit_barrier_timeout
             )
         except RendezvousError as exc:
-            log.warning("exit barrier failed: %s", exc)
+            log.warning("exit barrier failed: %s", reason(exc))
         duration = time.monotonic() - started
         if not complete:
             log.warning("exit barrier incomplete after %.3f s; leaving anyway", duration)
@@ -383,11 +399,15 @@ class ElasticAgent:
                 self._joined = False
                 failed = result is not None and result.is_failed()
                 if failed and self._spec.close_on_failure:
-                    await quietly(self._handler.set_closed(), "close the rendezvous")
+                    with anyio.move_on_after(last_word(self._handler)):
+                        await quietly(self._handler.set_closed(), "close the rendezvous")
                 succeeded = result is not None and result.state is WorkerState.SUCCEEDED
                 with anyio.move_on_after(last_word(self._handler)):
                     await quietly(self._handler.leave(finished=succeeded), "leave the rendezvous")
         finally:
+            forks, self._forks = self._forks, None
+            if forks is not None:
+                await forks.aclose()
             for path in (self._scratch, logs_disposable(self._spec) and self._own_log_root):
                 if path:
                     shutil.rmtree(path, ignore_errors=True)

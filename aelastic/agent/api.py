@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_ROLE",
+    "START_METHODS",
     "ProcessFailure",
     "RunResult",
     "Std",
@@ -37,6 +38,9 @@ __all__ = [
 
 #: The role of workers when none is given (torch's).
 DEFAULT_ROLE = "default"
+
+#: torch's start methods for callable workers (``WorkerSpec.start_method``).
+START_METHODS = ("spawn", "fork", "forkserver")
 
 _STD_VALUE = re.compile(r"^[0123]$")
 _STD_MAPPING = re.compile(r"^(\d+:[0123],)*(\d+:[0123])$")
@@ -94,8 +98,8 @@ class WorkerSpec:
         local_world_size: Number of workers on this node.
         rdzv_handler: The async rendezvous handler (``aelastic.rendezvous.create_handler``).
         entrypoint: A command (``str``, e.g. ``sys.executable``) run with ``args``, or a
-            Python callable run in a freshly spawned interpreter with ``args``; a callable's
-            return value lands in ``RunResult.return_values``.
+            Python callable run with ``args`` under ``start_method``; a callable's return
+            value lands in ``RunResult.return_values``.
         args: Arguments; in commands, ``${local_rank}`` is replaced by the local rank.
         max_restarts: Restarts after worker failures before the run fails.
         monitor_interval: Accepted for torch compatibility; unused (exits are awaited).
@@ -127,6 +131,11 @@ class WorkerSpec:
             also written, prefixed, to ``filtered_stdout.log`` in the attempt's log directory
             (torch's).
         duplicate_stderr_filters: The same for stderr (``filtered_stderr.log``).
+        start_method: How a callable's workers start (torch's ``start_method``): ``spawn``
+            (a fresh interpreter; what multiprocessing passes to a spawned process passes,
+            ``mp.Queue`` included), ``forkserver`` (the same), or ``fork`` (forked from the
+            caller's state as it was when the agent started: lambdas, closures and
+            ``__main__`` functions work). Commands ignore it.
     """
 
     role: str
@@ -153,6 +162,7 @@ class WorkerSpec:
     numa_binding: str | None = None
     duplicate_stdout_filters: Sequence[str] | None = ()
     duplicate_stderr_filters: Sequence[str] | None = ()
+    start_method: str = "spawn"
 
     def __post_init__(self) -> None:
         if self.local_world_size <= 0:
@@ -168,6 +178,10 @@ class WorkerSpec:
         if self.numa_binding is not None and self.numa_binding not in NUMA_MODES:
             raise ValueError(
                 f"numa_binding must be one of {', '.join(NUMA_MODES)}, not {self.numa_binding!r}"
+            )
+        if self.start_method not in START_METHODS:
+            raise ValueError(
+                f"start_method must be one of {', '.join(START_METHODS)}, not {self.start_method!r}"
             )
         self.args = tuple(self.args)
         self.duplicate_stdout_filters = tuple(self.duplicate_stdout_filters or ())

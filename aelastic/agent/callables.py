@@ -1,69 +1,90 @@
-"""Python callables as worker entrypoints: run in a fresh interpreter, return value back.
+"""Python callables as worker entrypoints, under torch's start methods; return values back.
 
-How it works: as ``multiprocessing``'s *spawn* start method does, the agent pickles its
-own preparation data (``sys.path``, working directory, main module) and the user's
-``(callable, args)`` into a private file, and starts ``python -c <bootstrap> payload result``.
-The bootstrap prepares the interpreter like a spawned multiprocessing child, calls the
-callable, and pickles the return value into the result file (written atomically). An
-exception is written to ``TORCHELASTIC_ERROR_FILE`` in torch's ``@record`` format (unless
-the callable's own ``@record`` did already) and ends the process with exit code 1. This is
-a local parent-to-child transfer of the user's own objects; shared rendezvous state never
-goes through pickle.
+How it works: a callable runs as multiprocessing would run it under the spec's
+``start_method``:
+
+* ``spawn`` (torch's default) and ``forkserver``: a fresh interpreter. As multiprocessing's
+  spawn does, the agent pickles its preparation data (``sys.path``, working directory, main
+  module, authkey) and the user's ``(callable, args)`` into a private file *while it spawns*
+  (:func:`write_payload`), so objects that may only pass to a process being started (an
+  ``mp.Queue``, a lock, an event, a pipe) pickle as they do for multiprocessing: their file
+  descriptors are collected and passed to the child at the same numbers. The child runs
+  ``python .../aelastic/agent/_call.py PAYLOAD RESULT`` (:mod:`._call`). ``forkserver`` is
+  run the same way: its workers also start from a fresh interpreter, and the same objects
+  pass.
+* ``fork``: the worker is forked from a server forked off the caller before the agent's
+  loop and threads start (:mod:`._forks`), so lambdas, closures and functions of a
+  notebook's ``__main__`` work as under torch.
+
+Either way the return value comes back pickled in a file (:func:`read_result`), never
+through the rendezvous store.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import sys
 from collections.abc import Callable, Sequence
-from multiprocessing import spawn
+from multiprocessing import context, reduction, spawn
 from typing import Any
 
-__all__ = ["BOOTSTRAP", "child_argv", "read_result", "write_payload"]
+__all__ = ["CALL_SCRIPT", "child_argv", "read_result", "write_payload"]
 
-#: The code a callable's worker runs (``python -c BOOTSTRAP payload result``).
-BOOTSTRAP = """\
-import json, os, pickle, sys, time, traceback
-payload, result = sys.argv[1], sys.argv[2]
-from multiprocessing import spawn
-with open(payload, "rb") as f:
-    spawn.prepare(pickle.load(f))
-    fn, args = pickle.load(f)
-try:
-    value = fn(*args)
-except Exception as exc:
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path and path != os.devnull and not os.path.exists(path):
-        data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
-            "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
-        with open(path, "w") as f:
-            json.dump(data, f)
-    raise
-with open(result + ".tmp", "wb") as f:
-    pickle.dump(value, f)
-os.replace(result + ".tmp", result)
-"""
+#: The program of a spawned callable's worker (see :mod:`aelastic.agent._call`).
+CALL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_call.py")
 
 
-def write_payload(path: str, name: str, fn: Callable[..., Any], args: Sequence[Any]) -> None:
-    """Write what the child needs to call ``fn(*args)`` like a spawned multiprocessing child.
+class _DupFd:
+    """What a descriptor pickles to for a child being spawned (multiprocessing's form)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def detach(self) -> int:
+        return self.fd
+
+
+class _Spawning:
+    """Stands for the process being spawned while its payload is pickled: multiprocessing's
+    objects ask it to pass their descriptors (``duplicate_for_child``), as its spawn
+    ``Popen`` does; the child gets them at the same numbers."""
+
+    DupFd = _DupFd
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+
+    def duplicate_for_child(self, fd: int) -> int:
+        self.fds.append(fd)
+        return fd
+
+
+def write_payload(path: str, name: str, fn: Callable[..., Any], args: Sequence[Any]) -> list[int]:
+    """Write what a spawned child needs to call ``fn(*args)``; the descriptors to pass it.
 
     Raises:
         pickle.PicklingError: ``fn`` or ``args`` cannot be pickled (a lambda, say).
         AttributeError: Same, for objects pickle cannot find by name.
+        RuntimeError: An object multiprocessing refuses to pass to a spawned process (a
+            lock made in a fork context, ...).
     """
-    prep = spawn.get_preparation_data(name)
-    prep.pop("authkey", None)  # the child never talks back through multiprocessing
-    body = pickle.dumps((fn, tuple(args)))
-    with open(path, "wb") as f:
-        pickle.dump(prep, f)
+    spawning = _Spawning()
+    context.set_spawning_popen(spawning)  # type: ignore[arg-type]
+    try:
+        prep = reduction.ForkingPickler.dumps(spawn.get_preparation_data(name))
+        body = reduction.ForkingPickler.dumps((fn, tuple(args)))
+    finally:
+        context.set_spawning_popen(None)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "wb") as f:
+        f.write(prep)
         f.write(body)
+    return sorted(set(spawning.fds))
 
 
 def child_argv(payload: str, result: str) -> list[str]:
-    """The command of a callable's worker."""
-    return [sys.executable, "-c", BOOTSTRAP, payload, result]
+    """The command of a spawned callable's worker."""
+    return [spawn.get_executable(), CALL_SCRIPT, payload, result]
 
 
 def read_result(path: str) -> Any:

@@ -3,19 +3,21 @@
 How it works: pure functions of the spec, the group and the worker. The agent's own
 environment comes first, then ``WorkerSpec.env``, then torch's variables (which win), so an
 existing torch script finds RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... as under
-torchrun. The agent's credentials (``AELASTIC_REDIS_PASSWORD``, ``AELASTIC_HTTP_TOKEN``...,
-see :data:`aelastic.core.redact.SECRET_ENV`) are not inherited: workers need no rendezvous
-secret, and their environment often ends up in logs. ``${local_rank}`` in string arguments
-becomes the worker's local rank.
+torchrun. The agent's credentials are not inherited: workers need no rendezvous secret, and
+their environment often ends up in logs. Left out: :data:`aelastic.core.redact.SECRET_ENV`
+and every ``AELASTIC_*`` variable named like a credential (``..._PASSWORD``, ``..._TOKEN``,
+``..._USERNAME``, ``..._SECRET``: Redis', the HTTP server's, etcd's); ``PET_RDZV_ENDPOINT`` and
+``PET_RDZV_CONF`` are passed on with their passwords masked (``redis://user:***@host``).
+``${local_rank}`` in string arguments becomes the worker's local rank.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..core.redact import SECRET_ENV
+from ..core.redact import SECRET_ENV, redact, redact_endpoint
 from .api import Worker, WorkerGroup
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "LOCAL_RANK_MACRO",
     "cuda_visible_device",
     "inherited_env",
+    "is_credential",
     "substitute_args",
     "worker_env",
 ]
@@ -58,10 +61,31 @@ ATTEMPT_KEYS = frozenset(
 )
 
 
+#: The endings of the names of aelastic's credential variables (any backend's).
+_CREDENTIAL_ENDINGS = ("_PASSWORD", "_PASSWD", "_TOKEN", "_SECRET", "_USERNAME", "_USER")
+#: torchrun's variables that may hold a password: passed on masked.
+_MASKED: dict[str, Callable[[str], str]] = {
+    "PET_RDZV_ENDPOINT": redact_endpoint,
+    "PET_RDZV_CONF": redact,
+}
+
+
+def is_credential(name: str) -> bool:
+    """Whether the variable ``name`` holds one of aelastic's credentials (never inherited)."""
+    return name in SECRET_ENV or (
+        name.startswith("AELASTIC_") and name.upper().endswith(_CREDENTIAL_ENDINGS)
+    )
+
+
 def inherited_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What a worker inherits of ``base`` (default ``os.environ``): all but the credentials."""
+    """What a worker inherits of ``base`` (default ``os.environ``): all but the credentials,
+    and the rendezvous endpoint and settings with their passwords masked."""
     parent = os.environ if base is None else base
-    return {k: v for k, v in parent.items() if k not in SECRET_ENV}
+    env = {k: v for k, v in parent.items() if not is_credential(k)}
+    for name, mask in _MASKED.items():
+        if name in env:
+            env[name] = mask(env[name])
+    return env
 
 
 def substitute_args(args: Sequence[Any], local_rank: int) -> tuple[Any, ...]:

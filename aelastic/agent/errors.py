@@ -8,13 +8,17 @@ when it dies of an exception. :func:`make_failure` turns an exit status plus tha
 the failure itself, it only leaves a generated message. When the agent's log directory is
 a temporary one (no ``log_dir``), it is removed with the run: the failures then name their
 error file :data:`NOT_KEPT`, and the content stays in ``error_file_data`` (reports show it,
-see :func:`error_details`).
+see :func:`error_details`). What a worker wrote is shown bounded (:func:`bounded`: the first
+lines, each cut, then where the rest is) with its control characters escaped (a terminal
+escape sequence shows as ``\x1b[2J``, it is not obeyed); a file larger than
+:data:`MAX_READ` is not read whole, only its beginning is shown.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Mapping
@@ -24,12 +28,17 @@ from typing import Any
 from .api import ProcessFailure, RunResult, WorkerSpec, std_map
 
 __all__ = [
+    "MAX_READ",
     "NOT_KEPT",
+    "SHOWN_LINES",
+    "SHOWN_WIDTH",
+    "bounded",
     "error_details",
     "format_failures",
     "kept_failures",
     "logs_disposable",
     "make_failure",
+    "printable",
     "read_error_file",
 ]
 
@@ -37,6 +46,37 @@ _NOT_AVAILABLE = "<N/A>"
 #: ``ProcessFailure.error_file`` of an error file removed with the agent's temporary logs.
 NOT_KEPT = "<not kept: no log_dir>"
 _NO_TRACEBACK = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+#: Bytes of an error file read whole; of a larger one only the first :data:`_HEAD` are.
+MAX_READ = 1024 * 1024
+_HEAD = 4096
+#: Lines, and characters per line, of what a worker wrote that a report shows.
+SHOWN_LINES = 40
+SHOWN_WIDTH = 500
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped (``\\x1b``): a terminal shows them, it
+    does not obey them. Newlines and tabs stay."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def bounded(text: str, error_file: str, lines: int = SHOWN_LINES, width: int = SHOWN_WIDTH) -> str:
+    """At most ``lines`` lines of ``text``, each cut at ``width`` characters, control
+    characters escaped; when something was left out, a last line says where it is."""
+    kept: list[str] = []
+    cut = False
+    for index, line in enumerate(text.rstrip("\n").split("\n")):
+        if index == lines:
+            cut = True
+            break
+        if len(line) > width:
+            line, cut = f"{line[:width]}... ({len(line) - width} more characters)", True
+        kept.append(printable(line))
+    if cut:
+        where = "not kept" if error_file == NOT_KEPT else f"see {error_file}"
+        kept.append(f"... (cut: {where})")
+    return "\n".join(kept)
 
 
 def read_error_file(path: str) -> tuple[str, dict[str, Any]] | None:
@@ -49,13 +89,16 @@ def read_error_file(path: str) -> tuple[str, dict[str, Any]] | None:
         return None
     try:
         with open(path, encoding="utf-8", errors="replace") as fp:
-            text = fp.read()
+            size = os.fstat(fp.fileno()).st_size
+            text = fp.read(MAX_READ + 1 if size <= MAX_READ else _HEAD)
     except FileNotFoundError:
         return None
     except OSError as exc:
         return f"<error file {path} unreadable: {exc}>", {}
     if not text.strip():
         return None
+    if size > MAX_READ:  # not read whole: its beginning, and where the rest is
+        return f"{text}\n<error file {path}: {size} bytes, too large to read whole>", {}
     try:
         data = json.loads(text)
     except ValueError:
@@ -142,7 +185,7 @@ def error_details(failure: ProcessFailure) -> str:
 
 def _describe(index: int, failure: ProcessFailure) -> str:
     signal_part = f" ({failure.signal_name()})" if failure.exitcode < 0 else ""
-    message = error_details(failure).replace("\n", "\n    ")
+    message = bounded(error_details(failure), failure.error_file).replace("\n", "\n    ")
     return (
         f"[{index}]:\n"
         f"  time      : {failure.timestamp_isoformat()}\n"

@@ -1,14 +1,20 @@
 """Worker output: redirect to files, tee to files and the console, per-attempt directories.
 
-How it works: for every attempt the agent makes ``<root>/<run_id>/attempt_<n>/<local_rank>/``
-holding ``stdout.log``, ``stderr.log`` (when redirected or teed) and ``error.json`` (where
-torch's ``@record`` writes). Each stream of each worker gets a :class:`Target`:
+How it works: an agent makes one directory of its own under the log root, as torch does
+(``tempfile.mkdtemp(prefix=f"{run_id}_")``: ``<root>/<run_id>_<random>/``), and in it, for
+every start of the workers, ``attempt_<n>/<local_rank>/`` holding ``stdout.log``,
+``stderr.log`` (when redirected or teed) and ``error.json`` (where torch's ``@record``
+writes). Nothing that exists is ever removed or reused: a job run again with the same id,
+and agents sharing a ``log_dir``, each keep their own. Each stream of each worker gets a
+:class:`Target`:
 
 * ``INHERIT``: the agent's own stream (no copy, no cost), as torch does by default;
 * ``DEVNULL``: hidden (a local rank outside ``local_ranks_filter``);
 * ``FILE``: the file is handed to the worker directly (redirect, or a filtered-out tee);
 * ``TEE``: a pipe the agent reads as data arrives, writing each chunk to the file and each
-  line, prefixed ``[role0]:``, to the console. Nothing tails a file.
+  line, prefixed ``[role0]:``, to the console (queued, never blocking the loop: a console
+  that stops reading gets a note of the lines it missed, see :mod:`._output`). Nothing
+  tails a file.
 
 With ``duplicate_stdout_filters`` (or ``_stderr_``), the teed lines that contain any of the
 filter strings are also written, prefixed, to ``filtered_stdout.log`` (``filtered_stderr.log``)
@@ -22,7 +28,6 @@ import asyncio
 import contextlib
 import enum
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from string import Template
 from typing import IO, Any
 
+from . import _output
 from .api import Std, WorkerSpec, std_map
 
 __all__ = ["AttemptLogs", "Target", "line_prefix", "plan_streams", "run_log_dir"]
@@ -49,7 +55,8 @@ class Target(enum.Enum):
 
 
 def run_log_dir(spec: WorkerSpec, run_id: str) -> tuple[str | None, str | None]:
-    """Create ``<log_dir>/<run_id>``; it and the root made for it when ``log_dir`` is ``None``.
+    """Create this agent's own ``<log_dir>/<run_id>_<random>`` (torch's ``mkdtemp``); it,
+    and the root made for it when ``log_dir`` is ``None``.
 
     Returns:
         ``(run_dir, made_root)``: ``(None, None)`` for ``os.devnull`` (no files at all).
@@ -64,9 +71,9 @@ def run_log_dir(spec: WorkerSpec, run_id: str) -> tuple[str | None, str | None]:
         root = made = tempfile.mkdtemp(prefix="aelastic_")
     elif os.path.isfile(root):
         raise NotADirectoryError(f"log_dir {root} is a file")
-    run_dir = os.path.join(root, run_id)
-    os.makedirs(run_dir, exist_ok=True)
-    return run_dir, made
+    os.makedirs(root, exist_ok=True)
+    prefix = run_id.replace(os.sep, "_") + "_"
+    return tempfile.mkdtemp(prefix=prefix, dir=root), made
 
 
 def plan_streams(spec: WorkerSpec, files: bool) -> dict[int, tuple[Target, Target]]:
@@ -148,9 +155,7 @@ class _TeeProtocol(asyncio.Protocol):
 
     def _show(self, lines: list[bytes]) -> None:
         shown = [f"{self._prefix}{ln.decode(errors='replace')}\n" for ln in lines]
-        with contextlib.suppress(OSError, ValueError):
-            self._console.write("".join(shown))
-            self._console.flush()
+        _output.write(self._console, "".join(shown))
         if self._duplicate is not None:
             self._duplicate.offer(shown)
 
@@ -185,7 +190,7 @@ class AttemptLogs:
 
     Args:
         spec: The worker spec.
-        run_dir: ``<log_dir>/<run_id>`` (``None``: no files at all).
+        run_dir: The agent's ``<log_dir>/<run_id>_<random>`` (``None``: no files at all).
         attempt: The attempt number.
     """
 
@@ -198,9 +203,9 @@ class AttemptLogs:
         self._tees: list[tuple[asyncio.BaseTransport, _TeeProtocol]] = []
         self._duplicates: list[_Duplicate | None] = [None, None]
         if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            os.mkdir(self.dir)  # new in the agent's own directory: nothing is overwritten
             for rank in range(spec.local_world_size):
-                os.makedirs(os.path.join(self.dir, str(rank)))
+                os.mkdir(os.path.join(self.dir, str(rank)))
             filters = (spec.duplicate_stdout_filters, spec.duplicate_stderr_filters)
             for index, (needles, name) in enumerate(zip(filters, _FILTERED, strict=True)):
                 if needles:

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import anyio
 
-from ..core.errors import RendezvousError
+from ..core.errors import RendezvousError, RendezvousLostError, reason
 from ..core.race import first_of
 from ..core.state import NodeDesc
 from ..core.store import Store
@@ -37,6 +37,8 @@ log = logging.getLogger("aelastic.agent")
 _T = TypeVar("_T")
 _FINISHED_KEY = "agent/finished"
 _ALL_DONE_KEY = "agent/all-done"
+#: Seconds the exit barrier's last look at the store may take once its time is up.
+_LAST_LOOK = 1.0
 
 
 def _done_key(node: NodeDesc) -> str:
@@ -65,12 +67,18 @@ class RoundGroup:
 
     async def next_change(self, since: MembershipView | None) -> MembershipView:
         """The next change of the group that differs from ``since`` (an unreachable backend
-        is looked at again later: the workers keep running meanwhile)."""
+        is looked at again later: the workers keep running meanwhile).
+
+        Raises:
+            RendezvousLostError: The rendezvous is gone for good (its hosting node died).
+        """
         while True:
             try:
                 return await self._handler.watch(0.0, since)
+            except RendezvousLostError:
+                raise
             except RendezvousError as exc:
-                log.warning("watching the rendezvous failed (retrying): %s", exc)
+                log.warning("watching the rendezvous failed (retrying): %s", reason(exc))
                 await anyio.sleep(self._handler.settings.keep_alive_interval)
 
     async def observe(self, view: MembershipView) -> Observation:
@@ -119,11 +127,21 @@ class RoundGroup:
         """Mark this node done, then wait for every member; whether all of them were done.
 
         Returns early (``False``) when a member is lost without being done, this node was
-        removed, or the run closed before everybody was done, and after ``limit`` seconds.
+        removed, or the run closed before everybody was done, and after ``limit`` seconds
+        (plus a second for a last look, whatever the store is doing).
 
         Raises:
             RendezvousError: The store failed.
         """
+        keys = [_ALL_DONE_KEY]
+        with anyio.move_on_after(limit):
+            if await self._wait_for_all(node, world_size, limit):
+                return True
+        with anyio.move_on_after(_LAST_LOOK):
+            return await self.store.check(keys)  # unless it already is complete
+        return False
+
+    async def _wait_for_all(self, node: NodeDesc, world_size: int, limit: float) -> bool:
         await self.store.set(_done_key(node), b"1")
         if await self.store.add(_FINISHED_KEY, 1) >= world_size:
             await self.store.set(_ALL_DONE_KEY, b"1")
@@ -144,8 +162,5 @@ class RoundGroup:
                 if observation.closed or observation.removed or observation.lost:
                     return
 
-        with anyio.move_on_after(limit):
-            index, done = await first_of(all_done, cannot_complete)
-            if index == 0:
-                return bool(done)
-        return await self.store.check(keys)  # unless it already is complete
+        index, done = await first_of(all_done, cannot_complete)
+        return index == 0 and bool(done)

@@ -43,9 +43,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any
 
+from ..core.errors import reason
 from ._guard import group_members, start_time
 
-__all__ = ["WorkerProcess", "stop_processes"]
+__all__ = ["WorkerProcess", "child_setup", "stop_processes"]
 
 log = logging.getLogger("aelastic.agent")
 
@@ -58,10 +59,14 @@ DEFAULT_GRACE = 30.0
 class WorkerProcess:
     """A started worker: its pid, its exit (awaitable) and its process group."""
 
-    def __init__(self, popen: subprocess.Popen[bytes], local_rank: int) -> None:
+    def __init__(
+        self, popen: subprocess.Popen[bytes] | None, local_rank: int, pid: int | None = None
+    ) -> None:
         self._popen = popen
         self.local_rank = local_rank
-        self.pid = popen.pid
+        known = popen.pid if popen is not None else pid
+        assert known is not None
+        self.pid: int = known
         self.started_at = time.monotonic()
         #: Wall-clock time the exit was seen (``None`` while running).
         self.exited_at: float | None = None
@@ -69,7 +74,8 @@ class WorkerProcess:
         self._loop = loop
         self._exit: asyncio.Future[int] = loop.create_future()
         self._pidfd: int | None = None
-        self._watch()
+        if popen is not None:
+            self._watch()
 
     @classmethod
     def start(
@@ -106,10 +112,27 @@ class WorkerProcess:
             pass_fds=tuple(pass_fds),
             start_new_session=True,
             close_fds=True,
-            preexec_fn=_child_setup(affinity),
+            preexec_fn=child_setup(affinity),
         )
         _GUARDIAN.watch(popen.pid, grace)
         return cls(popen, local_rank)
+
+    @staticmethod
+    def before_spawn() -> None:
+        """Call before another process starts a worker to be :meth:`adopted`."""
+        _GUARDIAN.ensure()
+
+    @classmethod
+    def adopted(cls, pid: int, local_rank: int, grace: float = DEFAULT_GRACE) -> WorkerProcess:
+        """A worker another process started in its own session and reaps (a fork server),
+        announced to the guardian like :meth:`start`'s: whoever learns its exit status
+        reports it with :meth:`exited` (call on the event loop that awaits it)."""
+        _GUARDIAN.watch(pid, grace)
+        return cls(None, local_rank, pid)
+
+    def exited(self, code: int) -> None:
+        """Report the exit status of an adopted worker (negative: killed by that signal)."""
+        self._set_exit(code)
 
     def restarted(self) -> None:
         """Note that the process starts its real work now (a warm standby released)."""
@@ -141,12 +164,14 @@ class WorkerProcess:
             os.close(fd)
 
     def _reap(self) -> None:
+        assert self._popen is not None
         code = self._popen.poll()
         if code is None:  # woken without an exit (should not happen): block briefly
             code = self._popen.wait()
         self._set_exit(code)
 
     def _wait_in_thread(self) -> None:
+        assert self._popen is not None
         code = self._popen.wait()
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
             self._loop.call_soon_threadsafe(self._set_exit, code)
@@ -268,9 +293,9 @@ def _libc_prctl() -> Callable[..., int] | None:
     return _prctl
 
 
-def _child_setup(affinity: frozenset[int] | None) -> Callable[[], None] | None:
+def child_setup(affinity: frozenset[int] | None) -> Callable[[], None] | None:
     """A ``preexec_fn`` that arms SIGTERM on the parent's death (Linux) and binds the child
-    to ``affinity`` (``None``: nothing to do)."""
+    to ``affinity`` (``None``: nothing to do). Make it in the parent; call it in the child."""
     prctl = _libc_prctl()
     if prctl is None and affinity is None:
         return None
@@ -358,7 +383,7 @@ class _Guardian:
             if not self._warned:
                 self._warned = True
                 log.warning(
-                    "no guardian for the workers (%s): they may outlive a killed agent", exc
+                    "no guardian for the workers (%s): they may outlive a killed agent", reason(exc)
                 )
             return
         finally:

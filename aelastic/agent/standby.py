@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..core.errors import reason
 from ._aio import cancel_and_wait, uncancellable
 from .api import WorkerSpec
 from .env import ATTEMPT_KEYS, inherited_env
@@ -208,7 +209,7 @@ class StandbyPool:
                 binding = worker_binding(self._spec, rank)
                 self._ready[rank] = Standby(launch, env, rank, grace, binding)
             except (OSError, NumaBindingError) as exc:
-                log.warning("could not start a warm standby: %s", exc)
+                log.warning("could not start a warm standby: %s", reason(exc))
                 return
         self._on_ready({rank: s.process.pid for rank, s in self._ready.items()})
 

@@ -2,7 +2,8 @@
 
 How it works: a :class:`WorkerSet` is made for every start of the group. It creates the
 attempt's log directories, builds each worker's environment and command (a callable is
-written to a private payload file for the spawned interpreter), starts the processes in
+written to a private payload file for the spawned interpreter, or forked by the fork server
+under ``fork``: :mod:`.callables`), starts the processes in
 their own sessions (bound to their CPUs with ``numa_binding``, :mod:`.numa`), and hands the
 teed pipes to the log copier. With ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` it serves torch's
 worker watchdog for the attempt (:mod:`._timer`). It turns exits into
@@ -18,8 +19,9 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
+from ..core.errors import reason
 from . import callables
 from ._aio import uncancellable
 from ._timer import FILE_VAR, FileTimerServer
@@ -27,9 +29,12 @@ from .api import ProcessFailure, WorkerGroup
 from .env import substitute_args, worker_env
 from .errors import make_failure
 from .logs import AttemptLogs
-from .numa import worker_binding
+from .numa import Binding, worker_binding
 from .process import WorkerProcess, stop_processes
 from .standby import Standby
+
+if TYPE_CHECKING:
+    from ._forks import ForkServer
 
 __all__ = ["WorkerSet"]
 
@@ -44,10 +49,11 @@ class WorkerSet:
     Args:
         group: The group, after rank assignment.
         attempt: The attempt number (names the log directory).
-        run_dir: ``<log_dir>/<run_id>``, or ``None`` for no log files.
+        run_dir: The agent's ``<log_dir>/<run_id>_<random>``, or ``None`` for no log files.
         scratch: A private directory for callable payloads and results (callables only).
         restart_count: Restarts spent so far.
         run_id: The rendezvous run id.
+        forks: The fork server of a callable under the ``fork`` start method.
     """
 
     def __init__(
@@ -58,8 +64,10 @@ class WorkerSet:
         scratch: str | None,
         restart_count: int,
         run_id: str,
+        forks: ForkServer | None = None,
     ) -> None:
         self._group = group
+        self._forks = forks
         self._attempt = attempt
         self._scratch = scratch
         self._restart_count = restart_count
@@ -102,18 +110,21 @@ class WorkerSet:
                 if self._watchdog is not None:
                     env[FILE_VAR] = self._watchdog.path
                 binding = worker_binding(self._group.spec, rank)
-                argv = self._argv(rank) if binding is None else binding.command(self._argv(rank))
                 stdout, stderr = self._logs.child_streams(rank)
                 before_spawn()
                 try:
                     proc = self._warm(standbys, rank, env, (stdout, stderr))
+                    if proc is None and self._forks is not None:
+                        proc = self._fork(rank, env, (stdout, stderr), binding)
                     if proc is None:
+                        argv, fds = self._argv(rank)
                         proc = WorkerProcess.start(
-                            argv,
+                            argv if binding is None else binding.command(argv),
                             env,
                             rank,
                             stdout=stdout,
                             stderr=stderr,
+                            pass_fds=fds,
                             grace=self._group.spec.stop_grace_period,
                             affinity=None if binding is None else binding.affinity,
                         )
@@ -143,10 +154,32 @@ class WorkerSet:
             try:
                 return standby.release(env, args, fds)
             except OSError as exc:
-                log.info("warm standby of local rank %d unusable (%s): cold start", local_rank, exc)
+                log.info(
+                    "warm standby of local rank %d unusable (%s): cold start",
+                    local_rank,
+                    reason(exc),
+                )
         standby.close()
         self.discarded.append(standby.process)
         return None
+
+    def _fork(
+        self,
+        local_rank: int,
+        env: Mapping[str, str],
+        streams: tuple[_Stream, _Stream],
+        binding: Binding | None,
+    ) -> WorkerProcess:
+        assert self._forks is not None
+        fds = [None if s is None else s if isinstance(s, int) else s.fileno() for s in streams]
+        return self._forks.spawn(
+            local_rank,
+            env,
+            self._scratch_path(local_rank) + ".out",
+            fds,
+            affinity=None if binding is None else binding.cpus,
+            grace=self._group.spec.stop_grace_period,
+        )
 
     def _owns(self, pid: int) -> bool:
         """Whether ``pid`` runs in the process group of one of this attempt's workers."""
@@ -156,15 +189,16 @@ class WorkerSet:
             return False
         return any(p.pid == group for p in self.processes)
 
-    def _argv(self, local_rank: int) -> list[str]:
+    def _argv(self, local_rank: int) -> tuple[list[str], list[int]]:
+        """The worker's command, and the descriptors it must get (a callable's arguments)."""
         spec = self._group.spec
         args = substitute_args(spec.args, local_rank)
         if isinstance(spec.entrypoint, str):
-            return [spec.entrypoint, *map(str, args)]
+            return [spec.entrypoint, *map(str, args)], []
         assert spec.entrypoint is not None
         base = self._scratch_path(local_rank)
-        callables.write_payload(base + ".in", spec.role, spec.entrypoint, args)
-        return callables.child_argv(base + ".in", base + ".out")
+        fds = callables.write_payload(base + ".in", spec.role, spec.entrypoint, args)
+        return callables.child_argv(base + ".in", base + ".out"), fds
 
     def _scratch_path(self, local_rank: int) -> str:
         assert self._scratch is not None, "callable entrypoints need a scratch directory"

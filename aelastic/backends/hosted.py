@@ -7,17 +7,23 @@ extra process), and talks to it through the ordinary HTTP backend, like every ot
 
 * ``static`` (``--nnodes N`` with ``--master-addr``, ``--master-port`` and ``--node-rank``;
   the endpoint is ``master_addr:master_port``, config ``rank`` is the node rank): node rank 0
-  hosts; a node's rank in the round is its node rank, as torch's; two nodes giving the same
-  node rank are told so. The workers' own store (``MASTER_PORT``) gets another, free port.
+  hosts; a node's rank in the round is its node rank, as torch's; every node given a node
+  rank that another node has fails, saying so (:mod:`._node_rank`). The workers' own store
+  (``MASTER_PORT``) gets another, free port.
 * ``c10d`` (``--rdzv-endpoint host[:port]``, port 29400 by default): the agent that can bind
   the port on the endpoint's host hosts (config ``is_host`` forces it either way); elastic
-  ``--nnodes MIN:MAX`` works as with every backend.
+  ``--nnodes MIN:MAX`` works as with every backend. Port 0 (``localhost:0``, TorchX's
+  single-node jobs) binds a free port, which this node's client then uses: one node only.
 
 A node starts asking at once and keeps asking while the host cannot be reached (nodes start
-in any order) until the join timeout; then it fails naming the address. The hosting agent
-keeps serving after it is done until every member has left (a closed run too: the others
-still say goodbye), for at most ``close_timeout``. The host is a single point of failure, as
-in torch: for production, use Redis (see ``docs/production-store.md``).
+in any order) until the join timeout; then it fails naming the address. Once the host has
+answered, it is the run's only copy: a host that answers nothing for ``read_timeout`` (it
+died, or its machine is cut off) is gone for good, and every call from then on raises
+:class:`~aelastic.core.errors.RendezvousLostError` at once (the agent then stops its workers
+and fails instead of retrying for ever). The hosting agent keeps serving after it is done
+until every member has left (a closed run too: the others still say goodbye), for at most
+``close_timeout``. The host is a single point of failure, as in torch: for production, use
+Redis (see ``docs/production-store.md``).
 """
 
 from __future__ import annotations
@@ -31,20 +37,19 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..core.errors import RendezvousConnectionError, RendezvousError
+from ..core.errors import RendezvousConnectionError, RendezvousError, RendezvousLostError
 from ..core.params import RendezvousParameters, parse_rendezvous_endpoint
 from ..core.protocol import RendezvousBackend
 from ..core.state import Op, Reply, Request, Snapshot, Status
 from ..core.token import Token
+from ._node_rank import NodeRanks
 from .http.client import HttpBackend
 from .http.wire import DEFAULT_PORT
+from .registry import external_names
 
 __all__ = ["HostedBackend", "create_c10d_backend", "create_static_backend"]
 
 log = logging.getLogger(__name__)
-
-#: Seconds between two attempts to reach a host that is not there yet.
-_RETRY = 0.5
 
 
 class HostedBackend:
@@ -57,9 +62,11 @@ class HostedBackend:
         hosting: ``True``: host (fail if the port cannot be bound); ``False``: only connect;
             ``None``: host when the port can be bound on this machine's address for ``host``.
         rank: A static node rank: the node's rank in every round.
-        join_timeout: How long to keep trying to reach the host.
+        join_timeout: How long to keep trying to reach the host before it first answers.
         linger: How long a hosting node keeps serving for the others once it is done.
-        token, read_timeout: As for :class:`~aelastic.backends.http.client.HttpBackend`.
+        token: As for :class:`~aelastic.backends.http.client.HttpBackend`.
+        read_timeout: Once the host has answered, how long it may answer nothing before
+            it is taken for gone.
     """
 
     holds_keep_alive = True
@@ -85,17 +92,26 @@ class HostedBackend:
         self._join_timeout = join_timeout
         self._linger = linger
         self._token = token
-        self._client = HttpBackend(
-            run_id,
-            f"http://{_bracket(host)}:{port}",
-            token=token,
-            # A call gives up within the join timeout: the retries are this class's.
-            read_timeout=min(read_timeout, join_timeout),
-            share_connections=False,
-        )
+        self._run_id = run_id
+        self._read_timeout = read_timeout
+        self._reached = False
+        self._lost: str | None = None
+        self._client = self._make_client()
+        self._ranks = None if rank is None else NodeRanks(self, rank)
         self._runner: Any = None
         self._started = False
         self._lock: asyncio.Lock | None = None
+
+    def _make_client(self) -> HttpBackend:
+        return HttpBackend(
+            self._run_id,
+            f"http://{_bracket(self._host)}:{self._port}",
+            token=self._token,
+            # Until the host first answers (nodes start in any order); then read_timeout.
+            read_timeout=self._read_timeout if self._reached else self._join_timeout,
+            share_connections=False,
+            label=self.name,
+        )
 
     def __repr__(self) -> str:
         return f"HostedBackend({self.name!r}, {self._host}:{self._port}, hosting={self.hosts})"
@@ -142,6 +158,10 @@ class HostedBackend:
                 f"cannot host the {self.name} rendezvous on port {self._port}: "
                 f"{exc.strerror or exc}"
             ) from None
+        if self._port == 0:  # the free port the system picked: this node's client uses it
+            self._port = sock.getsockname()[1]
+            unused, self._client = self._client, self._make_client()
+            await unused.aclose()
         runner = web.AppRunner(create_app(token=self._token or ""), access_log=None)
         await runner.setup()
         try:
@@ -153,30 +173,46 @@ class HostedBackend:
         self._runner = runner
         log.info("hosting the %s rendezvous on port %d", self.name, self._port)
 
-    async def _reach(self, call: Any, *args: Any) -> Any:
-        """``call(*args)``, trying again while the host cannot be reached (join timeout)."""
-        await self._start()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._join_timeout
-        while True:
-            try:
-                return await call(*args)
-            except RendezvousConnectionError as exc:
-                if loop.time() + _RETRY >= deadline:
-                    raise RendezvousConnectionError(
-                        f"the {self.name} rendezvous host {self.endpoint} could not be reached "
-                        f"within the join timeout ({self._join_timeout:g} s): {exc}"
-                    ) from None
-                await asyncio.sleep(_RETRY)
+    async def _reach(self, method: str, *args: Any) -> Any:
+        """The client's ``method(*args)``: the client retries for the join timeout until the
+        host first answers, then for ``read_timeout`` of silence, after which the host is
+        gone."""
+        await self._start()  # may pick the port, and so make the client anew
+        if self._lost is not None:
+            raise RendezvousLostError(self._lost)
+        client = self._client
+        try:
+            result = await getattr(client, method)(*args)
+        except RendezvousConnectionError as exc:
+            if not client.failing:
+                raise  # the host answered: a refusal, not an outage
+            if not self._reached:
+                raise RendezvousConnectionError(
+                    f"the {self.name} rendezvous host {self.endpoint} could not be reached "
+                    f"within the join timeout ({self._join_timeout:g} s): {exc}"
+                ) from None
+            self._lost = (
+                f"the {self.name} rendezvous host {self.endpoint} is gone: no answer for "
+                f"{self._read_timeout:g} s (read_timeout), and the job's rendezvous lived "
+                f"there. {exc}"
+            )
+            raise RendezvousLostError(self._lost) from None
+        if not self._reached:
+            self._reached = True
+            client.read_timeout = self._read_timeout
+        return result
 
     # -- the protocol ---------------------------------------------------------------------
 
     async def apply(self, request: Request, hold: float = 0.0, seen: Token | None = None) -> Reply:
-        reply: Reply = await self._reach(self._client.apply, request, hold, seen)
-        if self._rank is None or reply.rank is None:
+        reply: Reply = await self._reach("apply", request, hold, seen)
+        if self._ranks is None:
             return reply
         if request.op is Op.JOIN:
-            await self._claim(request, reply)
+            await self._ranks.check(request, reply)  # duplicate node ranks fail, every one
+        if reply.rank is None:
+            return reply
+        if request.op is Op.JOIN:
             addr, port = await self._master(request, reply)
             return replace(reply, rank=self._rank, master_addr=addr, master_port=port)
         return replace(reply, rank=self._rank)
@@ -187,66 +223,54 @@ class HostedBackend:
         key = f"static/master/{reply.status.round}"
         if self._rank == 0:
             mine = (request.node.addr, request.port)
-            await self._client.kv_set(key, json.dumps(mine).encode())
+            await self._reach("kv_set", key, json.dumps(mine).encode())
             return mine
-        if not await self._reach(self._client.kv_wait, [key], self._join_timeout):
+        if not await self._reach("kv_wait", [key], self._join_timeout):
             raise RendezvousError(
                 f"node rank 0 did not say where the workers bootstrap within the join "
                 f"timeout ({self._join_timeout:g} s)"
             )
-        (raw,) = await self._client.kv_get([key])
+        (raw,) = await self._reach("kv_get", [key])
         addr, port = json.loads(raw or b"null")
         return str(addr), int(port)
 
-    async def _claim(self, request: Request, reply: Reply) -> None:
-        """Take this node rank in the round; two nodes with one node rank are an error."""
-        key = f"static/node-rank/{reply.status.round}/{self._rank}"
-        mine = request.node.key.encode()
-        held = await self._client.kv_compare_set(key, None, mine)
-        if held != mine:
-            raise RendezvousError(
-                f"two nodes were started with node rank {self._rank} "
-                f"({held.decode(errors='replace')} and {request.node.key}): "
-                "give each node its own --node-rank"
-            )
-
     async def wait_for_change(self, token: Token, timeout: float | None) -> Status | None:
-        result: Status | None = await self._reach(self._client.wait_for_change, token, timeout)
+        result: Status | None = await self._reach("wait_for_change", token, timeout)
         return result
 
     async def snapshot(self) -> Snapshot | None:
-        result: Snapshot | None = await self._reach(self._client.snapshot)
+        result: Snapshot | None = await self._reach("snapshot")
         return result
 
     async def close_run(self) -> bool:
-        return bool(await self._reach(self._client.close_run))
+        return bool(await self._reach("close_run"))
 
     async def reset(self) -> bool:
-        return bool(await self._reach(self._client.reset))
+        return bool(await self._reach("reset"))
 
     async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
-        result: list[tuple[str, Status]] = await self._reach(self._client.list_runs, limit)
+        result: list[tuple[str, Status]] = await self._reach("list_runs", limit)
         return result
 
     async def kv_set(self, key: str, value: bytes) -> None:
-        await self._reach(self._client.kv_set, key, value)
+        await self._reach("kv_set", key, value)
 
     async def kv_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        result: list[bytes | None] = await self._reach(self._client.kv_get, keys)
+        result: list[bytes | None] = await self._reach("kv_get", keys)
         return result
 
     async def kv_add(self, key: str, amount: int) -> int:
-        return int(await self._reach(self._client.kv_add, key, amount))
+        return int(await self._reach("kv_add", key, amount))
 
     async def kv_compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
-        result: bytes = await self._reach(self._client.kv_compare_set, key, expected, desired)
+        result: bytes = await self._reach("kv_compare_set", key, expected, desired)
         return result
 
     async def kv_delete(self, key: str) -> bool:
-        return bool(await self._reach(self._client.kv_delete, key))
+        return bool(await self._reach("kv_delete", key))
 
     async def kv_wait(self, keys: Sequence[str], timeout: float) -> bool:
-        return bool(await self._reach(self._client.kv_wait, keys, timeout))
+        return bool(await self._reach("kv_wait", keys, timeout))
 
     async def aclose(self) -> None:
         """Close; a hosting node first serves the others until they are done (bounded)."""
@@ -330,7 +354,8 @@ def create_static_backend(params: RendezvousParameters) -> RendezvousBackend:
     if params.min_nodes != params.max_nodes:
         raise ValueError(
             f"The static rendezvous needs a fixed number of nodes, not "
-            f"{params.min_nodes}:{params.max_nodes} (use c10d, redis or http for elastic jobs)."
+            f"{params.min_nodes}:{params.max_nodes} (use c10d or {external_names()} for "
+            "elastic jobs)."
         )
     rank = params.get_as_int("rank")
     if rank is None or not 0 <= rank < params.max_nodes:
@@ -354,4 +379,18 @@ def create_c10d_backend(params: RendezvousParameters) -> RendezvousBackend:
         raise ValueError("The c10d rendezvous needs an endpoint host[:port].")
     host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
     hosting = params.get_as_bool("is_host")
+    if port == 0:
+        # Port 0: the hosting node binds a free port, which no other node can learn.
+        if params.max_nodes > 1:
+            raise ValueError(
+                f"The c10d rendezvous at {params.endpoint} (port 0: a free port picked by "
+                f"the hosting node) is for one node; {params.min_nodes}:{params.max_nodes} "
+                "nodes need a port every node knows (e.g. host:29400)."
+            )
+        if hosting is False:
+            raise ValueError(
+                f"The c10d rendezvous at {params.endpoint} (port 0) must be hosted by this "
+                "node: is_host=false cannot reach it."
+            )
+        hosting = True
     return HostedBackend("c10d", params.run_id, host, port, hosting=hosting, **_settings(params))

@@ -36,6 +36,7 @@ __all__ = [
     "backend_info",
     "backend_names",
     "create_backend",
+    "external_names",
     "known_config_keys",
     "register_backend",
 ]
@@ -55,6 +56,9 @@ class BackendInfo:
         multi_node: Whether nodes on several machines (processes) can share a run.
         torchrun_alias: Its name under torch's own launcher (``torchrun.handlers``).
         config_keys: Its own ``--rdzv-conf`` keys.
+        aliases: Other names it answers to on aelastic's command line (torch's names).
+        read_as: For a backend that a node of the job serves (torch's ``c10d`` and
+            ``static``), the backend that reads its runs from another process.
     """
 
     name: str
@@ -64,6 +68,14 @@ class BackendInfo:
     multi_node: bool
     torchrun_alias: str
     config_keys: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+    read_as: str | None = None
+
+    @property
+    def external(self) -> bool:
+        """Whether its store runs apart from the job's nodes (other processes can read it
+        and it outlives the job): Redis, aelastic's HTTP server, etcd."""
+        return self.multi_node and self.read_as is None
 
 
 #: ``--rdzv-conf`` keys every backend understands (the rendezvous settings).
@@ -131,6 +143,7 @@ BUILTINS: tuple[BackendInfo, ...] = (
         multi_node=True,
         torchrun_alias="aelastic-c10d",
         config_keys=("token",),
+        read_as="http",
     ),
     BackendInfo(
         "static",
@@ -140,6 +153,24 @@ BUILTINS: tuple[BackendInfo, ...] = (
         multi_node=True,
         torchrun_alias="aelastic-static",
         config_keys=("token", "rank"),
+        read_as="http",
+    ),
+    BackendInfo(
+        "etcd",
+        "aelastic.backends.etcd",
+        "http",
+        "host[:port][,host[:port]...] (port 2379; http://... or https://... members too)",
+        multi_node=True,
+        torchrun_alias="aelastic-etcd",
+        config_keys=(
+            "protocol",
+            "cacert",
+            "cert",
+            "key",
+            "etcd_prefix",
+            "recheck_interval",
+        ),
+        aliases=("etcd-v2",),
     ),
 )
 
@@ -152,11 +183,19 @@ _lock = threading.Lock()
 
 
 def backend_info(name: str) -> BackendInfo | None:
-    """The row of built-in backend ``name`` (or of its torchrun alias), if there is one."""
+    """The row of built-in backend ``name`` (or of its torchrun alias or another of its
+    names), if there is one."""
     info = _BY_NAME.get(name)
     if info is None:
-        info = next((i for i in BUILTINS if i.torchrun_alias == name), None)
+        info = next((i for i in BUILTINS if name == i.torchrun_alias or name in i.aliases), None)
     return info
+
+
+def external_names(conjunction: str = "or") -> str:
+    """The built-in backends with a store of their own, for messages: ``redis, http or
+    etcd``."""
+    names = [info.name for info in BUILTINS if info.external]
+    return ", ".join(names[:-1]) + f" {conjunction} " + names[-1] if len(names) > 1 else names[0]
 
 
 def known_config_keys(name: str) -> tuple[str, ...]:
@@ -184,7 +223,7 @@ def register_backend(name: str, factory: BackendFactory) -> None:
 
 
 def _load_builtin(name: str) -> BackendFactory | None:
-    info = _BY_NAME.get(name)
+    info = backend_info(name)
     if info is None:
         return None
     try:

@@ -62,7 +62,12 @@ def _launch(argv: Sequence[str]) -> int:
     if env_level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         level = getattr(logging, env_level)
     console.capture_logs(level)
-    return asyncio.run(launch(config, console))
+    try:
+        return asyncio.run(launch(config, console))
+    finally:
+        from ..agent import _output
+
+        _output.flush()  # a console that stopped reading holds the exit 2 s at most
 
 
 def main(argv: Sequence[str] | None = None) -> int:

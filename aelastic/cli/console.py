@@ -5,8 +5,10 @@ How it works: :class:`Console` is an agent event listener (``agent.add_listener`
 ``[aelastic +<seconds since launch>]``, saying what happened in words a newcomer understands
 (rendezvous, starting workers, a worker exited, restarting, rescaling, done) and how long it
 took. Every line is redacted (:func:`aelastic.core.redact.redact`): no endpoint password,
-``password=``/``token=`` value or known secret is ever printed. Workers' own output is not
-touched: it goes to stdout/stderr as the agent streams it.
+``password=``/``token=`` value or known secret is ever printed. Lines are queued, never
+written on the event loop (:mod:`aelastic.agent._output`): a console that stops reading
+costs dropped lines and a note, never a heartbeat. Workers' own output is not touched: it
+goes to stdout/stderr as the agent streams it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
+from ..agent import _output
 from ..agent.api import ProcessFailure, RunResult
-from ..agent.errors import error_details
+from ..agent.errors import SHOWN_WIDTH, bounded, error_details, printable
 from ..agent.events import EventKind
 from ..core.events import Event
 from ..core.redact import redact
@@ -55,8 +58,12 @@ def describe_exit(exitcode: int) -> str:
 
 
 def summarize_failure(failure: ProcessFailure) -> str:
-    """One line: which rank failed, how, and the first line of its error message."""
-    message = failure.message.strip().splitlines()[-1] if failure.message.strip() else ""
+    """One line: which rank failed, how, and the last line of its error message (escaped,
+    cut)."""
+    message = failure.message.strip().rsplit("\n", 1)[-1] if failure.message.strip() else ""
+    if len(message) > SHOWN_WIDTH:
+        message = f"{message[:SHOWN_WIDTH]}..."
+    message = printable(message)
     text = (
         f"rank {failure.global_rank} (local rank {failure.local_rank}, pid {failure.pid}, "
         f"host {failure.hostname}) failed with {describe_exit(failure.exitcode)}"
@@ -109,8 +116,7 @@ class Console:
             return
         stream = self._stream or sys.stderr
         elapsed = time.monotonic() - self._started
-        stream.write(f"[aelastic +{elapsed:.2f}s] {redact(text, self._secrets)}\n")
-        stream.flush()
+        _output.write(stream, f"[aelastic +{elapsed:.2f}s] {redact(text, self._secrets)}\n")
 
     def capture_logs(self, level: int | None = None) -> logging.Handler:
         """Show aelastic's log records as console lines; returns the installed handler.
@@ -192,7 +198,7 @@ class Console:
         if os.path.isfile(root.error_file):
             self.line(f"error file of rank {root.global_rank}: {root.error_file}", always=True)
         elif root.error_file_data:  # the file went with the temporary logs: show what it said
-            details = textwrap.indent(error_details(root), "  ")
+            details = textwrap.indent(bounded(error_details(root), root.error_file), "  ")
             self.line(
                 f"error file of rank {root.global_rank} (not kept; --log-dir keeps it):\n{details}",
                 always=True,

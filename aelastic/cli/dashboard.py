@@ -27,6 +27,7 @@ from ..web import DEFAULT_PORT
 from .options import UsageError, parse_rdzv_conf
 from .reading import add_backend_flags, backend_of
 from .rules import UsageParser
+from .serve import trusted_proxies
 
 __all__ = ["build_parser", "main"]
 
@@ -44,6 +45,14 @@ def build_parser(prog: str = "aelastic dashboard") -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any)"
+    )
+    p.add_argument(
+        "--trusted-proxy",
+        metavar="ADDRESS",
+        action="append",
+        default=[],
+        help="a proxy (address or network) whose X-Forwarded-For, -Proto and -Host are "
+        "believed (as for aelastic serve)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log the server's info lines")
     return p
@@ -81,7 +90,15 @@ async def _serve(args: argparse.Namespace, backend: str, config: dict[str, str])
         print(f"aelastic dashboard listening on {url}", flush=True)
 
     try:
-        await serve_dashboard(source, args.host, args.port, token=token, stop=stop, ready=announce)
+        await serve_dashboard(
+            source,
+            args.host,
+            args.port,
+            token=token,
+            trusted_proxies=trusted_proxies(args.trusted_proxy),
+            stop=stop,
+            ready=announce,
+        )
     except OSError as exc:
         raise UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
     return 0

@@ -4,7 +4,9 @@ How it works: :class:`EventLog` is a listener on the event model (:mod:`aelastic
 every event of the agent, its rendezvous handler and its backend becomes one JSON object on
 one line, with ``time`` (seconds since the epoch), ``kind``, ``run_id``, ``node``,
 ``round`` and the event's own fields (enums by value, mappings as objects, tuples as
-lists). ``-`` writes to stderr; a path is opened for appending (several runs of a job may
+lists). ``-`` writes to stderr (queued like the console's lines: a stderr that stops being
+read never stalls the launcher, see :mod:`aelastic.agent._output`); a path is opened for
+appending (several runs of a job may
 share a file) and every line is flushed as it is written, so ``tail -f`` and log shippers see
 it at once. Events are redacted before any listener sees them, so no secret reaches the log.
 A write that fails (disk full) is reported once on the console and the log stops; the job
@@ -19,6 +21,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
+from ..agent import _output
+from ..core.errors import reason
 from ..core.events import Event, event_fields
 
 __all__ = ["EventLog", "event_record"]
@@ -72,13 +76,17 @@ class EventLog:
         out = self._out
         if out is None:
             return
+        line = json.dumps(event_record(event), default=str) + "\n"
+        if not self._own:
+            _output.write(out, line)
+            return
         try:
-            out.write(json.dumps(event_record(event), default=str) + "\n")
+            out.write(line)
             out.flush()
         except (OSError, ValueError) as exc:
             self._out = None
             if self._on_error is not None:
-                self._on_error(f"warning: the event log {self._target} stopped: {exc}")
+                self._on_error(f"warning: the event log {self._target} stopped: {reason(exc)}")
 
     def close(self) -> None:
         """Close the file (stderr is left open)."""

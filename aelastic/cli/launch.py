@@ -23,24 +23,34 @@ import shlex
 import signal
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from .. import launcher
 from ..agent import ElasticAgent, NumaBindingError, RunResult, WorkerSpec
 from ..agent._health import health_port
 from ..agent.prometheus import AgentCollector, serve_metrics
+from ..backends.registry import backend_info
+from ..core.errors import reason, typed
+from ..core.race import fail_after
 from ..core.redact import redact_endpoint
-from ..rendezvous import (
-    RendezvousClosedError,
-    RendezvousError,
-    RendezvousGracefulExitError,
-    RendezvousParameters,
-    create_handler,
-)
+from ..launcher._config import worker_spec
+from ..launcher._failures import write_root_cause
+from ..rendezvous import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
 from .console import Console
 from .event_log import EventLog
 from .options import LaunchConfig
 from .progress import Progress
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "entrypoint_name", "launch"]
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "Outcome",
+    "build_spec",
+    "entrypoint_name",
+    "launch",
+    "launch_config",
+]
 
 EXIT_OK = 0
 #: Workers failed, the rendezvous failed, or a signal stopped the job (torchrun's code).
@@ -75,11 +85,13 @@ def _banner(config: LaunchConfig, name: str) -> str:
     per_node = f"{workers} worker{'s' if workers != 1 else ''} per node"
     if config.nproc_device:
         per_node += f" (one per {config.nproc_device})"
-    where = (
-        "standalone (nothing else to start)"
-        if config.standalone
-        else f"{config.rdzv_backend} rendezvous at {_where(config)}"
-    )
+    asked = config.rdzv_asked or config.rdzv_backend
+    if asked == "standalone":
+        where = "standalone (the rendezvous runs in this process)"
+    elif config.standalone:
+        where = f"one node, {asked} rendezvous in this process (nothing else to start)"
+    else:
+        where = f"{asked} rendezvous at {_where(config)}"
     restarts = config.max_restarts
     command = shlex.join([os.path.basename(config.entrypoint), *config.args])
     return (
@@ -106,7 +118,8 @@ def _closed_on_arrival(config: LaunchConfig, exc: RendezvousClosedError) -> list
         )
     else:
         lines.append("the id is free again two heartbeat windows after that job's nodes leave")
-    if config.rdzv_backend in ("redis", "http"):
+    info = backend_info(config.rdzv_backend)
+    if info is not None and info.external:
         reset = shlex.join(
             [
                 "aelastic",
@@ -126,62 +139,83 @@ def _closed_on_arrival(config: LaunchConfig, exc: RendezvousClosedError) -> list
     return lines
 
 
+def launch_config(config: LaunchConfig) -> tuple[launcher.LaunchConfig, str, tuple[str, ...]]:
+    """The command line as the launcher's ``LaunchConfig``, entrypoint and arguments."""
+    return (
+        launcher.LaunchConfig(
+            min_nodes=config.min_nodes,
+            max_nodes=config.max_nodes,
+            nproc_per_node=config.nproc_per_node,
+            logs_specs=launcher.DefaultLogsSpecs(
+                config.log_dir, config.redirects, config.tee, config.local_ranks_filter
+            ),
+            run_id=config.run_id,
+            role=config.role,
+            rdzv_endpoint=config.rdzv_endpoint,
+            rdzv_backend=config.rdzv_backend,
+            rdzv_configs=dict(config.rdzv_configs),
+            max_restarts=config.max_restarts,
+            monitor_interval=config.monitor_interval,
+            start_method=config.start_method,
+            log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+            local_addr=config.local_addr,
+            numa_options=config.numa_binding,
+            signals_to_handle=",".join(s.name for s in config.signals),
+            duplicate_stdout_filters=list(config.duplicate_stdout_filters),
+            duplicate_stderr_filters=list(config.duplicate_stderr_filters),
+            virtual_local_rank=config.virtual_local_rank,
+            shutdown_timeout=config.stop_grace_period,
+            master_addr=config.master_addr,
+            master_port=config.master_port,
+            exit_barrier_timeout=config.exit_barrier_timeout,
+            warm_standby=config.warm_standby,
+            env=dict(config.env),
+        ),
+        config.entrypoint,
+        config.args,
+    )
+
+
 def build_spec(config: LaunchConfig) -> WorkerSpec:
-    """The handler and the :class:`WorkerSpec` that ``config`` describes.
+    """The handler and the :class:`WorkerSpec` that ``config`` describes (made by
+    :func:`aelastic.launcher.worker_spec`, as for the Python API).
 
     Raises:
         ValueError: Invalid rendezvous settings or worker settings.
         ImportError: The backend's optional dependencies are missing.
     """
-    params = RendezvousParameters(
-        backend=config.rdzv_backend,
-        endpoint=config.rdzv_endpoint,
-        run_id=config.run_id,
-        min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes,
-        local_addr=config.local_addr,
-        **dict(config.rdzv_configs),
-    )
-    handler = create_handler(params)
-    return WorkerSpec(
-        role=config.role,
-        local_world_size=config.nproc_per_node,
-        rdzv_handler=handler,
-        entrypoint=config.entrypoint,
-        args=config.args,
-        max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval,
-        master_port=config.master_port,
-        master_addr=config.master_addr,
-        local_addr=config.local_addr,
-        env=dict(config.env),
-        log_dir=config.log_dir,
-        redirects=config.redirects,
-        tee=config.tee,
-        local_ranks_filter=config.local_ranks_filter,
-        log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
-        stop_grace_period=config.stop_grace_period,
-        exit_barrier_timeout=config.exit_barrier_timeout,
-        virtual_local_rank=config.virtual_local_rank,
-        warm_standby=config.warm_standby,
-        numa_binding=config.numa_binding,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-    )
+    return worker_spec(*launch_config(config))
 
 
-async def launch(config: LaunchConfig, console: Console | None = None) -> int:
+@dataclass
+class Outcome:
+    """How a launch ended, for a caller that raises rather than exits (:mod:`aelastic.run`)."""
+
+    #: The run's result, when the agent returned one.
+    result: RunResult | None = None
+    #: What ended the launch otherwise (bad settings, the rendezvous, a worker's start).
+    error: BaseException | None = None
+    #: The handled signal that stopped it.
+    signal: signal.Signals | None = None
+
+
+async def launch(
+    config: LaunchConfig, console: Console | None = None, outcome: Outcome | None = None
+) -> int:
     """Run this node of the job until it ends; the process exit code.
 
     The signals of ``config.signals`` are handled from the start, whatever the process
     inherited (ignored included): each cancels the agent, which stops the workers it
-    started, if any, and leaves the rendezvous.
+    started, if any, and leaves the rendezvous. ``outcome``, if given, is filled with how
+    the launch ended. When a worker failed and ``TORCHELASTIC_ERROR_FILE`` is set for this
+    process, the root cause's error file is copied there (torchrun's ``@record``).
 
     Returns:
         0 on success, 1 when workers failed, the rendezvous failed or a signal stopped the
         job, 2 when the rendezvous settings are invalid.
     """
     console = console or Console(enabled=not config.quiet)
+    outcome = Outcome() if outcome is None else outcome
     loop = asyncio.get_running_loop()
     received: list[signal.Signals] = []
     running: list[tuple[ElasticAgent, asyncio.Task[RunResult]]] = []
@@ -206,10 +240,18 @@ async def launch(config: LaunchConfig, console: Console | None = None) -> int:
             loop.add_signal_handler(sig, on_signal, sig)
             installed.append(sig)
     try:
-        return await _launch(config, console, received, running)
+        code = await _launch(config, console, received, running, outcome)
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+    if received:
+        outcome.signal = received[0]
+    root = None if outcome.result is None else outcome.result.root_cause
+    if root is not None:
+        written = write_root_cause(root)
+        if written:
+            console.line(f"root cause written to {written} (TORCHELASTIC_ERROR_FILE)")
+    return code
 
 
 async def _launch(
@@ -217,6 +259,7 @@ async def _launch(
     console: Console,
     received: list[signal.Signals],
     running: list[tuple[ElasticAgent, asyncio.Task[RunResult]]],
+    outcome: Outcome,
 ) -> int:
     name = entrypoint_name(config.entrypoint, config.args)
     for warning in config.warnings:
@@ -225,9 +268,11 @@ async def _launch(
         health_port()  # the agent would only log a bad value: a launcher says it at once
         spec = build_spec(config)
     except ValueError as exc:
+        outcome.error = exc
         console.line(f"error: {exc}", always=True)
         return EXIT_USAGE
     except ImportError as exc:
+        outcome.error = exc
         console.line(f"error: {exc}", always=True)
         return EXIT_FAILED
     try:
@@ -235,7 +280,8 @@ async def _launch(
             console.line(_banner(config, name))
             agent = ElasticAgent(spec)
             agent.add_listener(console)
-            agent.add_listener(Progress(console.line))
+            # No progress line once a stop signal came: nothing is waited for any more.
+            agent.add_listener(Progress(lambda text: None if received else console.line(text)))
             failed = await _observe(config, agent, console, observers)
             if failed is not None:
                 return failed
@@ -244,10 +290,12 @@ async def _launch(
             if received:
                 agent.forward_signal(received[0])
                 task.cancel()
-            return await _outcome(task, console, received, name, agent, config)
+            return await _outcome(task, console, received, name, agent, config, outcome)
     finally:
+        # After a stop signal, a hosting node serves the others only within the grace.
         with contextlib.suppress(Exception):
-            await spec.rdzv_handler.aclose()
+            async with fail_after(config.stop_grace_period if received else math.inf):
+                await spec.rdzv_handler.aclose()
 
 
 async def _observe(
@@ -299,6 +347,7 @@ async def _outcome(
     name: str,
     agent: ElasticAgent,
     config: LaunchConfig,
+    outcome: Outcome,
 ) -> int:
     started = time.monotonic()
     try:
@@ -314,20 +363,27 @@ async def _outcome(
     except RendezvousGracefulExitError as exc:
         console.line(f"this node was not needed and the job is over: {exc}")
         return EXIT_OK
-    except RendezvousError as exc:
-        if isinstance(exc, RendezvousClosedError) and agent.metrics.rendezvous_count == 0:
-            for line in _closed_on_arrival(config, exc):
-                console.line(line, always=True)
-        else:
-            console.line(f"error: rendezvous failed: {type(exc).__name__}: {exc}", always=True)
-        return EXIT_FAILED
-    except OSError as exc:
-        console.line(f"error: cannot start the workers: {exc}", always=True)
-        return EXIT_FAILED
-    except NumaBindingError as exc:
-        console.line(f"error: {exc}", always=True)
-        return EXIT_FAILED
+    except (RendezvousError, OSError, NumaBindingError) as exc:
+        outcome.error = exc
+        return _failed_to_run(exc, console, agent, config)
+    outcome.result = result
     console.result(result, name)
     if received:  # the signal came as the run ended by itself
         return EXIT_FAILED
     return EXIT_FAILED if result.is_failed() else EXIT_OK
+
+
+def _failed_to_run(
+    exc: BaseException, console: Console, agent: ElasticAgent, config: LaunchConfig
+) -> int:
+    """Say why the agent could not run (the rendezvous, a worker's start); exit code 1."""
+    if isinstance(exc, RendezvousClosedError) and agent.metrics.rendezvous_count == 0:
+        for line in _closed_on_arrival(config, exc):
+            console.line(line, always=True)
+    elif isinstance(exc, RendezvousError):
+        console.line(f"error: rendezvous failed: {typed(exc)}", always=True)
+    elif isinstance(exc, OSError):
+        console.line(f"error: cannot start the workers: {reason(exc)}", always=True)
+    else:
+        console.line(f"error: {exc}", always=True)
+    return EXIT_FAILED

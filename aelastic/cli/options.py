@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..agent.api import START_METHODS
 from ..core.redact import redact
 from .conf_keys import unknown_key_warnings
 from .devices import determine_local_world_size
@@ -121,21 +122,35 @@ def _positive_float(text: str) -> float:
 _positive_float.__name__ = "positive number"
 
 
-def build_parser(prog: str = "aelastic run") -> argparse.ArgumentParser:
+def _backends_help() -> str:
+    from ..backends.registry import BUILTINS
+
+    names = ", ".join(name for info in BUILTINS for name in (info.name, *info.aliases))
+    return f"static (torchrun's default), c10d, or one of: {names}."
+
+
+def build_parser(
+    prog: str = "aelastic run", parser_class: type[argparse.ArgumentParser] = UsageParser
+) -> argparse.ArgumentParser:
     """The parser of ``aelastic run`` (torchrun's flags plus a few of aelastic's).
+
+    Args:
+        prog: The program's name in messages.
+        parser_class: :class:`UsageParser` (a bad flag raises :class:`UsageError`), or a
+            parser of argparse's own behaviour.
 
     Raises:
         UsageError: A ``PET_*`` flag variable is not 0 or 1.
     """
-    p = UsageParser(
+    p = parser_class(
         prog=prog,
         description="Launch an elastic distributed job (torchrun's flags and defaults).",
         allow_abbrev=True,  # torchrun's argparse allows abbreviations of long flags
     )
     _add(p, ["--nnodes"], default="1:1", help="Number of nodes, or MIN:MAX (default 1:1).")
     _add(p, ["--nproc-per-node"], default="1", help="Workers per node: N, auto, cpu or gpu.")
-    _add(p, ["--rdzv-backend"], default="static", help="memory, redis or http.")
-    _add(p, ["--rdzv-endpoint"], default="", help="redis://host:port/db or host:port.")
+    _add(p, ["--rdzv-backend"], default="static", help=_backends_help())
+    _add(p, ["--rdzv-endpoint"], default="", help="Where the backend is (see `--rdzv-backend`).")
     _add(p, ["--rdzv-id"], default="none", help="Id of the job (same on every node).")
     _add(p, ["--rdzv-conf"], default="", help="Rendezvous settings: key=value,...")
     _flag(p, ["--standalone"], help="Single node, in-process rendezvous, nothing else to start.")
@@ -147,7 +162,7 @@ def build_parser(prog: str = "aelastic run") -> argparse.ArgumentParser:
         kind=_positive_float,
         help="Accepted for torchrun compatibility (aelastic awaits worker exits).",
     )
-    _add(p, ["--start-method"], default="spawn", help="Accepted; workers are new processes.")
+    _add(p, ["--start-method"], default="spawn", help="spawn, fork or forkserver (functions).")
     _add(p, ["--role"], default="default", help="Role of the workers (default).")
     _flag(p, ["-m", "--module"], help="Run the script as a module (python -m).")
     _flag(p, ["--no-python"], help="Run the script as a command, without python.")
@@ -254,6 +269,8 @@ class LaunchConfig:
     numa_binding: str | None = None
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
+    start_method: str = "spawn"
+    rdzv_asked: str = ""
     warnings: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
@@ -296,6 +313,11 @@ def config_from_args(
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    start_method = str(getattr(args, "start_method", "spawn") or "spawn")
+    if start_method not in START_METHODS:
+        raise UsageError(
+            f"--start-method must be one of {', '.join(START_METHODS)}, not {start_method!r}"
+        )
     try:
         nproc, device = nproc_resolver(args.nproc_per_node)
     except ValueError as exc:
@@ -366,6 +388,8 @@ def config_from_args(
         numa_binding=torchrun_options.numa_binding,
         duplicate_stdout_filters=torchrun_options.duplicate_stdout_filters,
         duplicate_stderr_filters=torchrun_options.duplicate_stderr_filters,
+        start_method=start_method,
+        rdzv_asked="standalone" if args.standalone else str(args.rdzv_backend).strip(),
         warnings=tuple(warnings),
     )
 

@@ -3,8 +3,9 @@
 How it works: :func:`add_backend_flags` adds ``--rdzv-backend``, ``--rdzv-endpoint``
 (and ``--rdzv-id`` when asked), ``--rdzv-conf`` and ``--timeout``, each read from the job's
 ``PET_<NAME>`` variable when not given, like ``aelastic run``. :func:`backend_of` checks
-them: a backend that lives inside one launcher (memory) cannot be read from outside; c10d
-and static jobs are read from the HTTP server their host runs (never hosted from here);
+them: a backend that lives inside one launcher (memory) cannot be read from outside; a
+backend that one of the job's nodes serves (c10d, static) is read as its row's ``read_as``
+says (the HTTP server its host runs; never hosted from here);
 ``--timeout`` becomes the backend's ``read_timeout`` unless ``--rdzv-conf`` sets one.
 """
 
@@ -14,17 +15,22 @@ import argparse
 import os
 from collections.abc import Callable
 
-from ..backends.registry import backend_info
+from ..backends.registry import BUILTINS, backend_info, external_names
 from .conf_keys import unknown_key_warnings
 from .options import BACKEND_ALIASES, UsageError, parse_rdzv_conf
 
 __all__ = ["add_backend_flags", "backend_of"]
 
 
+def _readable() -> str:
+    names = [info.name for info in BUILTINS if info.multi_node]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
 def add_backend_flags(parser: argparse.ArgumentParser, *, run_id: bool) -> None:
     """Add the flags naming the backend (and the run, when ``run_id``) to ``parser``."""
     names: list[tuple[tuple[str, str], str]] = [
-        (("--rdzv-backend", "--rdzv_backend"), "redis, http, c10d or static"),
+        (("--rdzv-backend", "--rdzv_backend"), _readable()),
         (("--rdzv-endpoint", "--rdzv_endpoint"), "where it is"),
     ]
     if run_id:
@@ -69,11 +75,11 @@ def backend_of(
     if info is not None and not info.multi_node:
         raise UsageError(
             f"the {name} backend lives inside one launcher process: {command} needs a "
-            "backend other processes can reach (redis or http)"
+            f"backend other processes can reach ({external_names()})"
         )
-    if name in ("c10d", "static"):
-        # One of the job's nodes serves these with aelastic's HTTP server: read it as one.
-        name = "http"
+    if info is not None and info.read_as is not None:
+        # One of the job's nodes serves it (aelastic's HTTP server): read it as that.
+        name = info.read_as
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be positive, not {args.timeout}")
     config = parse_rdzv_conf(args.rdzv_conf)

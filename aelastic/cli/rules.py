@@ -5,10 +5,10 @@ How it works: pure functions of parsed flags. :func:`rendezvous_of` applies torc
 defaulting: ``static`` on one node is ``--standalone`` (the in-process ``memory`` backend);
 ``static`` with a fixed ``--nnodes N > 1`` is torch's static rendezvous at
 ``master_addr:master_port``, hosted by node rank 0 (:mod:`aelastic.backends.hosted`); ``c10d``
-is hosted by the agent on the endpoint's host; ``memory``, ``redis`` and ``http`` (also
-spelled ``aelastic-memory|-redis|-http``) are aelastic's own; torch's ``etcd`` and ``etcd-v2``
-are refused with the backend to use instead. Every mistake is a :class:`UsageError` (one
-line, exit code 2).
+is hosted by the agent on the endpoint's host; the others are the rows of the backend registry
+(``memory``, ``redis``, ``http``, ``etcd``...), also spelled with their torchrun names
+(``aelastic-redis``...) and their other names (torch's ``etcd-v2``). Every mistake is a
+:class:`UsageError` (one line, exit code 2).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import signal
 import uuid
 from typing import NoReturn
 
-from ..backends.registry import BUILTINS, backend_info
+from ..backends.registry import BUILTINS, backend_info, external_names
 
 __all__ = [
     "BACKEND_ALIASES",
@@ -35,11 +35,7 @@ __all__ = [
 BACKEND_ALIASES = {
     **{info.name: info.name for info in BUILTINS},
     **{info.torchrun_alias: info.name for info in BUILTINS},
-}
-
-_TORCH_ONLY = {
-    "etcd": "use --rdzv-backend redis or http (`aelastic serve`)",
-    "etcd-v2": "use --rdzv-backend redis or http (`aelastic serve`)",
+    **{alias: info.name for info in BUILTINS for alias in info.aliases},
 }
 
 
@@ -152,13 +148,12 @@ def rendezvous_of(
         if min_nodes > 1:
             raise UsageError(
                 f"--standalone runs the rendezvous inside this launcher: it cannot wait for "
-                f"--nnodes {args.nnodes} (use --rdzv-backend redis or http for several nodes)"
+                f"--nnodes {args.nnodes} (use --rdzv-backend {external_names()} for several "
+                "nodes)"
             )
         if name not in ("static", "memory", "aelastic-memory") or args.rdzv_endpoint:
             warnings.append("--standalone ignores --rdzv-backend, --rdzv-endpoint and --rdzv-id")
         return "memory", "", f"standalone-{uuid.uuid4().hex[:12]}", True, warnings
-    if name in _TORCH_ONLY:
-        raise UsageError(f"--rdzv-backend {name} is torch's own: {_TORCH_ONLY[name]}")
     backend = BACKEND_ALIASES.get(name)
     if backend is None:
         from ..backends.registry import backend_names
@@ -174,7 +169,7 @@ def rendezvous_of(
     if single and min_nodes > 1:
         raise UsageError(
             f"the {backend} backend lives in this process: it cannot wait for other nodes "
-            "(use --rdzv-backend redis or http)"
+            f"(use --rdzv-backend {external_names()})"
         )
     if single and max_nodes > 1:
         warnings.append(f"the {backend} backend only joins nodes of this one process")
@@ -190,7 +185,7 @@ def _static(
     if min_nodes != max_nodes:
         raise UsageError(
             f"--nnodes {args.nnodes}: a static rendezvous needs a fixed number of nodes "
-            "(use --rdzv-backend c10d, redis or http for an elastic job)"
+            f"(use --rdzv-backend c10d, {external_names()} for an elastic job)"
         )
     if not 0 <= args.node_rank < max_nodes:
         raise UsageError(f"--node-rank {args.node_rank} is not in [0, {max_nodes})")

@@ -64,8 +64,39 @@ def build_parser(prog: str = "aelastic serve") -> argparse.ArgumentParser:
         default=None,
         help="seconds an idle connection stays open between requests (default 30)",
     )
+    p.add_argument(
+        "--trusted-proxy",
+        metavar="ADDRESS",
+        action="append",
+        default=[],
+        help="a proxy (address or network; repeat or comma-separate) whose X-Forwarded-For, "
+        "-Proto and -Host are believed: the client's address, HTTPS (Secure cookie)",
+    )
+    p.add_argument(
+        "--max-nodes-per-client",
+        type=int,
+        default=None,
+        help="nodes one client address may have in the runs; a join past it gets 429 "
+        "(default 1024; loopback clients exempt; 0: no limit)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log the server's info lines")
     return p
+
+
+def trusted_proxies(values: Sequence[str]) -> list[str]:
+    """The ``--trusted-proxy`` values, split at commas and checked.
+
+    Raises:
+        UsageError: A value is not an address or network.
+    """
+    from ..backends.http.server import parse_networks
+
+    proxies = [part.strip() for value in values for part in value.split(",") if part.strip()]
+    try:
+        parse_networks(proxies)
+    except ValueError as exc:
+        raise UsageError(f"--trusted-proxy: {exc}") from None
+    return proxies
 
 
 def main(argv: Sequence[str]) -> int:
@@ -85,6 +116,8 @@ def main(argv: Sequence[str]) -> int:
         raise UsageError("--max-runs must be >= 0 (0: no limit)")
     if args.max_connections is not None and args.max_connections < 1:
         raise UsageError("--max-connections must be at least 1")
+    if args.max_nodes_per_client is not None and args.max_nodes_per_client < 0:
+        raise UsageError("--max-nodes-per-client must be >= 0 (0: no limit)")
     for flag in ("read_timeout", "keepalive_timeout"):
         value = getattr(args, flag)
         if value is not None and not 0 < value < float("inf"):
@@ -109,9 +142,10 @@ def main(argv: Sequence[str]) -> int:
     names = ("run_ttl", "max_body", "max_runs", "max_connections", "read_timeout")
     kwargs: dict[str, Any] = {
         name: getattr(args, name)
-        for name in (*names, "keepalive_timeout")
+        for name in (*names, "keepalive_timeout", "max_nodes_per_client")
         if getattr(args, name) is not None
     }
+    kwargs["trusted_proxies"] = trusted_proxies(args.trusted_proxy)
     try:
         run_server(args.host, args.port, persist_path=args.persist, pages=serve_pages, **kwargs)
     except PersistenceError as exc:

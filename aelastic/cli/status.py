@@ -1,6 +1,6 @@
 """``aelastic status``: what a job's rendezvous looks like now, for an operator.
 
-How it works: the command opens the job's backend (redis or http) through the backend
+How it works: the command opens the job's backend (redis, http, etcd...) through the backend
 registry, reads the run's whole membership once (a snapshot) and prints the round, whether
 it is complete or closed, the participants with their ranks and heartbeat ages (by the
 backend's clock), and the waiting and redundant nodes. It never changes the rendezvous,

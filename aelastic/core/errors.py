@@ -11,9 +11,12 @@ __all__ = [
     "RendezvousConnectionError",
     "RendezvousError",
     "RendezvousGracefulExitError",
+    "RendezvousLostError",
     "RendezvousStateError",
     "RendezvousTimeoutError",
     "StoreTimeoutError",
+    "reason",
+    "typed",
 ]
 
 
@@ -40,6 +43,11 @@ class RendezvousConnectionError(RendezvousError):
     """Raised when the connection to a rendezvous backend has failed."""
 
 
+class RendezvousLostError(RendezvousConnectionError):
+    """Raised when the rendezvous is gone for good: the node that hosted a ``static`` or
+    ``c10d`` rendezvous stopped answering (nothing can answer for that run again)."""
+
+
 class RendezvousStateError(RendezvousError):
     """Raised when the state of a rendezvous is corrupt, foreign or of an unknown format."""
 
@@ -53,3 +61,15 @@ class RendezvousGracefulExitError(RendezvousError):
 
 class StoreTimeoutError(RendezvousTimeoutError, TimeoutError):
     """Raised when a key-value store wait (``get``, ``wait``) runs out of time."""
+
+
+def reason(exc: BaseException) -> str:
+    """What an error line says of ``exc``: its text, or its type's name when the text is
+    empty (``TimeoutError()``, ``CancelledError()``, a bare ``OSError()`` say nothing)."""
+    return str(exc) or type(exc).__name__
+
+
+def typed(exc: BaseException) -> str:
+    """``"TypeName: text"``, or the type's name alone when the text is empty."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -2,10 +2,11 @@
 
 How it works: torch loads the entry points of the ``torchrun.handlers`` group while
 ``torch.distributed.elastic.rendezvous`` is being imported, and calls each with no argument;
-:func:`memory_handler`, :func:`redis_handler` and :func:`http_handler` return
-:func:`create_handler`, which torch later calls with its ``RendezvousParameters`` for
-``--rdzv-backend aelastic-memory|aelastic-redis|aelastic-http``. Torch is imported only then
-(never at module import: torch is half-imported when the entry points load).
+:func:`handler_entry` (and the older per-backend names) return :func:`create_handler`, which
+torch later calls with its ``RendezvousParameters`` for ``--rdzv-backend aelastic-<name>``
+(every row of the backend registry: ``aelastic-redis``, ``aelastic-etcd``...). Torch is
+imported only then (never at module import: torch is half-imported when the entry points
+load).
 
 The handler drives aelastic's blocking facade (:mod:`aelastic.sync`), and answers with torch's
 types: torch's ``RendezvousInfo`` whose ``store`` is a ``torch.distributed.Store`` subclass over
@@ -40,6 +41,7 @@ __all__ = [
     "BACKENDS",
     "c10d_handler",
     "create_handler",
+    "handler_entry",
     "http_handler",
     "memory_handler",
     "redis_handler",
@@ -54,6 +56,12 @@ _STORE_ADDR_KEY = "torchrun/tcp_store_addr"
 _STORE_PORT_KEY = "torchrun/tcp_store_port"
 
 Creator = Callable[[Any], Any]
+
+
+def handler_entry() -> Creator:
+    """The entry point of any backend's row (``aelastic-<name>``, e.g. ``aelastic-etcd``):
+    a new backend needs no function of its own here."""
+    return create_handler
 
 
 def memory_handler() -> Creator:

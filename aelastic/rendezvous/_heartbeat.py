@@ -11,8 +11,9 @@ holds keep-alives (HTTP) answers when the status moves or the next beat is due, 
 beats also bring the news: :attr:`Heartbeats.holding` tells a watcher whether a held beat
 is out (then it need not ask the backend itself), and ``holding_changed`` when that
 changes (before the first beat, after a failed one). An answer that no longer knows this
-node (pruned, removed) ends the task and tells the handler. Time and sleeps come only from
-the handler's clock.
+node (pruned, removed) ends the task and tells the handler; so does a rendezvous gone for
+good (:class:`~aelastic.core.errors.RendezvousLostError`: the watcher then hears it from the
+backend). Time and sleeps come only from the handler's clock.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import random
 from typing import Protocol
 
 from ..core.clock import Clock
-from ..core.errors import RendezvousError
+from ..core.errors import RendezvousError, RendezvousLostError, reason
 from ..core.machine import expiry_ms
 from ..core.params import RendezvousSettings
 from ..core.race import fail_after
@@ -147,9 +148,12 @@ class Heartbeats:
                 # swallow a cancellation arriving as the beat completes (the loop never ends).
                 async with fail_after(limit):
                     reply = await self._member.keep_alive(hold)
+            except RendezvousLostError:
+                return  # nothing will answer again: the watcher hears it from the backend
             except (RendezvousError, TimeoutError) as exc:
-                reason = str(exc) or f"no answer within {limit:g} s (heartbeat_timeout)"
-                log.warning("%s failed to send a heartbeat: %s", self._name, reason)
+                timed_out = isinstance(exc, TimeoutError) and not str(exc)
+                why = f"no answer within {limit:g} s" if timed_out else reason(exc)
+                log.warning("%s failed to send a heartbeat: %s", self._name, why)
                 next_beat, check_at = asked + min(interval, 1.0), None
                 self._hold(False)
                 continue

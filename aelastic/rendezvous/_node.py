@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 
 from ..core.clock import SYSTEM_CLOCK, Clock, SystemClock
-from ..core.errors import RendezvousConnectionError, RendezvousError
+from ..core.errors import RendezvousConnectionError, RendezvousError, typed
 from ..core.events import (
     BackendError,
     Event,
@@ -227,7 +227,7 @@ class NodeRequests:
         return reply
 
     def _failed(self, exc: RendezvousError) -> None:
-        error = f"{type(exc).__name__}: {exc}"
+        error = typed(exc)
         self.publish(BackendError(backend=self._backend_name, error=error))
 
     async def keep_alive(self, hold: float) -> Reply:
@@ -380,7 +380,9 @@ class NodeRequests:
         return change.result()
 
     async def _leave_quietly(self) -> None:
-        """Leave what a cancelled or failed join joined; never raises, never hangs."""
-        timeout = self._settings.close_timeout
+        """Leave what a cancelled or failed join joined; never raises, never hangs (one
+        heartbeat timeout at most: a node told to stop must not wait for a store that is
+        gone)."""
+        timeout = max(min(self._settings.heartbeat_timeout, self._settings.close_timeout), 1.0)
         with contextlib.suppress(Exception), anyio.move_on_after(timeout, shield=True):
             await self._request(Op.LEAVE)

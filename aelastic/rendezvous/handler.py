@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from ..core.errors import RendezvousClosedError, RendezvousError
+from ..core.errors import RendezvousClosedError, RendezvousError, reason
 from ..core.events import RendezvousEvent
 from ..core.params import RendezvousInfo, RendezvousSettings, RendezvousStoreInfo
 from ..core.protocol import RendezvousBackend
@@ -191,7 +191,9 @@ class DynamicRendezvousHandler(NodeRequests):
                 self._joined = False
                 await self._leave_quietly()
         except RendezvousError as exc:
-            log.warning("node %s could not close '%s': %s", self._node, self.get_run_id(), exc)
+            log.warning(
+                "node %s could not close '%s': %s", self._node, self.get_run_id(), reason(exc)
+            )
             return False
         finally:
             await self.aclose()

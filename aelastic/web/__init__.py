@@ -5,7 +5,8 @@ How it works: :mod:`.model` makes the JSON a page draws from a run's snapshot (p
 with ``aelastic status --list``); :mod:`.sources` reads runs from the HTTP server's engine or
 any backend of the registry; :mod:`.feeds` keeps one fresh view per watched run (woken when
 the run's status token moves, and on a slow tick for heartbeat times); :mod:`.pages` serves
-the pages, their event streams and the login (aiohttp, ``aelastic[http]``);
+the pages, their event streams and the login (aiohttp, ``aelastic[http]``), :mod:`._gate`
+decides who may read them (the token, sessions);
 :mod:`.dashboard` is the stand-alone server. The browser side is plain HTML, CSS and a
 little JavaScript in ``static/``, shipped with the package (no build step).
 

@@ -13,10 +13,11 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
+from ..backends.http.server import Clients
 from . import DEFAULT_PORT
 from .pages import install_pages
 from .sources import RunSource
@@ -43,15 +44,22 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
         return web.json_response({"error": "internal server error"}, status=500)
 
 
-def create_dashboard_app(source: RunSource, token: str | None) -> web.Application:
+def create_dashboard_app(
+    source: RunSource, token: str | None, trusted_proxies: Sequence[str] = ()
+) -> web.Application:
     """The dashboard's application: the pages of the runs ``source`` reads.
 
     Args:
         source: Where the runs are (closed with the application).
         token: The token the pages need (``None``: none).
+        trusted_proxies: Addresses or networks of proxies whose ``X-Forwarded-*`` headers
+            are believed (the client's address, HTTPS).
+
+    Raises:
+        ValueError: A trusted proxy is not an address or network.
     """
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024)
-    install_pages(app, source, token)
+    install_pages(app, source, token, Clients(trusted_proxies))
     return app
 
 
@@ -68,6 +76,7 @@ async def serve_dashboard(
     port: int = DEFAULT_PORT,
     *,
     token: str | None = None,
+    trusted_proxies: Sequence[str] = (),
     stop: asyncio.Event | None = None,
     ready: Callable[[str], None] | None = None,
 ) -> None:
@@ -78,13 +87,14 @@ async def serve_dashboard(
         host: Address to bind (loopback by default).
         port: Port to bind; ``0`` picks a free one.
         token: The token the pages need (``None``: none).
+        trusted_proxies: As for :func:`create_dashboard_app`.
         stop: Set it to shut the server down.
         ready: Called with the URL once it accepts connections.
 
     Raises:
         OSError: The address cannot be bound.
     """
-    app = create_dashboard_app(source, token)
+    app = create_dashboard_app(source, token, trusted_proxies)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=3.0)
     await runner.setup()
     try:

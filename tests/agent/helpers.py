@@ -142,3 +142,10 @@ def not_running(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return state in ("Z", "X")
+
+
+def own_dir(root: Path | str, run_id: str) -> Path:
+    """The one log directory an agent made for ``run_id`` under ``root``: torch's layout,
+    ``<root>/<run_id>_<random>``."""
+    [found] = Path(root).glob(f"{run_id}_*")
+    return found

@@ -15,7 +15,15 @@ import pytest
 from aelastic.agent import AgentEvent, ElasticAgent, EventKind, WorkerState, standby
 from aelastic.agent.errors import NOT_KEPT, error_details, format_failures
 
-from .helpers import WorkerHub, make_handler, not_running, reaped, running, worker_spec
+from .helpers import (
+    WorkerHub,
+    make_handler,
+    not_running,
+    own_dir,
+    reaped,
+    running,
+    worker_spec,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -76,7 +84,7 @@ async def test_worker_environment_is_torchs(run_id: str, tmp_path: Any) -> None:
             "TORCHELASTIC_RUN_ID": run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "False",
             "TORCHELASTIC_ERROR_FILE": str(
-                tmp_path / run_id / "attempt_0" / str(local_rank) / "error.json"
+                own_dir(tmp_path, run_id) / "attempt_0" / str(local_rank) / "error.json"
             ),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
@@ -139,8 +147,8 @@ async def test_crash_restarts_the_group(run_id: str, tmp_path: Any) -> None:
             result = await task
     assert result.state is WorkerState.SUCCEEDED
     assert result.failures == {}
-    assert (tmp_path / run_id / "attempt_0" / "1").is_dir()
-    assert (tmp_path / run_id / "attempt_1" / "1").is_dir()
+    assert (own_dir(tmp_path, run_id) / "attempt_0" / "1").is_dir()
+    assert (own_dir(tmp_path, run_id) / "attempt_1" / "1").is_dir()
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["log_dir", "temporary_logs"])

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import tracemalloc
 from pathlib import Path
 
 from aelastic.agent import RunResult, WorkerState
-from aelastic.agent.errors import format_failures, make_failure, read_error_file
+from aelastic.agent.errors import (
+    NOT_KEPT,
+    SHOWN_WIDTH,
+    bounded,
+    format_failures,
+    make_failure,
+    printable,
+    read_error_file,
+)
 
 
 def failure(tmp_path: Path, content: str | None, exitcode: int = 1, when: float = 100.0):  # type: ignore[no-untyped-def]
@@ -69,3 +78,36 @@ def test_root_cause_is_the_earliest(tmp_path: Path) -> None:
     assert RunResult(WorkerState.SUCCEEDED).root_cause is None
     assert "no failures" in format_failures(RunResult(WorkerState.SUCCEEDED))
     assert late.signal_name() == "<N/A>" and "exitcode 1" in str(late)
+
+
+def test_a_huge_error_file_is_not_read_whole(tmp_path: Path) -> None:
+    path = tmp_path / "error.json"
+    message = "ValueError: \x1b[2J" + "x" * (50 * 1024 * 1024)
+    path.write_text(json.dumps({"message": {"message": message}}))
+    tracemalloc.start()
+    try:
+        read = read_error_file(str(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert read is not None and peak < 1024 * 1024  # 50 MB on disk, its head in memory
+    text, data = read
+    assert data == {} and len(text) < 10_000
+    size = path.stat().st_size
+    assert text.endswith(f"<error file {path}: {size} bytes, too large to read whole>")
+
+
+def test_reports_show_the_first_lines_escaped_and_where_the_rest_is(tmp_path: Path) -> None:
+    stack = "".join(f"line {i} \x1b[31mred\x1b[0m\r\n" for i in range(1000)) + "y" * 10_000
+    doc = {"message": {"message": "E: \x1b]0;title\x07", "extraInfo": {"py_callstack": stack}}}
+    f = failure(tmp_path, json.dumps(doc))
+    report = format_failures(RunResult(WorkerState.FAILED, failures={3: f}))
+    assert "\x1b" not in report and "\x07" not in report and "\r" not in report
+    assert "line 0 \\x1b[31mred\\x1b[0m\\x0d" in report
+    assert "line 39 " in report and "line 40 " not in report
+    assert f"... (cut: see {f.error_file})" in report
+    assert len(report) < 40 * (SHOWN_WIDTH + 100)
+    shown = bounded("a" * 2 * SHOWN_WIDTH, NOT_KEPT)
+    assert shown == f"{'a' * SHOWN_WIDTH}... ({SHOWN_WIDTH} more characters)\n... (cut: not kept)"
+    assert bounded("short\ttab\n", "x") == "short\ttab"
+    assert printable("\x9b2J\x00ok\n") == "\\x9b2J\\x00ok\n"

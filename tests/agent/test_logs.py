@@ -11,7 +11,7 @@ import pytest
 from aelastic.agent import ElasticAgent, Std, WorkerSpec, WorkerState
 from aelastic.agent.logs import Target, line_prefix, plan_streams
 
-from .helpers import make_handler
+from .helpers import make_handler, own_dir
 
 pytestmark = pytest.mark.anyio
 
@@ -53,7 +53,7 @@ async def test_redirect_and_tee_per_attempt(
     s = spec(2, redirects="0:1", tee="1:3", log_dir=str(tmp_path), max_restarts=1)
     result = await ElasticAgent(s).run()
     assert result.state is WorkerState.SUCCEEDED
-    run_dir = tmp_path / s.rdzv_handler.get_run_id()
+    run_dir = own_dir(tmp_path, s.rdzv_handler.get_run_id())
     for attempt in (0, 1):
         rank0 = run_dir / f"attempt_{attempt}" / "0"
         rank1 = run_dir / f"attempt_{attempt}" / "1"
@@ -102,7 +102,7 @@ async def test_teed_lines_matching_the_filters_are_duplicated_to_one_file(
     )
     s.args = ("-c", code)
     assert (await ElasticAgent(s).run()).state is WorkerState.SUCCEEDED
-    attempt = tmp_path / s.rdzv_handler.get_run_id() / "attempt_0"
+    attempt = own_dir(tmp_path, s.rdzv_handler.get_run_id()) / "attempt_0"
     out = (attempt / "filtered_stdout.log").read_text().splitlines()
     assert sorted(out) == [
         "[trainer0]:acc, 0",
@@ -119,6 +119,6 @@ async def test_teed_lines_matching_the_filters_are_duplicated_to_one_file(
 async def test_filters_without_tee_leave_an_empty_file_as_torchs(tmp_path: Path) -> None:
     s = spec(1, log_dir=str(tmp_path), duplicate_stdout_filters=["out"])
     assert (await ElasticAgent(s).run()).state is WorkerState.SUCCEEDED
-    attempt = tmp_path / s.rdzv_handler.get_run_id() / "attempt_0"
+    attempt = own_dir(tmp_path, s.rdzv_handler.get_run_id()) / "attempt_0"
     assert (attempt / "filtered_stdout.log").read_text() == ""
     assert not (attempt / "filtered_stderr.log").exists()

@@ -115,7 +115,7 @@ def test_a_child_whose_agent_died_before_it_was_armed_exits(
 ) -> None:
     # As if the agent died between the fork and the arming: the parent is another process.
     monkeypatch.setattr(os, "getpid", lambda: 1)
-    arm = process._child_setup(None)
+    arm = process.child_setup(None)
     monkeypatch.undo()
     assert arm is not None
     child = subprocess.run(

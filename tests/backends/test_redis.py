@@ -521,6 +521,29 @@ async def test_unreachable_redis_fails_within_read_timeout_naming_it(operation: 
     assert "hidden-pw" not in str(info.value)
 
 
+async def test_the_retry_budget_runs_once_per_outage_and_is_whole_again_after_an_answer(
+    own_server: RedisServer, run_id: str
+) -> None:
+    async with backend(own_server.url, run_id, read_timeout=1.0) as b:
+        await b.kv_set("k", b"1")
+        own_server.kill()
+        timings = []
+        for _ in range(2):  # one outage: the second call gets what is left (one attempt)
+            start = time.monotonic()
+            with pytest.raises(RendezvousConnectionError):
+                await b.kv_get(["k"])
+            timings.append(time.monotonic() - start)
+        assert 0.9 <= timings[0] < 5.0 and timings[1] < 0.9, timings
+        own_server.start()
+        assert await b.kv_get(["k"]) == [None]  # answered (an empty restart): outage over
+        own_server.kill()
+        start = time.monotonic()
+        with pytest.raises(RendezvousConnectionError):
+            await b.kv_get(["k"])
+        assert 0.9 <= time.monotonic() - start < 5.0  # a new outage, a whole budget
+        own_server.start()
+
+
 async def test_transient_outage_is_retried(own_server: RedisServer, run_id: str) -> None:
     async with backend(own_server.url, run_id, read_timeout=20) as b:
         await b.kv_set("k", b"1")

@@ -218,8 +218,8 @@ def test_script_arguments_are_not_parsed() -> None:
         (["--max-restarts", "-1", "x.py"], "max-restarts"),
         (["--max-restarts", "many", "x.py"], "invalid int"),
         (["--monitor-interval", "0", "x.py"], "monitor-interval"),
-        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--nnodes", "2", "x.py"], "torch"),
-        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "x.py"], "torch"),
+        (["--rdzv-backend", "etcd", "--nnodes", "2", "x.py"], "needs --rdzv-endpoint"),
+        (["--rdzv-backend", "etcd-v2", "x.py"], "needs --rdzv-endpoint"),
         (["--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h:1", "x.py"], "unknown"),
         (["--rdzv-backend", "redis", "x.py"], "needs --rdzv-endpoint"),
         (["--nnodes", "2:3", "x.py"], "static rendezvous needs a fixed number"),
@@ -368,3 +368,11 @@ def test_the_docs_table_lists_every_torchrun_flag_with_its_pet_variable() -> Non
         expected = f"`PET_{action.dest.upper()}`" if reads_env else ""
         if name not in ("-h", "--help"):
             assert (expected or "(none") in documented[names[-1]], (name, documented[names[-1]])
+
+
+@pytest.mark.parametrize("name", ["etcd", "etcd-v2", "aelastic-etcd"])
+def test_torch_etcd_names_mean_the_etcd_backend(name: str) -> None:
+    """torch's etcd names (Kubeflow's PyTorchJob admits etcd and etcd-v2) run on etcd's v3 API."""
+    config = _config("--nnodes", "1:2", "--rdzv-backend", name, "--rdzv-endpoint", "e:2379", "x.py")
+    assert config.rdzv_backend == "etcd"
+    assert config.rdzv_endpoint == "e:2379"

@@ -112,11 +112,17 @@ def test_a_job_shows_no_secret_and_workers_inherit_none(
     server: RedisServer, tmp_path: Path, run_id: str
 ) -> None:
     (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
-    env = {**SECRET_ENV, "AELASTIC_REDIS_USERNAME": "default"}
+    # The endpoint with its password comes in PET_RDZV_ENDPOINT (as a Kubeflow pod's would);
+    # an etcd password too (any backend's AELASTIC_*_PASSWORD is kept from the workers).
+    env = {
+        **SECRET_ENV,
+        "AELASTIC_REDIS_USERNAME": "default",
+        "AELASTIC_ETCD_PASSWORD": PASSWORD,
+        "PET_RDZV_ENDPOINT": _url(server),
+    }
     args = [
         "run",
         "--rdzv-backend=redis",
-        f"--rdzv-endpoint={_url(server)}",
         f"--rdzv-id={run_id}",
         "--local-addr=127.0.0.1",
         "--max-restarts=1",
@@ -160,7 +166,10 @@ def test_a_job_shows_no_secret_and_workers_inherit_none(
     assert standby_envs, out
     for report in reports:
         assert not set(SECRET_ENV) & set(report["env"]), report["env"]
-        assert report["env"]["AELASTIC_REDIS_USERNAME"] == "default"  # a name is no secret
+        assert "AELASTIC_REDIS_USERNAME" not in report["env"]  # half a login: not needed
+        assert "AELASTIC_ETCD_PASSWORD" not in report["env"]
+        masked = f"redis://default:***@127.0.0.1:{server.port}/0"
+        assert report["env"]["PET_RDZV_ENDPOINT"] == masked
         start_names = {entry.split("=", 1)[0] for entry in report["start_env"]}
         assert not set(SECRET_ENV) & start_names
     for start_env in standby_envs:

@@ -93,7 +93,7 @@ def test_status_rejects_the_memory_backend(tmp_path: Path) -> None:
     code, out = run_cli(
         ["status", "--rdzv-backend", "memory", "--rdzv-endpoint", "x", "--rdzv-id", "y"], tmp_path
     )
-    assert code == 2 and "redis or http" in out
+    assert code == 2 and "redis, http or etcd" in out
 
 
 def test_serve_port_in_use(tmp_path: Path) -> None:
@@ -150,3 +150,16 @@ def test_status_watch_ends_on_sigint(tmp_path: Path, run_id: str, inherited: str
             watch.wait_for(lambda lines: any("no rendezvous state" in line for line in lines))
             watch.signal(signal.SIGINT)
             assert watch.wait(60) == 130, watch.output
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--trusted-proxy", "proxy.example"], "--trusted-proxy: 'proxy.example' is not an IP"),
+        (["--trusted-proxy", "127.0.0.1,10.0.0.0/33"], "'10.0.0.0/33' is not an IP"),
+        (["--max-nodes-per-client", "-1"], "--max-nodes-per-client must be >= 0"),
+    ],
+)
+def test_serve_refuses_bad_client_limits(tmp_path: Path, flags: list[str], said: str) -> None:
+    code, out = run_cli(["serve", "--port", "0", *flags], tmp_path)
+    assert code == 2 and said in out, out

@@ -267,7 +267,7 @@ def _redis_ready() -> bool:
     )
 
 
-@pytest.fixture(params=["http", "redis"])
+@pytest.fixture(params=["http", "redis", "etcd"])
 def shared_endpoint(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     if request.param == "http":
         if not _http_ready():
@@ -276,6 +276,11 @@ def shared_endpoint(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]
 
         with HttpServer() as server:
             yield "aelastic-http", server.endpoint
+    elif request.param == "etcd":
+        from tests._etcd_server import EtcdServer
+
+        with EtcdServer() as etcd:
+            yield "aelastic-etcd", etcd.endpoint
     else:
         if not _redis_ready():
             pytest.skip("the Redis backend has not landed yet")

@@ -1,13 +1,15 @@
 """The backends every conformance test runs on: memory, a real redis-server, a real HTTP server,
-and torch's ``c10d`` hosted by an agent.
+a real etcd, and torch's ``c10d`` hosted by an agent.
 
 Servers are started once per session on free loopback ports; each test uses its own run id,
 so tests never see each other's state. Redis runs three ways: a standalone server, a primary
 found through Sentinel (``redis+sentinel``: a primary, a replica, three sentinels) and a
-Redis Cluster (``redis+cluster``: three primaries with a replica each). ``c10d`` is hosted as
-an agent hosts it (``is_host=true``: the HTTP server inside that process's event loop, here a
-loop of its own in a thread of the test process, for the session); the tests' nodes are
-guests (``is_host=false``), so closing them freely never stops the host.
+Redis Cluster (``redis+cluster``: three primaries with a replica each); etcd runs as one
+member and as a 3-member cluster (``etcd+cluster``, every node naming every member).
+``c10d`` is hosted as an agent hosts it (``is_host=true``: the HTTP server inside that
+process's event loop, here a loop of its own in a thread of the test process, for the
+session); the tests' nodes are guests (``is_host=false``), so closing them freely never
+stops the host.
 
 ``static`` is not in the suite: a node's rank there is its ``--node-rank``, not its place in
 the round, so the suite's scenarios (ranks by join order, latecomers, elastic sizes) do not
@@ -27,7 +29,7 @@ from aelastic.backends import BUILTINS, backend_info
 #: Every built-in backend (the registry's rows) but ``static`` (see the module docstring).
 BACKENDS = [info.name for info in BUILTINS if info.name != "static"]
 #: Ways to deploy a backend's server that the suite runs on too, beside the plain one.
-DEPLOYMENTS = {"redis": ["redis+sentinel", "redis+cluster"]}
+DEPLOYMENTS = {"redis": ["redis+sentinel", "redis+cluster"], "etcd": ["etcd+cluster"]}
 
 MakeParams = Callable[..., RendezvousParameters]
 
@@ -53,6 +55,22 @@ def redis_cluster_url() -> Iterator[str]:
     from tests._redis_ha import RedisCluster
 
     with RedisCluster() as cluster:
+        yield cluster.endpoint
+
+
+@pytest.fixture(scope="session")
+def etcd_url() -> Iterator[str]:
+    from tests._etcd_server import EtcdServer
+
+    with EtcdServer() as server:
+        yield server.endpoint
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster_url() -> Iterator[str]:
+    from tests._etcd_server import EtcdCluster
+
+    with EtcdCluster(3) as cluster:
         yield cluster.endpoint
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
-from aelastic.core.clock import ManualClock
+from aelastic.core.clock import SYSTEM_CLOCK, ManualClock
+from aelastic.core.errors import RendezvousError, RendezvousLostError
 from aelastic.core.params import RendezvousSettings
 from aelastic.core.state import Outcome, Reply, Status
 from aelastic.rendezvous._heartbeat import Heartbeats
@@ -62,3 +64,68 @@ async def test_a_planned_expiry_check_keeps_the_beat_held_so_watchers_stay_aslee
     # and ask the backend itself.
     assert all(hold > 0 for hold in member.holds), member.holds
     assert dropped == 0
+
+
+class _Silent:
+    """A member whose keep-alives never get an answer, or fail as ``failure`` says."""
+
+    def __init__(self, failure: BaseException | None = None) -> None:
+        self.failure = failure
+        self.calls = 0
+        self.lost = False
+
+    @property
+    def status(self) -> Status | None:
+        return None
+
+    async def keep_alive(self, hold: float) -> Reply:
+        self.calls += 1
+        if self.failure is not None:
+            raise self.failure
+        await asyncio.Event().wait()
+        raise AssertionError("never answered")
+
+    def lost_membership(self) -> None:
+        self.lost = True
+
+
+async def test_a_beat_without_an_answer_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    settings = RendezvousSettings("run", 1, 2, keep_alive_interval=0.1, heartbeat_timeout=0.2)
+    member = _Silent()
+    beats = Heartbeats(member, settings, SYSTEM_CLOCK, holds=False, name="beats")
+    with caplog.at_level(logging.WARNING, "aelastic.rendezvous"):
+        beats.start()
+        try:
+            for _ in range(100):
+                if "failed to send a heartbeat" in caplog.text:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await beats.stop()
+    failed = [r.getMessage() for r in caplog.records if "heartbeat" in r.getMessage()]
+    assert failed and failed[0] == "beats failed to send a heartbeat: no answer within 0.2 s"
+    # An error without a text is named by its type, never an empty reason.
+    caplog.clear()
+    beats = Heartbeats(_Silent(RendezvousError()), settings, SYSTEM_CLOCK, False, "beats")
+    with caplog.at_level(logging.WARNING, "aelastic.rendezvous"):
+        beats.start()
+        await asyncio.sleep(0.3)
+        await beats.stop()
+    assert "beats failed to send a heartbeat: RendezvousError" in caplog.text
+
+
+async def test_a_lost_rendezvous_ends_the_beats_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings = RendezvousSettings("run", 1, 2, keep_alive_interval=0.1)
+    member = _Silent(RendezvousLostError("the host is gone"))
+    beats = Heartbeats(member, settings, SYSTEM_CLOCK, holds=True, name="beats")
+    with caplog.at_level(logging.WARNING, "aelastic.rendezvous"):
+        beats.start()
+        for _ in range(100):
+            if not beats.running:
+                break
+            await asyncio.sleep(0.02)
+        await beats.stop()
+    assert member.calls == 1 and not beats.running and not beats.holding
+    assert "heartbeat" not in caplog.text

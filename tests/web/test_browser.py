@@ -9,11 +9,14 @@ downloads a browser here: it drives ``/usr/bin/chromium``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
 import os
 import re
 import shutil
 import signal
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -229,6 +232,66 @@ def test_the_login_form_opens_the_pages_in_the_browser(
         (cookie,) = page.context.cookies()
         assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
         assert token not in cookie["value"]
+    finally:
+        _stop(server)
+
+
+@contextlib.contextmanager
+def _other_site(page_html: str) -> Iterator[str]:
+    """Serve ``page_html`` at ``/`` on another origin (a free port); yield its URL."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = page_html.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=site.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{site.server_address[1]}/"
+    finally:
+        site.shutdown()
+        site.server_close()
+
+
+def test_another_site_cannot_log_out_and_a_logout_ends_the_session(
+    tmp_path: Path, page: Any
+) -> None:
+    token = "browser-s3cret"
+    server, url = _serve(tmp_path, {"AELASTIC_HTTP_TOKEN": token})
+    try:
+        page.goto(url + "/")
+        page.fill("#token", token)
+        page.click("button[type=submit]")
+        page.locator("form.logout").wait_for()
+        (session,) = page.context.cookies()
+        # A page elsewhere posts the logout form for the user (same site, another origin:
+        # the SameSite cookie goes along, the Origin check refuses it).
+        attack = (
+            f'<form method="post" action="{url}/logout"></form>'
+            "<script>document.forms[0].submit()</script>"
+        )
+        with _other_site(attack) as elsewhere:
+            page.goto(elsewhere)
+            page.wait_for_url(f"{url}/logout")
+            assert "Refused" in page.inner_text("h1")
+        page.goto(url + "/")
+        page.locator("form.logout").wait_for()  # still logged in
+        # The page's own button logs out; the old cookie, replayed, opens nothing.
+        page.click("form.logout button")
+        page.locator("#token").wait_for()
+        assert page.context.cookies() == []
+        page.context.add_cookies([session])
+        page.goto(url + "/")
+        assert "Log in" in page.inner_text("h1")
     finally:
         _stop(server)
 

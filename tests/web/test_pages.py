@@ -119,6 +119,9 @@ async def test_with_a_token_the_pages_need_it_and_the_api_keeps_the_bearer(
                 assert answer.status == 403
             form = {"token": TOKEN, "next": "//evil.example/x"}
             async with session.post(url + "/login", data=form, allow_redirects=False) as answer:
+                assert answer.status == 400 and COOKIE not in answer.cookies
+            form = {"token": TOKEN, "next": ""}
+            async with session.post(url + "/login", data=form, allow_redirects=False) as answer:
                 assert answer.status == 303 and answer.headers["Location"] == "./"
                 cookie = answer.headers["Set-Cookie"]
             assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and TOKEN not in cookie

@@ -9,7 +9,7 @@ pool's lock and checks, observability hooks), one ``PING`` cost ~140 µs of CPU,
 takes no other command, so a node held two. A join cost ~2 ms of the node's CPU and 4,096
 simulated nodes on two cores were bound by it. This protocol on asyncio's transport: ~22 µs
 a ``PING``, ~85 µs a connection, 8 objects, and one connection per node where the server
-speaks RESP3; a join ~0.6 ms (``benchmarks/rdzv_scale.py``; the figures in the README).
+speaks RESP3; a join ~0.6 ms (``benchmarks/rdzv_scale.py``; the figures in docs/benchmarks.md).
 
 What it keeps from redis-py: the exception classes (an error reply becomes the same
 ``NoScriptError``, ``ReadOnlyError``, ``AuthenticationError``... through redis-py's own

@@ -65,6 +65,8 @@ class HttpBackend:
         read_timeout: Seconds the server may keep failing before a call raises.
         share_connections: Share the loop's session with the other backends of the server.
         channel: Send rendezvous requests on the connection's channel (one WebSocket).
+        label: The backend's name in progress events (a node hosting torch's ``c10d``
+            rendezvous reports ``c10d``, as the user asked for it).
 
     Raises:
         ValueError: The endpoint, the token or ``read_timeout`` is invalid.
@@ -84,6 +86,7 @@ class HttpBackend:
         read_timeout: float = 60.0,
         share_connections: bool = True,
         channel: bool = True,
+        label: str = "http",
     ) -> None:
         if not read_timeout > 0:
             raise ValueError(f"The read timeout ({read_timeout}) must be positive.")
@@ -96,6 +99,7 @@ class HttpBackend:
         key: Any = (str(self._base), self._token)
         self._share_key = ("http", key if share_connections else (key, next(_private)))
         self._channel = channel
+        self._label = label
         self._conn: Connection | None = None
         self._feed: RunFeed | None = None
         self._closed = False
@@ -110,8 +114,19 @@ class HttpBackend:
 
     @property
     def read_timeout(self) -> float:
-        """Seconds the server may keep failing before a call raises."""
+        """Seconds the server may keep failing before a call raises (settable)."""
         return self._read_timeout
+
+    @read_timeout.setter
+    def read_timeout(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError(f"The read timeout ({seconds}) must be positive.")
+        self._read_timeout = float(seconds)
+
+    @property
+    def failing(self) -> bool:
+        """Whether the server has failed since it last answered (an outage under way)."""
+        return self._conn is not None and self._conn.failing_since is not None
 
     def _open(self) -> tuple[Connection, RunFeed]:
         conn, feed = self._conn, self._feed
@@ -122,7 +137,8 @@ class HttpBackend:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         base, token, endpoint = self._base, self._token, self._endpoint
-        conn = _shared.acquire(self._share_key, lambda: Connection(base, token, endpoint))
+        label = self._label
+        conn = _shared.acquire(self._share_key, lambda: Connection(base, token, endpoint, label))
         entry = conn.feeds.get(self._run_id)
         feed = RunFeed(self._poll) if entry is None else entry[0]
         conn.feeds[self._run_id] = (feed, 1 if entry is None else entry[1] + 1)
@@ -186,7 +202,7 @@ class HttpBackend:
             assert answer is not None
             status, doc = answer
         else:
-            status = 200
+            status, conn.failing_since = 200, None  # the server answers (an outage is over)
         if status != 200:
             raise self._older()
         try:

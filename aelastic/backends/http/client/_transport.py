@@ -7,7 +7,13 @@ token) share a :class:`Connection` (see :mod:`aelastic.backends._shared`): one a
 request and retries what may be transient (connection refused or reset, timeouts, 5xx
 answers) with a jittered exponential backoff, for as long as the server has failed for less
 than ``read_timeout`` seconds; then it raises ``RendezvousConnectionError`` naming the
-server. A ``401`` is never retried: it raises at once, saying the server refused the token.
+server. The time counts from the first failure of the outage, not of the call
+(:attr:`Connection.failing_since`, cleared by any answer), or of the call if that came
+first: a call made while the server has been failing for a while gets what is left of the
+budget (at least one attempt), so the countdown of "retrying for N s more" never starts
+again while nothing answers (heartbeats, a watch and the leave of a stopping node are so
+many calls), and the answers other calls get never renew it. A ``401`` is never retried: it
+raises at once, saying the server refused the token.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 1.0
 #: Extra seconds a long-poll attempt may take beyond what the server was asked to hold it.
 _HOLD_MARGIN = 10.0
+#: Seconds the one attempt of a call made after the outage's budget ran out may take.
+_LAST_ATTEMPT = 2.0
 
 
 class Connection:
@@ -45,11 +53,13 @@ class Connection:
         base: The server's base URL (scheme, host, port and optional path prefix).
         token: Bearer token to send (``None``: none).
         endpoint: How to name the server in messages (no credentials).
+        label: How to name the backend in progress events.
     """
 
-    def __init__(self, base: URL, token: str | None, endpoint: str) -> None:
+    def __init__(self, base: URL, token: str | None, endpoint: str, label: str = "http") -> None:
         self.base = base
         self.endpoint = endpoint
+        self.label = label
         self.loop = asyncio.get_running_loop()
         self.feeds: dict[str, tuple[RunFeed, int]] = {}  # run id -> (feed, users)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -57,6 +67,8 @@ class Connection:
         self.session = aiohttp.ClientSession(connector=connector, headers=headers)
         #: The rendezvous channel (keep-alives as WebSocket messages), opened on first use.
         self.channel = Channel(self.session, base, endpoint)
+        #: Loop time of the first failure since the server last answered (``None``: it does).
+        self.failing_since: float | None = None
 
     async def call(
         self,
@@ -94,13 +106,13 @@ class Connection:
             url = url.with_query(query)
         headers = {} if idempotent else {"Idempotency-Key": uuid.uuid4().hex}
         loop = asyncio.get_running_loop()
-        first_failure: float | None = None  # start of the first failed attempt
         answered: str | None = None  # the first failure the server itself reported
+        first_failure: float | None = None  # this call's budget counts from here, or before
         backoff = _FIRST_BACKOFF
         while True:
             started = loop.time()
-            since = started if first_failure is None else first_failure
-            remaining = since + read_timeout - started
+            since = min(t for t in (started, first_failure, self.failing_since) if t is not None)
+            remaining = max(since + read_timeout - started, min(read_timeout, _LAST_ATTEMPT))
             if hold:
                 remaining = min(remaining, _HOLD_MARGIN)
             try:
@@ -110,13 +122,16 @@ class Connection:
                 ) as response:
                     status = response.status
                     if status not in _RETRY_STATUSES:
+                        self.failing_since = None
                         return status, await self._answer(response, method, accept)
                     problem = f"it answered {status} ({await _error_text(response)})"
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 problem = _describe(exc)
             if answered is None and problem.startswith("it answered"):
                 answered = problem
-            first_failure = since
+            if self.failing_since is None:
+                self.failing_since = since
+            first_failure = since  # never later: others' answers do not renew this call's
             now = loop.time()
             if now - first_failure >= read_timeout:
                 if answered is not None and answered != problem:
@@ -130,7 +145,7 @@ class Connection:
             retry_for = first_failure + read_timeout - now
             report(
                 BackendRetry(
-                    backend="http",
+                    backend=self.label,
                     endpoint=self.endpoint,
                     what=f"{method} {path}",
                     error=problem,

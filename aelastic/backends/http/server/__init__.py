@@ -50,15 +50,19 @@ A node of the first state format asking at ``/v1/runs/{run}/state`` gets a state
 2 and fails with an error naming both versions. Errors are ``{"error": "..."}`` with ``400``
 (malformed JSON, a body or query that does not fit the schema, unknown fields), ``401``,
 ``404``, ``405``, ``408`` (the body came too slowly), ``413`` (body over ``max_body``),
-``503`` (shutting down, the journal could not be written, the limit of runs) or ``500``.
+``429`` (the client sent too many wrong tokens and must wait, ``Retry-After``; a join past
+the client's ``max_nodes_per_client``), ``503`` (shutting down, the journal could not be
+written, the limit of runs) or ``500``.
 A rejected request changes nothing. Long-polls answer ``503`` at once when the server shuts
 down. Runs nobody changed for ``run_ttl`` (24 h) and nobody waits on are forgotten.
 
 Limits (:func:`serve`): a request that would make a run past ``max_runs`` gets ``503``
 (the runs already there keep working); a client must send a request's head within
 ``read_timeout`` of connecting and its body within ``read_timeout`` after that (``408``),
-else it is dropped; an idle connection is closed after ``keepalive_timeout``; past
-``max_connections`` a new connection is answered ``503`` and closed (:mod:`._guard`).
+else it is dropped; an idle connection (or rendezvous channel) is closed after
+``keepalive_timeout``; past ``max_connections`` a new connection is answered ``503`` and
+closed (:mod:`._guard`). Per client (its address, or the one a trusted proxy names:
+:mod:`._clients`): wrong tokens (:mod:`._throttle`) and nodes in the runs (:mod:`._quota`).
 """
 
 from __future__ import annotations
@@ -68,13 +72,22 @@ import contextlib
 import ipaddress
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
 from ....core._signals import stop_on_signals
 from ..wire import DEFAULT_PORT, MAX_BODY, TOKEN_ENV
-from ._app import DEFAULT_MAX_RUNS, DEFAULT_RUN_TTL, OWN_AUTH, Pages, create_app, resolve_token
+from ._app import (
+    DEFAULT_MAX_RUNS,
+    DEFAULT_RUN_TTL,
+    OWN_AUTH,
+    Pages,
+    create_app,
+    resolve_token,
+    too_many_failures,
+)
+from ._clients import CLIENTS, Clients, parse_networks
 from ._guard import (
     BACKLOG,
     DEFAULT_KEEPALIVE_TIMEOUT,
@@ -86,23 +99,32 @@ from ._guard import (
     raise_open_file_limit,
 )
 from ._operator import is_loopback
+from ._quota import DEFAULT_MAX_NODES_PER_CLIENT
 from ._runs import PersistenceError
+from ._throttle import THROTTLE, AuthThrottle
 
 __all__ = [
+    "CLIENTS",
     "DEFAULT_KEEPALIVE_TIMEOUT",
     "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_NODES_PER_CLIENT",
     "DEFAULT_MAX_RUNS",
     "DEFAULT_PORT",
     "DEFAULT_READ_TIMEOUT",
     "DEFAULT_RUN_TTL",
     "OWN_AUTH",
+    "THROTTLE",
+    "AuthThrottle",
+    "Clients",
     "Pages",
     "PersistenceError",
     "create_app",
     "is_loopback",
+    "parse_networks",
     "resolve_token",
     "run_server",
     "serve",
+    "too_many_failures",
 ]
 
 log = logging.getLogger("aelastic.backends.http.server")
@@ -127,6 +149,8 @@ async def serve(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    trusted_proxies: Sequence[str] = (),
+    max_nodes_per_client: int = DEFAULT_MAX_NODES_PER_CLIENT,
     stop: asyncio.Event | None = None,
     ready: Callable[[str], None] | None = None,
     pages: Pages | None = None,
@@ -136,12 +160,14 @@ async def serve(
     Args:
         host: Address to bind (loopback by default).
         port: Port to bind; ``0`` picks a free one.
-        token, persist_path, max_body, run_ttl, max_runs, pages: As for :func:`create_app`.
+        token, persist_path, max_body, run_ttl, max_runs, trusted_proxies,
+            max_nodes_per_client, pages: As for :func:`create_app`.
         max_connections: Open connections held at most (lowered to fit the open-file
             limit); past it a new connection is answered ``503`` and closed.
         read_timeout: Seconds a client has to send a request's head (from its connect, or
             from the first byte of a later request), and then its body.
-        keepalive_timeout: Seconds an idle connection stays open between requests.
+        keepalive_timeout: Seconds an idle connection stays open between requests (and an
+            idle rendezvous channel).
         stop: Set it to shut the server down cleanly.
         ready: Called with the server's URL once it accepts connections.
 
@@ -158,6 +184,9 @@ async def serve(
         run_ttl=run_ttl,
         max_runs=max_runs,
         read_timeout=read_timeout,
+        keepalive_timeout=keepalive_timeout,
+        trusted_proxies=trusted_proxies,
+        max_nodes_per_client=max_nodes_per_client,
         pages=pages,
     )
     if secret is None and not is_loopback(host):
@@ -211,6 +240,8 @@ def run_server(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    trusted_proxies: Sequence[str] = (),
+    max_nodes_per_client: int = DEFAULT_MAX_NODES_PER_CLIENT,
     pages: Pages | None = None,
 ) -> None:
     """Run the rendezvous server until SIGINT or SIGTERM (blocking).
@@ -226,8 +257,8 @@ def run_server(
         persist_path: JSON file keeping the runs across restarts.
         max_body: Largest request body accepted, in bytes.
         run_ttl: Seconds after which an unchanged, unwatched run is forgotten (0: never).
-        max_runs, max_connections, read_timeout, keepalive_timeout, pages: As for
-            :func:`serve`.
+        max_runs, max_connections, read_timeout, keepalive_timeout, trusted_proxies,
+            max_nodes_per_client, pages: As for :func:`serve`.
 
     Raises:
         PersistenceError: The persistence file cannot be loaded.
@@ -253,6 +284,8 @@ def run_server(
             max_connections=max_connections,
             read_timeout=read_timeout,
             keepalive_timeout=keepalive_timeout,
+            trusted_proxies=trusted_proxies,
+            max_nodes_per_client=max_nodes_per_client,
             stop=stop,
             ready=announce,
             pages=pages,

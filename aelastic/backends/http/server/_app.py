@@ -2,10 +2,12 @@
 
 How it works: two middlewares wrap every route (:mod:`._routes`). The outer one turns every
 failure into a JSON ``{"error": ...}`` answer with the right status (a bug gives 500, never a
-dropped connection); the inner one checks the bearer token (constant-time compare). Store
-writes may carry an ``Idempotency-Key``: a retry of one that was applied gets the first
-answer again instead of applying twice (:class:`Replays`). A background task forgets runs
-idle for ``run_ttl``.
+dropped connection); the inner one checks the bearer token (constant-time compare), after
+asking the client's failed checks whether it must wait first (``429``: :mod:`._throttle`).
+Store writes may carry an ``Idempotency-Key``: a retry of one that was applied gets the
+first answer again instead of applying twice (:class:`Replays`). Joins that add a node are
+counted per client (:mod:`._quota`). A background task forgets runs idle for ``run_ttl``
+(and the nodes per client that went).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -26,11 +28,14 @@ from ..._engine import Engine
 from ..wire import MAX_BODY, TOKEN_ENV, SchemaError
 from ._answer import failure
 from ._channel import add_channel
-from ._guard import DEFAULT_READ_TIMEOUT, RateLimitedLog
+from ._clients import CLIENTS, Clients
+from ._guard import DEFAULT_KEEPALIVE_TIMEOUT, DEFAULT_READ_TIMEOUT, RateLimitedLog
 from ._metrics import install as install_metrics
 from ._operator import HAS_TOKEN
+from ._quota import DEFAULT_MAX_NODES_PER_CLIENT, QUOTA, NodeQuota, NodeQuotaError
 from ._routes import BODY_TIMEOUT, REPLAYS, STORE, Replays, add_routes
 from ._runs import PersistenceError, RunLimitError, RunStore
+from ._throttle import THROTTLE, AuthThrottle
 
 __all__ = [
     "DEFAULT_MAX_RUNS",
@@ -39,6 +44,7 @@ __all__ = [
     "Pages",
     "create_app",
     "resolve_token",
+    "too_many_failures",
 ]
 
 log = logging.getLogger("aelastic.backends.http.server")
@@ -84,6 +90,8 @@ async def _answer(request: web.Request, handler: _Handler) -> web.StreamResponse
         known = failure(exc)
         assert known is not None
         return _error(*known)
+    except NodeQuotaError as exc:
+        return _error(429, str(exc))
     except web.HTTPRequestTimeout as exc:
         response = _error(408, exc.text or "the request body came too slowly")
         response.force_close()  # what is left of the body is not worth reading
@@ -101,20 +109,40 @@ async def _answer(request: web.Request, handler: _Handler) -> web.StreamResponse
         return _error(500, "internal server error")
 
 
-def _auth_middleware(token: str) -> Any:
+def too_many_failures(wait: float) -> web.Response:
+    """The ``429`` of a client that must wait ``wait`` seconds before its token is checked."""
+    seconds = max(math.ceil(wait), 1)
+    return web.json_response(
+        {"error": f"too many failed token checks from this client: retry in {seconds} s"},
+        status=429,
+        headers={"Retry-After": str(seconds)},
+    )
+
+
+def _auth_middleware(token: str, clients: Clients, throttle: AuthThrottle) -> Any:
     expected = f"Bearer {token}".encode()
 
     @web.middleware
     async def auth(request: web.Request, handler: _Handler) -> web.StreamResponse:
         if getattr(request.match_info.handler, OWN_AUTH, False):
             return await handler(request)
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        connection = request.transport
+        if throttle.tracking and not throttle.vouched(connection):
+            wait = throttle.wait(clients.key(request), "bearer")
+            if wait:
+                return too_many_failures(wait)
+        header = request.headers.get("Authorization")
+        given = (header or "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, expected):
+            if header is not None:  # a guess (none guesses nothing: a 401, not counted)
+                throttle.failed(clients.key(request), "bearer", connection)
             return web.json_response(
                 {"error": "unauthorized: a valid 'Authorization: Bearer <token>' is required"},
                 status=401,
                 headers={"WWW-Authenticate": 'Bearer realm="aelastic"'},
             )
+        if not clients.proxied(request):  # a proxy's connection carries other clients too
+            throttle.vouch(connection)
         return await handler(request)
 
     return auth
@@ -147,6 +175,9 @@ def create_app(
     run_ttl: float = DEFAULT_RUN_TTL,
     max_runs: int = DEFAULT_MAX_RUNS,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    trusted_proxies: Sequence[str] = (),
+    max_nodes_per_client: int = DEFAULT_MAX_NODES_PER_CLIENT,
     pages: Pages | None = None,
 ) -> web.Application:
     """Create the rendezvous server's aiohttp application (mountable with ``add_subapp``).
@@ -161,6 +192,12 @@ def create_app(
         max_runs: Runs kept at most (``0``: no limit); a request that would add one more
             gets ``503``, the runs already there keep working.
         read_timeout: Seconds a request's body may take to arrive (else ``408``).
+        keepalive_timeout: Seconds a rendezvous channel (WebSocket) that carries nothing
+            stays open, as an idle connection between requests.
+        trusted_proxies: Addresses or networks of proxies whose ``X-Forwarded-For``,
+            ``-Proto`` and ``-Host`` name the client (:mod:`._clients`).
+        max_nodes_per_client: Nodes one client (not on loopback) may have in the runs at
+            once; a join past it gets ``429`` (``0``: no limit).
         pages: Adds the pages (``/``, ``/runs/<run id>``) showing the runs.
 
     Returns:
@@ -168,8 +205,9 @@ def create_app(
 
     Raises:
         PersistenceError: ``persist_path`` exists but is not a valid runs file.
-        ValueError: ``max_body``, ``run_ttl``, ``max_runs`` or ``read_timeout`` is out of
-            range.
+        ValueError: ``max_body``, ``run_ttl``, ``max_runs``, ``read_timeout``,
+            ``keepalive_timeout`` or ``max_nodes_per_client`` is out of range, or a trusted
+            proxy is not an address or network.
     """
     if max_body < 1024:
         raise ValueError(f"max_body ({max_body}) must be at least 1024 bytes")
@@ -177,15 +215,22 @@ def create_app(
         raise ValueError(f"run_ttl ({run_ttl}) must be a non-negative number of seconds")
     if max_runs < 0:
         raise ValueError(f"max_runs ({max_runs}) must be a non-negative number (0: no limit)")
-    if not 0 < read_timeout < math.inf:
-        raise ValueError(f"read_timeout ({read_timeout}) must be a positive number of seconds")
+    for name, value in (("read_timeout", read_timeout), ("keepalive_timeout", keepalive_timeout)):
+        if not 0 < value < math.inf:
+            raise ValueError(f"{name} ({value}) must be a positive number of seconds")
     secret = resolve_token(token)
+    clients = Clients(trusted_proxies)
+    throttle = AuthThrottle()
     middlewares: list[Any] = [_errors_middleware()]
     if secret is not None:
-        middlewares.append(_auth_middleware(secret))
+        middlewares.append(_auth_middleware(secret, clients, throttle))
     app = web.Application(client_max_size=max_body, middlewares=middlewares)
     store = RunStore(persist_path, max_runs=max_runs)
+    quota = NodeQuota(store.engine, max_nodes_per_client, clients)
     app[STORE] = store
+    app[CLIENTS] = clients
+    app[THROTTLE] = throttle
+    app[QUOTA] = quota
     app[HAS_TOKEN] = secret is not None
     app[REPLAYS] = Replays()
     app[BODY_TIMEOUT] = read_timeout
@@ -195,15 +240,16 @@ def create_app(
 
     app.on_shutdown.append(on_shutdown)
     add_routes(app)
-    add_channel(app, store, max_body)
+    add_channel(app, store, max_body, keepalive_timeout)
     install_metrics(app, store)
     if pages is not None:
         pages(app, store.engine, secret)
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
-        sweeper = asyncio.get_running_loop().create_task(_sweep(store, run_ttl))
+        sweeper = asyncio.get_running_loop().create_task(_sweep(store, quota, run_ttl))
         yield
         sweeper.cancel()
+        throttle.close()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
         with contextlib.suppress(PersistenceError):
@@ -217,9 +263,11 @@ def loop_time() -> float:
     return time.monotonic()
 
 
-async def _sweep(store: RunStore, ttl: float) -> None:
+async def _sweep(store: RunStore, quota: NodeQuota, ttl: float) -> None:
     while True:
         await asyncio.sleep(min(ttl / 4, _SWEEP_EVERY) if ttl else _SWEEP_EVERY)
-        if store.expire(ttl or math.inf, loop_time()):
+        expired = store.expire(ttl or math.inf, loop_time())
+        quota.sweep()
+        if expired:
             with contextlib.suppress(PersistenceError):
                 await store.durable()

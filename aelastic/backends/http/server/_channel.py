@@ -13,10 +13,12 @@ is answered exactly as over HTTP (:func:`._answer.answer`): a held keep-alive wa
 the status moves or the next beat is due, so one message per beat is both the node's
 heartbeat and its news. A message that is not a JSON object with a valid ``id``, or a
 binary one, closes the channel (code 1003 or 1007, the reason in the close frame). At most
-:data:`MAX_IN_FLIGHT` requests are held per channel (beyond: 503). A channel that carried
-nothing for :data:`IDLE_TIMEOUT` seconds is closed (the client opens a new one when it
-needs it); at shutdown every channel is closed with code 1001 once its held answers are
-sent.
+:data:`MAX_IN_FLIGHT` requests are held per channel (beyond: 503); a join that would add a
+node past its client's quota is answered 429 (:mod:`._quota`). A channel that carried
+nothing and holds no request for the server's keep-alive timeout (``aelastic serve
+--keepalive-timeout``, as an idle connection between requests) is closed with code 1000
+and the reason ``idle`` (the client opens a new one when it needs it); at shutdown every
+channel is closed with code 1001 once its held answers are sent.
 
 Why: clients send their rendezvous requests here (a held heartbeat per node and interval,
 held joins). A held keep-alive as an HTTP request cost the server about 250 us of CPU and
@@ -24,7 +26,7 @@ the node about 350 us (aiohttp's request parsing, request and response objects, 
 the middlewares, a connection from the pool; the rendezvous work itself is small); as a
 message on an open WebSocket about 160 us on each side (measured, 2,048 nodes beating every
 second), which is what lets one server and 4,096 simulated nodes on this project's 2-core
-machine beat every second (figures in the README).
+machine beat every second (figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -49,16 +51,16 @@ from ..wire import (
     require_token,
 )
 from ._answer import answer, failure
+from ._guard import DEFAULT_KEEPALIVE_TIMEOUT
+from ._quota import QUOTA, NodeQuotaError
 from ._runs import RunStore
 
-__all__ = ["IDLE_TIMEOUT", "MAX_IN_FLIGHT", "TAPS", "add_channel"]
+__all__ = ["MAX_IN_FLIGHT", "TAPS", "add_channel"]
 
 log = logging.getLogger("aelastic.backends.http.server")
 
 #: Requests held on one channel at most; more are answered 503.
 MAX_IN_FLIGHT = 4096
-#: Seconds a channel may carry nothing before the server closes it.
-IDLE_TIMEOUT = 600.0
 _MAX_ID = 2**53
 #: Seconds the held answers get to go out at shutdown before the channels close.
 _SHUTDOWN_GRACE = 2.0
@@ -94,21 +96,25 @@ def _parse(data: str) -> tuple[int, dict[str, Any]]:
 class _Channel:
     """One client's WebSocket: its held requests and its answers."""
 
-    def __init__(self, ws: web.WebSocketResponse, store: RunStore, taps: list[Tap]) -> None:
+    def __init__(
+        self, ws: web.WebSocketResponse, upgrade: web.Request, store: RunStore, idle: float
+    ) -> None:
         self.ws = ws
+        self.upgrade = upgrade  # the channel's HTTP request: who its client is
         self.store = store
-        self.taps = taps
+        self.taps = upgrade.app[TAPS]
+        self.idle_timeout = idle
         self.held: set[asyncio.Task[None]] = set()
         self._by_id: dict[int, asyncio.Task[None]] = {}  # requests being answered
         self._loop = asyncio.get_running_loop()
         # Idle: one timer a channel, pushed back lazily (a timeout on every receive cost
         # a tenth of the server's time per message, measured).
         self.last = self._loop.time()
-        self._idle = self._loop.call_later(IDLE_TIMEOUT, self._check_idle)
+        self._idle = self._loop.call_later(idle, self._check_idle)
         self._closer: asyncio.Task[bool] | None = None
 
     def _check_idle(self) -> None:
-        due = self.last + IDLE_TIMEOUT
+        due = self.last + self.idle_timeout
         if self.held or self._loop.time() < due:
             self._idle = self._loop.call_at(max(due, self._loop.time() + 1.0), self._check_idle)
             return
@@ -136,8 +142,12 @@ class _Channel:
                 request = request_from_json(require_object(doc.get("request")))
             except WireError as exc:
                 raise SchemaError(str(exc)) from None
+            self.upgrade.app[QUOTA].admit(self.upgrade, run_id, request)
         except SchemaError as exc:
             self._later(self._error(msg_id, 400, str(exc)))
+            return
+        except NodeQuotaError as exc:
+            self._later(self._error(msg_id, 429, str(exc)))
             return
         task = self._later(self._answer(msg_id, run_id, request, hold, seen))
         self._by_id[msg_id] = task
@@ -184,11 +194,11 @@ class _Channel:
 
 
 async def _serve(
-    request: web.Request, store: RunStore, max_msg: int, channels: set[_Channel]
+    request: web.Request, store: RunStore, max_msg: int, idle: float, channels: set[_Channel]
 ) -> web.StreamResponse:
     ws = web.WebSocketResponse(compress=False, max_msg_size=max_msg, timeout=1.0)
     await ws.prepare(request)
-    channel = _Channel(ws, store, request.app[TAPS])
+    channel = _Channel(ws, request, store, idle)
     channels.add(channel)
     loop = asyncio.get_running_loop()
     try:
@@ -212,7 +222,12 @@ async def _serve(
     return ws
 
 
-def add_channel(app: web.Application, store: RunStore, max_body: int = MAX_BODY) -> None:
+def add_channel(
+    app: web.Application,
+    store: RunStore,
+    max_body: int = MAX_BODY,
+    idle_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+) -> None:
     """Serve the channel (``GET /v1/channel``) on ``app``, closed at its shutdown (call
     after the store's own shutdown, which answers the held requests).
 
@@ -220,12 +235,14 @@ def add_channel(app: web.Application, store: RunStore, max_body: int = MAX_BODY)
         app: The server's application.
         store: Its runs.
         max_body: Largest message accepted, in bytes (as a request body).
+        idle_timeout: Seconds a channel that carries nothing and holds no request stays
+            open.
     """
     app[TAPS] = []
     channels: set[_Channel] = set()
 
     async def channel(request: web.Request) -> web.StreamResponse:
-        return await _serve(request, store, max_body, channels)
+        return await _serve(request, store, max_body, idle_timeout, channels)
 
     async def close_all(app: web.Application) -> None:
         held = set().union(*(c.held for c in channels))

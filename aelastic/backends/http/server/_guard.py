@@ -11,7 +11,8 @@ lazily (one ``loop.call_at`` timer per connection, like aiohttp's keep-alive tim
   byte of the next request arrives, its head must be complete within ``read_timeout``;
 * while a request is being handled there is no deadline (the app's :meth:`middleware`
   says when): a long-poll waits on the server, not on the client. The routes bound the
-  body's read themselves (``read_timeout`` again).
+  body's read themselves (``read_timeout`` again); a rendezvous channel (a WebSocket: one
+  long request) closes itself once idle for ``keepalive_timeout`` (:mod:`._channel`).
 
 Past ``max_connections`` open connections, a new one is answered ``503`` and closed. Every
 refusal, and every ``accept()`` that failed for want of file descriptors (asyncio's
@@ -237,8 +238,9 @@ class ConnectionGuard:
         self.refused = 0
         self.timed_out = 0
         self._refusals = RateLimitedLog(
-            "refused %d new connection(s): %d are open, the limit (--max-connections; idle "
-            "ones close after --read-timeout or --keepalive-timeout)"
+            "refused %d new connection(s): %d are open, the limit (--max-connections; a "
+            "connection or rendezvous channel idle for --keepalive-timeout is closed, one "
+            "that sends no complete request within --read-timeout too)"
         )
         self._drops = RateLimitedLog(
             "closed %d connection(s) that sent no complete request within %g s (--read-timeout)"

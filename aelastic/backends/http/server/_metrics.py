@@ -5,7 +5,9 @@ pattern (never the raw path: run ids would make the series unbounded), method an
 a gauge of the requests being answered (held long-polls included; an open channel is one
 request), and the requests answered on channels (:mod:`._channel`) by status; a
 collector reads the runs and their nodes per state (participants, waiting, redundant) from
-the store at each scrape; the store reports each persistence write's duration. Everything
+the store at each scrape, and the counts of the clients' limits: failed token checks and
+the requests refused for them (:mod:`._throttle`, by kind), joins refused for a client's
+quota of nodes (:mod:`._quota`); the store reports each persistence write's duration. Everything
 lives in a registry of this application's own (several servers in one process never clash).
 The route sits behind the same token check as the API (Prometheus sends it as a bearer
 token). Without ``prometheus_client`` the route answers 501 naming the extra, and the server
@@ -22,7 +24,9 @@ from aiohttp import web
 from ....core.machine import snapshot_of
 from ..._engine import now_ms
 from ._channel import TAPS
+from ._quota import QUOTA, NodeQuota
 from ._runs import RunStore
+from ._throttle import THROTTLE, AuthThrottle
 
 __all__ = ["install"]
 
@@ -42,6 +46,7 @@ def install(app: web.Application, store: RunStore) -> None:
         app.router.add_get("/metrics", missing)
         return
     metrics = _Metrics(store)
+    metrics.registry.register(_LimitsCollector(app[THROTTLE], app[QUOTA]))
     app.middlewares.insert(0, metrics.middleware)  # outermost: sees every final status
     app[TAPS].append(metrics.channel_answer)
     app.router.add_get("/metrics", metrics.scrape)
@@ -149,3 +154,40 @@ class _RunsCollector:
         nodes.add_metric(["redundant"], redundant)
         yield runs
         yield nodes
+
+
+class _LimitsCollector:
+    """What the limits per client counted, read at each scrape."""
+
+    def __init__(self, throttle: AuthThrottle, quota: NodeQuota) -> None:
+        self._throttle = throttle
+        self._quota = quota
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        failures = CounterMetricFamily(
+            "aelastic_server_auth_failures",
+            "Failed token checks (bearer: the API, the channel, /metrics, the pages' header; "
+            "login: the pages' form).",
+            labels=["kind"],
+        )
+        refused = CounterMetricFamily(
+            "aelastic_server_auth_refused",
+            "Requests answered 429 because their client failed too many token checks.",
+            labels=["kind"],
+        )
+        for kind in ("bearer", "login"):
+            failures.add_metric([kind], self._throttle.failures[kind])
+            refused.add_metric([kind], self._throttle.refusals[kind])
+        quota = CounterMetricFamily(
+            "aelastic_server_node_quota_refused",
+            "Joins refused (429) because their client has its limit of nodes in the runs.",
+        )
+        quota.add_metric([], self._quota.refused)
+        yield failures
+        yield refused
+        yield quota

@@ -2,10 +2,11 @@
 
 How it works: with a token, the token (checked for every route by the bearer middleware):
 every token holder is an operator. Without one, a request from the server's own machine
-only: its peer is a loopback address (IPv4 mapped in IPv6 too) and it carries none of the
-headers a proxy adds (``Forwarded``, ``X-Forwarded-For``, ``X-Real-IP``): a proxy on the
-same machine that adds them makes its clients' requests remote, as they are. Else ``403``,
-saying what to do. See ``docs/security.md``.
+only: its client (:mod:`._clients`: the peer, or behind a ``--trusted-proxy`` the address
+it forwarded) is a loopback address, and a request from an untrusted peer carries none of
+the headers a proxy adds (``Forwarded``, ``X-Forwarded-For``, ``X-Real-IP``): a proxy on
+the same machine that adds them makes its clients' requests remote, as they are. Else
+``403``, saying what to do. See ``docs/security.md``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import ipaddress
 from aiohttp import web
 
 from ..wire import TOKEN_ENV
+from ._clients import CLIENTS
 
 __all__ = ["HAS_TOKEN", "is_loopback", "require_operator"]
 
@@ -44,8 +46,10 @@ def require_operator(request: web.Request) -> None:
     """
     if request.app[HAS_TOKEN]:
         return  # the token was checked
-    peer = request.remote or ""
-    local = is_loopback(peer) and not any(h in request.headers for h in _FORWARDED)
+    clients = request.app[CLIENTS]
+    local = clients.is_loopback(request)
+    if not clients.proxied(request):
+        local = local and not any(h in request.headers for h in _FORWARDED)
     if not local:
         raise web.HTTPForbidden(
             reason="this server has no token: a run is closed or deleted only from the "

@@ -9,8 +9,9 @@ may carry an ``Idempotency-Key`` so that a retried ``kv/add`` counts once (:clas
 Long-polls (``status?token=&wait=``, ``kv/wait``) are held until the change, the timeout,
 or the server's shutdown (then ``503``, and clients retry against the restarted server).
 A request that may make a new run is first admitted by the store (``503`` past its limit
-of runs); a body must arrive within ``BODY_TIMEOUT`` (``408``). The operator's routes
-(closing and deleting a run) are checked by :mod:`._operator`.
+of runs), a join that adds a node by its client's quota (``429``: :mod:`._quota`); a body
+must arrive within ``BODY_TIMEOUT`` (``408``). The operator's routes (closing and deleting
+a run) are checked by :mod:`._operator`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ..wire import (
 )
 from ._answer import answer
 from ._operator import require_operator
+from ._quota import QUOTA
 from ._runs import RunStore
 
 __all__ = ["BODY_TIMEOUT", "REPLAYS", "STORE", "Replays", "add_routes"]
@@ -196,6 +198,7 @@ async def _rendezvous(request: web.Request) -> web.Response:
     def gone() -> bool:
         return request.transport is None or request.transport.is_closing()
 
+    request.app[QUOTA].admit(request, run_id, rdzv_request)
     reply = await answer(_store(request), run_id, rdzv_request, hold, seen, gone)
     return web.json_response(reply_to_json(reply))
 

@@ -1,0 +1,287 @@
+"""Carrying out one request on etcd: read the run, decide (:mod:`._port`), write, answer.
+
+How it works: a request costs one read transaction (:meth:`._reads.RunReads.read`: its
+size does not grow with the job) and, when it changes something, one write
+transaction compared against that read: the header's mod revision, this node's keys, and
+(when the decision used the participants' count) that no participant joined since. A join
+to a forming round changes neither the header nor any shared key, so a thousand joins at
+once do not conflict; the header changes only on transitions (the last call starts, the
+round completes...), so a write rarely fails, and when it does the failure branch of the
+same transaction brings the fresh read and the request is decided again. A blind join
+learns the count it made from its own transaction: the join that made ``min_nodes`` or
+``max_nodes`` starts the last call or completes the round (any request that finds it
+undone does it, :func:`._port.reconcile`). A node's first join is one transaction and no
+read (:meth:`RunPort.first_join`). A node's keys live on its lease (:mod:`._leases`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ...core.errors import RendezvousConnectionError
+from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Transition
+from ...core.token import new_epoch
+from ._client import LeaseNotFound, b64
+from ._layout import Header, decode_header, encode_header, prefix_end
+from ._port import LISTS, Plan, View, decide, needs_names, status_of
+from ._reads import RunReads, members_of, range_of, range_op
+
+__all__ = ["RunPort"]
+
+#: Attempts of one request whose write found the run changed, before it gives up.
+_ATTEMPTS = 64
+
+
+class RunPort(RunReads):
+    """The requests of one run's nodes on etcd (see the module docstring; the reads are
+    :class:`~._reads.RunReads`')."""
+
+    def _write_ops(
+        self, view: View, plan: Plan, node: NodeDesc, lease: int | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        k = self._keys
+        compare: list[dict[str, Any]] = [
+            {"key": b64(k.header), "target": "MOD", "result": "EQUAL",
+             "mod_revision": view.header_mod},
+        ]  # fmt: skip
+        for where in LISTS:
+            member = view.own.get(where)
+            compare.append(
+                {
+                    "key": b64(k.member(where, node)),
+                    "target": "MOD",
+                    "result": "EQUAL",
+                    "mod_revision": 0 if member is None else member.mod,
+                }
+            )
+        if plan.guard:
+            compare.append(
+                {"key": b64(k.participants), "range_end": b64(prefix_end(k.participants)),
+                 "target": "CREATE", "result": "LESS", "create_revision": view.revision + 1}
+            )  # fmt: skip
+        ops: list[dict[str, Any]] = []
+        if "q" in plan.put:  # before the participant's delete: a finished leave's mark
+            ops.append({"request_put": {"key": b64(k.member("q", node)), "value": ""}})
+        for where in plan.delete:
+            ops.append({"request_delete_range": {"key": b64(k.member(where, node))}})
+        for key in plan.extras:
+            ops.append({"request_delete_range": {"key": b64(key)}})
+        for where, value in plan.put.items():
+            if where != "q":
+                put = {"key": b64(k.member(where, node)), "value": b64(value), "lease": lease}
+                ops.append({"request_put": put})
+        if plan.header is not None:
+            header = plan.header.evolve(accounted=view.revision)
+            ops.append({"request_put": {"key": b64(k.header), "value": b64(encode_header(header))}})
+            ops.append({"request_delete_range": {"key": b64(k.fresh)}})
+        if plan.mark_cut:
+            round_ = b"" if plan.header is None else str(plan.header.round).encode()
+            ops.append({"request_put": {"key": b64(k.cut), "value": b64(round_)}})
+        if plan.clear_finished:
+            ops.append(
+                {"request_delete_range": {"key": b64(k.finished),
+                                          "range_end": b64(prefix_end(k.finished))}}
+            )  # fmt: skip
+        ops.append(range_op(k.participants, prefix_end(k.participants), count_only=True))
+        if plan.rank and plan.mark_cut:
+            ops.append(range_op(k.participants, k.member("p", node), count_only=True))
+        return compare, ops
+
+    async def _write(
+        self, view: View, plan: Plan, node: NodeDesc, window_ms: int
+    ) -> tuple[bool, list[dict[str, Any]], int]:
+        lease = None
+        if any(w != "q" for w in plan.put):
+            lease = await self._leases.ensure(node, window_ms)
+        for _ in range(3):
+            compare, ops = self._write_ops(view, plan, node, lease)
+            body = {"compare": compare, "success": ops, "failure": self._view_ops(node)}
+            try:
+                answer = await self._client.call("/v3/kv/txn", body, "write")
+            except LeaseNotFound:  # silent longer than the window (or a new cluster)
+                self._leases.forget(node)
+                lease = await self._leases.grant(node, window_ms)
+                continue
+            revision = int(answer.get("header", {}).get("revision", 0))
+            return bool(answer.get("succeeded")), answer.get("responses", []), revision
+        raise RendezvousConnectionError(
+            f"{self.where}: etcd dropped node {node}'s lease three times in a row"
+        )
+
+    # -- a request ------------------------------------------------------------------------
+
+    async def first_join(
+        self, request: Request, now: int, epoch: str
+    ) -> Reply | tuple[View, int | None]:
+        """A node's first join, in one transaction and no read: it creates the run (header
+        and ``f``) if there is none, or joins round 0 while the run is as its creator left
+        it (``f`` there, the header never rewritten): the case of every node of a new job
+        starting at once. Otherwise the transaction's failure branch is the read, and the
+        join goes on as any request (the view is returned)."""
+        k, node, rules = self._keys, request.node, request.rules
+        fresh = Header(epoch=epoch, rules=rules)
+
+        def body_of(lease: int) -> dict[str, Any]:
+            absent = [
+                {
+                    "key": b64(k.member(w, node)),
+                    "target": "MOD",
+                    "result": "EQUAL",
+                    "mod_revision": 0,
+                }
+                for w in LISTS
+            ]
+            mine = {"key": b64(k.member("p", node)), "value": b64(str(request.port))}
+            me = {"request_put": {**mine, "lease": lease}}
+            counts = [
+                range_op(p, prefix_end(p), count_only=True)
+                for p in (k.participants, k.waiting, k.redundant, k.finished)
+            ]
+            body = {
+                "compare": [
+                    {"key": b64(k.header), "target": "CREATE", "result": "EQUAL",
+                     "create_revision": 0}, *absent,
+                ],
+                "success": [
+                    {"request_put": {"key": b64(k.header), "value": b64(encode_header(fresh))}},
+                    {"request_put": {"key": b64(k.fresh), "value": ""}},
+                    me, range_op(k.header), *counts,
+                ],
+                "failure": [{"request_txn": {
+                    "compare": [
+                        {"key": b64(k.fresh), "target": "CREATE", "result": "GREATER",
+                         "create_revision": 0},
+                        {"key": b64(k.header), "target": "VERSION", "result": "EQUAL",
+                         "version": 1},
+                        *absent,
+                    ],
+                    "success": [me, range_op(k.header), *counts],
+                    "failure": self._view_ops(node),
+                }}],
+            }  # fmt: skip
+            return body
+
+        for attempt in range(3):
+            lease = await self._leases.grant(node, rules.window_ms)
+            try:
+                answer = await self._client.call("/v3/kv/txn", body_of(lease), "join")
+                break
+            except LeaseNotFound:  # granted on a leader lost before the grant was applied
+                self._leases.forget(node)
+                if attempt == 2:
+                    raise RendezvousConnectionError(
+                        f"{self.where}: etcd dropped node {node}'s new lease three times"
+                    ) from None
+        revision = int(answer.get("header", {}).get("revision", 0))
+        responses = answer.get("responses", [])
+        if not answer.get("succeeded"):
+            nested = responses[0].get("response_txn", {})
+            responses = nested.get("responses", [])
+            if not nested.get("succeeded"):
+                return self._view(responses, revision)
+        ranges = [r["response_range"] for r in responses if "response_range" in r]
+        header = decode_header(members_of(ranges[0].get("kvs", []))[0].value, self.where)
+        np, nw, nr, nq = (int(r.get("count", 0)) for r in ranges[1:5])
+        self._where_of[node] = "p"
+        if np == rules.min_nodes or np >= rules.max_nodes:
+            # The last call starts or the round completes: what a join does then (the rest
+            # of this request: as a participant's join, it finds it to do).
+            reply = await self.apply(request, now, epoch)
+            transition = reply.transition
+            if reply.outcome is Outcome.WAIT:
+                transition = Transition.ADD_TO_PARTICIPANTS
+            elif reply.outcome is Outcome.FINISH:
+                transition = Transition.MARK_COMPLETE
+            return Reply(**{**reply.__dict__, "transition": transition})
+        status = status_of(header, np, nw, nr, nq, now, None)
+        return Reply(Outcome.WAIT, status, Transition.ADD_TO_PARTICIPANTS, known=True)
+
+    async def apply(self, request: Request, now: int, epoch: str | None = None) -> Reply:
+        """Carry out ``request`` at this process's time ``now`` (ms) and answer.
+
+        Raises:
+            RendezvousConnectionError: etcd could not be reached within ``read_timeout``.
+            RendezvousStateError: The run's keys hold values aelastic did not write.
+        """
+        node, window = request.node, request.rules.window_ms
+        hint = None if self._cut_hint is None else self._cut_hint()
+        epoch = epoch or new_epoch()
+        first = request.op is Op.JOIN and not request.expired and self._leases.of(node) is None
+        if first:
+            answer = await self.first_join(request, now, epoch)
+            if isinstance(answer, Reply):
+                return answer
+            view, rank = answer
+        else:
+            view, rank = await self.read(node, hint)
+        clock = self._deadlines.end
+        for attempt in range(_ATTEMPTS):
+            count = needs_names(view)
+            names = await self.lost_names(view, count) if count else []
+            plan = decide(view, request, now, epoch, clock, names)
+            if plan.need_extras:
+                view = await self._with_extras(view, node, plan.need_extras)
+                plan = decide(view, request, now, epoch, clock, names)
+            writes = plan.header is not None or plan.put or plan.delete or plan.mark_cut
+            if not writes:
+                break
+            ok, responses, revision = await self._write(view, plan, node, window)
+            if ok:
+                header = plan.header
+                if header is not None and header.deadline is not None:
+                    self._deadlines.saw(header.epoch, header.deadline[0], header.deadline[1]
+                                        - request.rules.last_call_ms)  # fmt: skip
+                if plan.rank and plan.mark_cut:
+                    rank = int(range_of(responses[-1]).get("count", 0))
+                    view = View(**{**view.__dict__, "cut": revision})
+                await self._follow_up(request, plan, responses, now, epoch)
+                break
+            view, _ = self._view(responses, revision)
+            if attempt >= 3:
+                await asyncio.sleep(0.005 * min(attempt, 20))
+        else:
+            raise RendezvousConnectionError(
+                f"{self.where}: the run changed under {_ATTEMPTS} attempts of {request.op.value}"
+            )
+        if plan.beat:
+            try:
+                alive = await self._leases.renew(node, window)
+            except LeaseNotFound:
+                alive = False
+            if not alive and request.op is Op.KEEP_ALIVE:
+                plan.known = False
+        if plan.rank and not plan.mark_cut and (rank is None or view.cut != hint):
+            rank = await self._rank(node, view.cut)
+        self._where_of[node] = plan.where if plan.known else None
+        return self._reply(request, plan, rank)
+
+    async def _follow_up(
+        self, request: Request, plan: Plan, responses: list[dict[str, Any]], now: int,
+        epoch: str,
+    ) -> None:  # fmt: skip
+        """A blind join that made ``min_nodes`` or ``max_nodes`` participants does what
+        the join would have done (only when joins ran at once: see the module docstring)."""
+        if request.op is not Op.JOIN or "p" not in plan.put or plan.guard:
+            return
+        count_index = len(responses) - 1
+        count = int(range_of(responses[count_index]).get("count", 0))
+        rules = request.rules
+        if count == rules.min_nodes or count >= rules.max_nodes:
+            status = Request(Op.STATUS, request.node, rules)
+            await self.apply(status, now, epoch)
+
+    def _reply(self, request: Request, plan: Plan, rank: int | None) -> Reply:
+        finished_join = request.op is Op.JOIN and plan.outcome is Outcome.FINISH
+        master = plan.master if finished_join else None
+        return Reply(
+            outcome=plan.outcome,
+            status=plan.status,
+            transition=plan.transition,
+            rank=rank if finished_join else None,
+            master_addr=None if master is None else master[0],
+            master_port=None if master is None else master[1],
+            wake_at_ms=plan.wake_at_ms,
+            restart_deadline=plan.restart,
+            known=plan.known,
+        )

@@ -1,0 +1,339 @@
+"""The etcd backend: one run's rendezvous state and members' store in an etcd cluster.
+
+How it works: a request is carried out by :class:`~._apply.RunPort` (one read, at most one
+compared write: the state machine's port, :mod:`._port`); news comes from the run's one
+watch in this process (:class:`~._changes.RunStream`). Backends of one event loop and
+endpoint share a client and the run's watch (``share_connections=false`` gives each its
+own, what separate hosts have). A heartbeat renews the node's lease and nothing else, and
+a node waiting in a round that has not changed since it last read (its watch says so) asks
+no more than that either: an idle member costs etcd one keep-alive per interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from ...core.errors import RendezvousConnectionError
+from ...core.race import uncancellable
+from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Snapshot, Status, Transition
+from ...core.token import Token
+from .. import _shared
+from ._apply import RunPort
+from ._changes import RunStream, now_ms
+from ._client import EtcdClient, LeaseNotFound, b64, unb64
+from ._endpoint import EtcdEndpoint
+from ._layout import RunKeys, prefix_end
+from ._leases import Leases
+from ._store import KeyValue
+
+__all__ = ["EtcdBackend", "Shared"]
+
+#: Members of a complete round whose process watches for lost members (ranks 0..2).
+SENTINELS = 3
+
+_private = itertools.count()
+
+
+class Shared:
+    """A client and the watches of the runs its backends use (shared per loop)."""
+
+    def __init__(self, endpoint: EtcdEndpoint, read_timeout: float) -> None:
+        self.client = EtcdClient(endpoint, read_timeout)
+        self._streams: dict[str, tuple[RunStream, int]] = {}
+
+    def stream(self, keys: RunKeys) -> RunStream:
+        entry = self._streams.get(keys.base)
+        stream = RunStream(self.client, keys) if entry is None else entry[0]
+        self._streams[keys.base] = (stream, 1 if entry is None else entry[1] + 1)
+        stream.start()
+        return stream
+
+    async def release(self, keys: RunKeys) -> None:
+        entry = self._streams.get(keys.base)
+        if entry is None:
+            return
+        if entry[1] > 1:
+            self._streams[keys.base] = (entry[0], entry[1] - 1)
+            return
+        del self._streams[keys.base]
+        await entry[0].aclose()
+
+    async def aclose(self) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        for stream, _ in streams:
+            await stream.aclose()
+        await self.client.aclose()
+
+
+class EtcdBackend:
+    """Rendezvous state and store of one run on etcd.
+
+    Args:
+        run_id: The run.
+        endpoint: The members, TLS files, prefix and login.
+        read_timeout: Seconds a call keeps retrying before ``RendezvousConnectionError``.
+        recheck_interval: Seconds between re-checks of a store wait (and of a status wait
+            while the watch is down).
+        share_connections: Share the loop's client and watch with the other backends of
+            the endpoint.
+        lease_ttl: A node's lease time to live (default: the heartbeat window, in whole
+            seconds; tests that drive time themselves set a long one).
+    """
+
+    name = "etcd"
+
+    def __init__(
+        self,
+        run_id: str,
+        endpoint: EtcdEndpoint,
+        *,
+        read_timeout: float = 60.0,
+        recheck_interval: float = 5.0,
+        share_connections: bool = True,
+        lease_ttl: int | None = None,
+    ) -> None:
+        for what, value in (("read_timeout", read_timeout), ("recheck_interval", recheck_interval)):
+            if not value > 0:
+                raise ValueError(f"The etcd backend option '{what}' ({value}) must be positive.")
+        self._run_id = run_id
+        self._endpoint = endpoint
+        self._keys = RunKeys(endpoint.prefix, run_id)
+        self._read_timeout = float(read_timeout)
+        self._recheck = float(recheck_interval)
+        key: Any = ("etcd", endpoint.identity, self._read_timeout)
+        self._share_key = key if share_connections else (key, next(_private))
+        self._lease_ttl = lease_ttl
+        self._shared: Shared | None = None
+        self._stream: RunStream | None = None
+        self._port: RunPort | None = None
+        self._leases: Leases | None = None
+        self._store: KeyValue | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        #: Where each node of this backend is (``p``, ``w``, ``r``), and the token then.
+        self._where: dict[NodeDesc, tuple[str | None, Token, int | None]] = {}
+
+    def __repr__(self) -> str:
+        return f"EtcdBackend(run_id={self._run_id!r}, endpoint={self.endpoint!r})"
+
+    @property
+    def endpoint(self) -> str:
+        """The members as one line (no credentials)."""
+        return self._endpoint.display
+
+    @property
+    def keys(self) -> RunKeys:
+        """The names of this run's keys."""
+        return self._keys
+
+    async def _bind(self) -> tuple[RunPort, RunStream]:
+        if self._closed:
+            raise RendezvousConnectionError(f"The etcd backend for {self.endpoint} is closed.")
+        if self._port is None or self._stream is None:
+            endpoint, timeout = self._endpoint, self._read_timeout
+            shared = _shared.acquire(self._share_key, lambda: Shared(endpoint, timeout))
+            self._loop, self._shared = asyncio.get_running_loop(), shared
+            stream = self._stream = shared.stream(self._keys)
+            self._leases = Leases(shared.client, self._lease_ttl)
+            self._port = RunPort(
+                shared.client, self._keys, self._leases, stream.deadlines, lambda: stream.cut
+            )
+            self._store = KeyValue(shared.client, self._keys)
+        elif asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError("An EtcdBackend is bound to the event loop it first ran on.")
+        return self._port, self._stream
+
+    # -- the rendezvous -------------------------------------------------------------------
+
+    async def apply(self, request: Request, hold: float = 0.0, seen: Token | None = None) -> Reply:
+        """Carry out ``request`` (one read and at most one compared write; a heartbeat is
+        a lease renewal) and answer at once.
+
+        Raises:
+            RendezvousConnectionError: etcd could not be reached within ``read_timeout``.
+            RendezvousStateError: The run's keys hold values aelastic did not write.
+        """
+        port, stream = await self._bind()
+        now = request.now_ms if request.now_ms is not None else now_ms()
+        quick = await self._quick(request, stream, now)
+        if quick is not None:
+            return quick
+        watch = stream.watch
+        mark = watch.mark
+        reply = await port.apply(request, now)
+        watch.on_reply(reply.status, mark)
+        self._after(request, reply, stream)
+        return reply
+
+    def _after(self, request: Request, reply: Reply, stream: RunStream) -> None:
+        """Remember where the node is; a member of ranks 0..2 watches for lost members."""
+        node = request.node
+        where = None if self._port is None else self._port.where_of(node)
+        self._where[node] = (where, reply.status.token, reply.wake_at_ms)
+        if request.op is Op.JOIN and reply.outcome is Outcome.FINISH:
+            sentinel = reply.rank is not None and reply.rank < SENTINELS
+            stream.sentinel(self, self._ask(node, request) if sentinel else None)
+        elif request.op is Op.LEAVE or where != "p":
+            stream.sentinel(self, None)
+
+    def _ask(self, node: NodeDesc, request: Request) -> Any:
+        async def ask() -> object:
+            return await self.apply(Request(Op.STATUS, node, request.rules))
+
+        return ask
+
+    async def _quick(self, request: Request, stream: RunStream, now: int) -> Reply | None:
+        """A heartbeat, or a join that would only wait again, answered with a lease renewal
+        and what the watch knows (``None``: carry it out in full)."""
+        op, node = request.op, request.node
+        known = self._where.get(node)
+        latest = stream.watch.latest
+        if known is None or latest is None or not stream.watch.live or known[0] is None:
+            return None
+        where, token, wake_at = known
+        if latest.token != token:
+            return None
+        if op is Op.JOIN:
+            if request.expired or latest.closed:
+                return None
+            forming = where == "p" and not latest.complete and (wake_at is None or wake_at > now)
+            waiting = where == "w" and latest.complete
+            if not (forming or waiting):
+                return None
+        elif op is not Op.KEEP_ALIVE:
+            return None
+        assert self._leases is not None
+        try:
+            alive = await self._leases.renew(node, request.rules.window_ms)
+        except LeaseNotFound:
+            alive = False
+        if not alive:
+            return None if op is Op.JOIN else self._lost(node, latest, now)
+        status = Status(**{**latest.__dict__, "now_ms": now})
+        if op is Op.KEEP_ALIVE:
+            return Reply(Outcome.FINISH, status, Transition.KEEP_ALIVE, known=True)
+        return Reply(Outcome.WAIT, status, Transition.KEEP_ALIVE, wake_at_ms=wake_at, known=True)
+
+    def _lost(self, node: NodeDesc, latest: Status, now: int) -> Reply:
+        self._where.pop(node, None)
+        status = Status(**{**latest.__dict__, "now_ms": now})
+        return Reply(Outcome.FINISH, status, Transition.NONE, known=False)
+
+    async def _status_now(self) -> Status:
+        port, _ = await self._bind()
+        status = await port.status(now_ms())
+        assert status is not None
+        return status
+
+    async def wait_for_change(self, token: Token, timeout: float | None) -> Status | None:
+        """The run's status once its token differs from ``token`` (``None`` on timeout).
+
+        Woken by the run's watch; asks etcd only when it cannot tell.
+        """
+        _, stream = await self._bind()
+        return await stream.watch.wait_status(token, timeout, self._status_now, self._recheck)
+
+    async def snapshot(self) -> Snapshot | None:
+        """The run's whole membership, or ``None`` when it has no state."""
+        port, _ = await self._bind()
+        return await port.snapshot(now_ms())
+
+    async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
+        """The runs under this backend's prefix and their statuses, sorted by id, at most
+        ``limit`` (one range per run: the first key after the last run found; when there are
+        more, which ones is not defined)."""
+        port, _ = await self._bind()
+        client = port.client
+        prefix = self._endpoint.prefix + "/"
+        start, end = prefix.encode(), prefix_end(prefix)
+        found: list[tuple[str, Status]] = []
+        now = now_ms()
+        while len(found) < limit:
+            body = {"key": b64(start), "range_end": b64(end), "limit": 1, "keys_only": True}
+            kvs = (await client.call("/v3/kv/range", body, "list")).get("kvs", [])
+            if not kvs:
+                break
+            key = unb64(kvs[0].get("key")).decode(errors="replace")
+            encoded = key[len(prefix) :].partition("/")[0]
+            base = prefix + encoded + "/"
+            run = RunKeys.run_of_header(base + "h", self._endpoint.prefix)
+            if run is not None:
+                status = await RunPort(
+                    client, RunKeys(self._endpoint.prefix, run), port.leases, port.deadlines
+                ).status(now, missing_ok=True)
+                if status is not None:
+                    found.append((run, status))
+            start = prefix_end(base)
+        return sorted(found, key=lambda item: item[0])
+
+    async def reset(self) -> bool:
+        """Delete every key of the run (state, store, records); whether there were any."""
+        port, _ = await self._bind()
+        base = self._keys.base
+        body = {"key": b64(base), "range_end": b64(prefix_end(base))}
+        answer = await port.client.call("/v3/kv/deleterange", body, "reset")
+        self._where.clear()
+        return int(answer.get("deleted", 0)) > 0
+
+    # -- the members' key-value store -----------------------------------------------------
+
+    async def _kv(self) -> KeyValue:
+        await self._bind()
+        assert self._store is not None
+        return self._store
+
+    async def kv_set(self, key: str, value: bytes) -> None:
+        """Set ``key`` to ``value``."""
+        await (await self._kv()).set(key, value)
+
+    async def kv_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values of ``keys`` in order, ``None`` for each missing key."""
+        return await (await self._kv()).get(keys)
+
+    async def kv_add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the integer at ``key`` (missing: 0); the new value.
+
+        Raises:
+            ValueError: The stored value is not an integer, or the sum overflows.
+        """
+        return await (await self._kv()).add(key, int(amount))
+
+    async def kv_compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (``None``: if missing)."""
+        return await (await self._kv()).compare_set(key, expected, desired)
+
+    async def kv_delete(self, key: str) -> bool:
+        """Delete ``key``; whether it existed."""
+        return await (await self._kv()).delete(key)
+
+    async def kv_wait(self, keys: Sequence[str], timeout: float) -> bool:
+        """Wait until every key in ``keys`` exists; ``False`` if ``timeout`` passed first."""
+        if not keys:
+            return True
+        store = await self._kv()
+        assert self._stream is not None
+        wanted = list(keys)
+
+        async def check() -> bool:
+            return await store.count_present(wanted) == len(wanted)
+
+        names = [k.encode() for k in keys]
+        return await self._stream.watch.wait_keys(names, timeout, check, self._recheck)
+
+    async def aclose(self) -> None:
+        """Release this backend's share of the client and watch. Idempotent. Cancelling
+        the caller lets the release finish first."""
+        if not self._closed:
+            await uncancellable(self._unbind())
+
+    async def _unbind(self) -> None:
+        self._closed = True
+        shared, stream, self._shared, self._stream = self._shared, self._stream, None, None
+        if stream is not None:
+            stream.sentinel(self, None)
+        if shared is not None:
+            await shared.release(self._keys)
+            await _shared.release(self._share_key, shared)

@@ -1,0 +1,467 @@
+"""A lean client of etcd's v3 API as JSON over HTTP (grpc-gateway), on aiohttp.
+
+How it works: every etcd member serves its v3 API as JSON on its client port (``POST
+/v3/kv/txn``, ``/v3/lease/keepalive``, ``/v3/watch`` as a streamed answer; keys and values
+in base64, 64-bit numbers as strings). A :class:`EtcdClient` holds one aiohttp session for
+the members of one endpoint and talks to one member at a time, starting at a random one (the
+nodes of a job spread over the members), and moves to the next at once when a member is
+gone, has no leader or times out. A call is retried with backoff (after every member was
+tried) until ``read_timeout`` runs out, then fails with ``RendezvousConnectionError``
+naming the endpoint; the time counts from the first failure since etcd last answered, so a
+call made during an outage gets what is left (at least one attempt). What retrying cannot
+mend fails at once with one clear line: a server that does not answer etcd's API (another
+program on that port), a refused login, a permission etcd denies. With a user and password
+(from the environment) the client logs in (``/v3/auth/authenticate``) and sends the token
+with every request, logging in again when etcd says the token is no longer valid.
+
+Why not a maintained asyncio etcd client: the ones published speak gRPC (``aetcd``) and
+bring grpcio and protobuf (tens of MB, threads of their own) to every node, while aiohttp is
+already aelastic's dependency and the rendezvous needs a dozen calls. The price, measured
+(docs/benchmarks.md, the etcd rows): etcd's gateway spends 0.5-0.9 ms of CPU translating
+each request, and aiohttp about 1 ms on the node; on the 2 cores measured, a formation of
+hundreds of nodes at once saturates etcd. etcd's gRPC API is the way further (not done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import random
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+
+from ...core.errors import RendezvousConnectionError
+from ...core.events import BackendRetry, report
+from ._endpoint import ENV_PASSWORD, ENV_USERNAME, EtcdEndpoint
+
+__all__ = [
+    "Compacted",
+    "EtcdClient",
+    "EtcdError",
+    "LeaseNotFound",
+    "b64",
+    "unb64",
+]
+
+#: A request unanswered this long makes the client ask the member whether its leader changed
+#: meanwhile (its status: no Raft round trip): a request that a follower forwarded to a
+#: leader that died is never answered (etcd gives up after its request timeout, 5 s and
+#: more), so it is sent again; a request that is only slow (a busy cluster) is waited for,
+#: never sent twice (that would add load exactly when there is too much).
+SLOW = 1.5
+#: Seconds the one attempt of a call made after the outage's budget ran out may take.
+LAST_ATTEMPT = 2.0
+#: Connecting to a member: a member that does not answer in this time is passed over.
+CONNECT_TIMEOUT = 2.0
+
+#: gRPC codes (grpc-gateway puts them in the error body).
+_INVALID_ARGUMENT, _DEADLINE, _NOT_FOUND, _PERMISSION = 3, 4, 5, 7
+_FAILED_PRECONDITION, _OUT_OF_RANGE, _UNAVAILABLE, _UNAUTHENTICATED = 9, 11, 14, 16
+
+
+def b64(data: bytes | str) -> str:
+    """``data`` in base64 (a key or value on etcd's JSON API)."""
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode("ascii")
+
+
+def unb64(text: str | None) -> bytes:
+    """The bytes of a base64 field (``b""`` when absent)."""
+    return base64.b64decode(text) if text else b""
+
+
+class EtcdError(Exception):
+    """etcd refused a request (the message is etcd's; ``code`` is the gRPC code)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Compacted(EtcdError):
+    """The revision asked for was compacted away."""
+
+
+class LeaseNotFound(EtcdError):
+    """The lease does not exist (it expired or was revoked)."""
+
+
+class _Transient(Exception):
+    """This member cannot answer now (gone, no leader, timed out): try another."""
+
+
+class _NotEtcd(Exception):
+    """The server answered, but not as an etcd member does."""
+
+
+class _Hangup(_Transient):
+    """The member took the connection and closed it without an answer."""
+
+
+#: The last status probe of each member, per event loop (see ``_leader_changed``).
+_PROBES: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, dict[str, tuple[float, asyncio.Future[int]]]
+] = weakref.WeakKeyDictionary()
+
+
+def _said(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+class EtcdClient:
+    """One session with the members of an etcd cluster (see the module docstring).
+
+    Args:
+        endpoint: The members, TLS files and login.
+        read_timeout: Seconds a call keeps retrying before ``RendezvousConnectionError``.
+        max_connections: Connections kept per member.
+    """
+
+    def __init__(
+        self, endpoint: EtcdEndpoint, read_timeout: float = 60.0, max_connections: int = 16
+    ) -> None:
+        self.endpoint = endpoint
+        self.read_timeout = float(read_timeout)
+        self._urls = endpoint.urls
+        self._current = random.randrange(len(self._urls))
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._token: str | None = None
+        self._auth_lock: asyncio.Lock | None = None
+        self._closed = False
+        #: Requests sent (tests and benchmarks read it).
+        self.requests = 0
+        self._term = 0  # the newest Raft term seen in an answer
+        self._failing_since: float | None = None  # when the current outage began
+
+    @property
+    def display(self) -> str:
+        """The endpoint for messages (no credentials)."""
+        return self.endpoint.display
+
+    @property
+    def member(self) -> str:
+        """The member this client talks to now."""
+        return self._urls[self._current]
+
+    def _session_now(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise RendezvousConnectionError(f"The etcd client for {self.display} is closed.")
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit_per_host=self._max_connections,
+                ssl=self.endpoint.ssl_context() or False,
+                enable_cleanup_closed=False,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector, json_serialize=json.dumps, skip_auto_headers=("User-Agent",)
+            )
+        return self._session
+
+    def next_member(self, after: str | None = None) -> None:
+        """Talk to the next member (if the current one is still ``after``)."""
+        if after is None or self._urls[self._current] == after:
+            self._current = (self._current + 1) % len(self._urls)
+
+    # -- one request ----------------------------------------------------------------------
+
+    def _headers(self) -> dict[str, str] | None:
+        return {"Authorization": self._token} if self._token else None
+
+    async def _post(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One attempt at member ``url`` (see :data:`SLOW` for one that takes long)."""
+        term = self._term
+        attempt = asyncio.ensure_future(self._send(url, body, timeout))
+        try:
+            while True:
+                done, _ = await asyncio.wait({attempt}, timeout=SLOW)
+                if done:
+                    return attempt.result()
+                base = url.split("/v3/", 1)[0]
+                if await self._leader_changed(base, term):
+                    raise _Transient("the member's leader changed while it had the request")
+        finally:
+            if not attempt.done():
+                attempt.cancel()
+                await asyncio.wait({attempt})
+
+    async def _leader_changed(self, base: str, term: int) -> bool:
+        """Whether member ``base`` is in a newer term than ``term`` (or cannot say): one
+        status request per member and second in this process (its event loop), shared by
+        every request waiting on that member (a busy cluster is asked once, not by every
+        node of the process)."""
+        loop = asyncio.get_running_loop()
+        probes = _PROBES.setdefault(loop, {})
+        entry = probes.get(base)
+        if entry is None or loop.time() - entry[0] > 1.0:
+            probe = asyncio.ensure_future(self._term_of(base))
+            entry = probes[base] = (loop.time(), probe)
+        try:
+            now = await asyncio.shield(entry[1])
+        except Exception:
+            return True
+        return now > term or not now
+
+    async def _term_of(self, base: str) -> int:
+        answer = await self._send(base + "/v3/maintenance/status", {}, SLOW)
+        return 0 if not answer.get("leader") else int(answer["header"].get("raft_term", 0))
+
+    async def _send(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        session = self._session_now()
+        self.requests += 1
+        limits = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, CONNECT_TIMEOUT))
+        try:
+            async with session.post(
+                url, json=body, headers=self._headers(), timeout=limits
+            ) as response:
+                raw = await response.read()
+                status = response.status
+        except aiohttp.ClientResponseError as exc:  # not HTTP at all (the parser failed)
+            raise _NotEtcd(f"an answer that is not HTTP ({exc.message})") from None
+        except aiohttp.ServerDisconnectedError:
+            raise _Hangup("it closed the connection without an answer") from None
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            raise _Transient(_said(exc)) from None
+        answer = _decode(raw, status)
+        header = answer.get("header") or answer.get("result", {}).get("header") or {}
+        term = int(header.get("raft_term", 0) or 0)
+        if term > self._term:
+            self._term = term
+        return answer
+
+    async def call(
+        self, path: str, body: dict[str, Any], what: str, within: float | None = None
+    ) -> dict[str, Any]:
+        """POST ``body`` to ``path`` on a member, with failover and retries.
+
+        Args:
+            path: The API path (``/v3/kv/txn``...).
+            body: The request (JSON).
+            what: What the call does, for messages.
+            within: Seconds to keep trying (default: ``read_timeout``).
+
+        Raises:
+            RendezvousConnectionError: No member answered in time, the server is not etcd,
+                or etcd refused the login or the permission.
+            EtcdError: etcd refused the request itself (``Compacted``, ``LeaseNotFound``...).
+        """
+        loop = asyncio.get_running_loop()
+        budget = self.read_timeout if within is None else within
+        delay, tried, relogged, hangups = 0.05, 0, False, 0
+        first_failure: float | None = None  # this call's budget counts from here, or before
+        while True:
+            url = self._urls[self._current]
+            started = loop.time()
+            # The budget counts from the first failure since etcd last answered (an outage's
+            # countdown never starts again for a call made during it), and never from later
+            # than this call's own first failure (others' answers do not renew it).
+            since = min(t for t in (started, first_failure, self._failing_since) if t is not None)
+            deadline = since + budget
+            remaining = max(deadline - started, min(budget, LAST_ATTEMPT))
+            try:
+                if self.endpoint.username and self._token is None:
+                    await self._login(url, remaining)
+                answer = await self._post(url + path, body, remaining)
+                self._failing_since = None
+                return answer
+            except _NotEtcd as exc:
+                raise RendezvousConnectionError(
+                    f"The server at {url} does not answer etcd's v3 API ({what}: {exc}): is "
+                    "it an etcd member (3.4 or newer)? Check the host and port."
+                ) from None
+            except EtcdError as exc:
+                if exc.code == _UNAUTHENTICATED and self.endpoint.username and not relogged:
+                    self._token, relogged = None, True  # expired token: log in again
+                    continue
+                if exc.code in (_UNAUTHENTICATED, _PERMISSION) or _auth_error(exc):
+                    raise self._auth_failure(what, exc) from None
+                if exc.code not in (_UNAVAILABLE, _DEADLINE) and not _retryable(exc):
+                    raise
+                error: Exception = exc
+            except _Transient as exc:
+                error = exc
+                # A server that keeps taking connections and closing them unanswered is not
+                # an etcd member (an etcd member that dies refuses connections afterwards).
+                hangups = hangups + 1 if isinstance(exc, _Hangup) else 0
+                if hangups >= 3 * len(self._urls):
+                    raise RendezvousConnectionError(
+                        f"The server at {self.display} does not answer etcd's v3 API ({what}: "
+                        f"{exc}): is it an etcd member (3.4 or newer)? Check the host and port."
+                    ) from None
+            self.next_member(url)
+            tried += 1
+            if self._failing_since is None:
+                self._failing_since = since
+            first_failure = since
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise RendezvousConnectionError(
+                    f"etcd at {self.display} could not be reached within {budget:g} s "
+                    f"({what}): {error} (last tried {url})"
+                ) from None
+            report(
+                BackendRetry(
+                    backend="etcd",
+                    endpoint=self.display,
+                    what=what,
+                    error=f"{url}: {error}",
+                    retry_for=remaining,
+                )
+            )
+            if tried % len(self._urls) == 0:  # every member tried: back off
+                await asyncio.sleep(min(delay, remaining))
+                delay = min(delay * 2, 1.0)
+
+    def _auth_failure(self, what: str, exc: EtcdError) -> RendezvousConnectionError:
+        if self.endpoint.username:
+            hint = f"check {ENV_USERNAME} and {ENV_PASSWORD}"
+        else:
+            hint = f"etcd has authentication enabled: set {ENV_USERNAME} and {ENV_PASSWORD}"
+        return RendezvousConnectionError(f"etcd at {self.display} refused {what}: {exc} ({hint}).")
+
+    async def _login(self, url: str, within: float) -> None:
+        if self._auth_lock is None:
+            self._auth_lock = asyncio.Lock()
+        async with self._auth_lock:
+            if self._token is not None:
+                return
+            body = {"name": self.endpoint.username, "password": self.endpoint.password or ""}
+            try:
+                answer = await self._post(url + "/v3/auth/authenticate", body, within)
+            except EtcdError as exc:
+                if "not enabled" not in str(exc):
+                    raise
+                self._token = ""  # etcd does not check logins: none is sent
+                return
+            token = answer.get("token")
+            if not isinstance(token, str) or not token:
+                raise EtcdError("etcd did not give an auth token (is auth enabled?)", 0)
+            self._token = token
+
+    # -- streams --------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def stream(
+        self, path: str, body: dict[str, Any] | bytes, timeout: float | None = None
+    ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """A streamed answer of the current member: its JSON messages, one by one.
+
+        Raises:
+            RendezvousConnectionError: The server is not etcd.
+            _Transient-like errors surface as ``ConnectionError``; etcd's as ``EtcdError``.
+        """
+        session = self._session_now()
+        url = self._urls[self._current]
+        if self.endpoint.username and self._token is None:
+            await self._login(url, self.read_timeout)
+        limits = aiohttp.ClientTimeout(total=timeout, sock_connect=CONNECT_TIMEOUT)
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.requests += 1
+        try:
+            response = await session.post(
+                url + path, data=data, headers=self._headers(), timeout=limits
+            )
+        except aiohttp.ClientResponseError as exc:
+            raise RendezvousConnectionError(
+                f"The server at {url} does not answer etcd's v3 API ({exc.message})."
+            ) from None
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            raise ConnectionError(f"{url}: {_said(exc)}") from None
+        try:
+            if response.status != 200:
+                raw = await response.read()
+                _decode(raw, response.status)  # raises etcd's error
+                raise ConnectionError(f"{url}: HTTP {response.status}")
+            yield _messages(response, url)
+        finally:
+            response.close()
+
+    async def aclose(self) -> None:
+        """Close the session. Idempotent."""
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+
+async def _messages(response: aiohttp.ClientResponse, url: str) -> AsyncIterator[dict[str, Any]]:
+    while True:
+        try:
+            line = await response.content.readline()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            raise ConnectionError(f"{url}: {_said(exc)}") from None
+        if not line:
+            return
+        if not line.strip():
+            continue
+        doc = _decode(line, 200)
+        if "error" in doc and isinstance(doc["error"], dict):
+            error = doc["error"]
+            raise _etcd_error(str(error.get("message", "")), int(error.get("code", 0)))
+        yield doc.get("result", doc)
+
+
+def _retryable(exc: EtcdError) -> bool:
+    text = str(exc)
+    return any(
+        s in text
+        for s in (
+            "no leader",
+            "leader changed",
+            "timed out",
+            "too many requests",
+            "not capable",
+            "server stopped",
+        )
+    )
+
+
+def _auth_error(exc: EtcdError) -> bool:
+    text = str(exc)
+    return any(
+        s in text
+        for s in (
+            "authentication failed",
+            "user name is empty",
+            "invalid auth token",
+            "permission denied",
+        )
+    )
+
+
+def _etcd_error(message: str, code: int) -> EtcdError:
+    if "compacted" in message:
+        return Compacted(message, code)
+    if "lease not found" in message:
+        return LeaseNotFound(message, code)
+    return EtcdError(message, code)
+
+
+def _decode(raw: bytes, status: int) -> dict[str, Any]:
+    """The JSON answer of etcd; its error raised as :class:`EtcdError`."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        if status >= 500:
+            raise _Transient(f"HTTP {status}") from None
+        shown = raw[:60].decode(errors="replace").strip()
+        raise _NotEtcd(f"HTTP {status}: {shown!r}") from None
+    if not isinstance(doc, dict):
+        raise _NotEtcd(f"HTTP {status}: a JSON {type(doc).__name__}")
+    if status == 200:
+        if "header" not in doc and "result" not in doc and "token" not in doc:
+            raise _NotEtcd("a JSON answer without etcd's header")
+        return doc
+    message = doc.get("message") or doc.get("error")
+    code = doc.get("code")
+    if not isinstance(message, str) or not isinstance(code, int):
+        if status >= 500:
+            raise _Transient(f"HTTP {status}")
+        raise _NotEtcd(f"HTTP {status}")
+    raise _etcd_error(message, code)

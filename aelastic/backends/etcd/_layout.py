@@ -1,0 +1,249 @@
+"""The etcd layout of one run: its keys, a node's name in them, the header's JSON form.
+
+How it works: every key of a run starts with ``<etcd_prefix>/<run id>/`` (the run id is
+percent-encoded, so a ``/`` in it stays inside the run's folder):
+
+* ``h``: the **header**, one JSON value: format and version, the epoch and generation (the
+  status token is ``"<epoch>.<generation>"``), round, complete, closed, the last call, the
+  size of the complete round (``world``), the first lost members' names, the bootstrap
+  address, the run's rules, and the counts and flags as of its last write (what a watcher
+  is told). It changes only on round transitions, never on a join to a forming round or a
+  heartbeat;
+* ``p/<node>``, ``w/<node>``, ``r/<node>``: one key per participant, waiting node and
+  redundant node, attached to the node's **lease** (its heartbeat: when the node is silent
+  for the heartbeat window, etcd deletes them); a participant's value holds its bootstrap
+  port;
+* ``q/<node>``: the members of the complete round that left after their workers
+  succeeded (no lease; cleared when the next round opens);
+* ``c``: written once when a round completes: its revision is the round's **cut**, the
+  revision at which ``p/`` holds exactly the round's members (ranks are read there);
+* ``f``: written with a header created by a first join, deleted by the header's next write:
+  while it is there, the run is round 0 forming, with no last call, and a first join needs
+  no read (:meth:`._apply.RunPort.first_join`);
+* ``kv/<key>``: the members' key-value store; ``op/<id>``: the result of an ``add``, kept a
+  while so that a retried add never counts twice.
+
+``<node>`` is the node's descriptor written so that byte order is the order of sorted
+``NodeDesc`` tuples (address, then process id, then local id): a node's rank in a complete
+round is the number of ``p/`` keys before its own at the cut, one count-only range, and rank
+0 (the bootstrap host) is the first key. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+from urllib.parse import quote, unquote
+
+from ...core.errors import RendezvousStateError
+from ...core.params import Rules
+from ...core.state import FORMAT, FORMAT_VERSION, NodeDesc
+
+__all__ = [
+    "LAYOUT",
+    "Header",
+    "RunKeys",
+    "decode_header",
+    "encode_header",
+    "node_of",
+    "prefix_end",
+    "sort_key",
+]
+
+#: Version of the etcd layout (inside format version 2 of the state).
+LAYOUT = 1
+_SEP = "\x00"  # below every printable character: "a" sorts before "a-b" as it should
+
+
+def sort_key(node: NodeDesc) -> str:
+    """``node`` as a key suffix whose byte order is sorted ``NodeDesc`` order."""
+    return f"{node.addr}{_SEP}{node.pid:020d}{_SEP}{node.local_id:020d}"
+
+
+def node_of(suffix: str) -> NodeDesc:
+    """The node a key suffix names (the inverse of :func:`sort_key`).
+
+    Raises:
+        ValueError: ``suffix`` is not a node's key suffix.
+    """
+    addr, pid, local_id = suffix.split(_SEP)
+    if not addr or not pid.isdigit() or not local_id.isdigit():
+        raise ValueError(f"{suffix!r} is not a node's key")
+    return NodeDesc(addr, int(pid), int(local_id))
+
+
+def prefix_end(prefix: str | bytes) -> bytes:
+    """The end of the key range of everything that starts with ``prefix``."""
+    raw = bytearray(prefix.encode() if isinstance(prefix, str) else prefix)
+    while raw and raw[-1] == 0xFF:
+        raw.pop()
+    if not raw:
+        return b"\x00"
+    raw[-1] += 1
+    return bytes(raw)
+
+
+class RunKeys:
+    """The names of one run's keys.
+
+    Args:
+        prefix: Where aelastic's keys live (``etcd_prefix``), without a trailing slash.
+        run_id: The run.
+    """
+
+    def __init__(self, prefix: str, run_id: str) -> None:
+        self.prefix = prefix
+        self.run_id = run_id
+        #: Every key of the run starts with this.
+        self.base = f"{prefix}/{quote(run_id, safe='')}/"
+        self.header = self.base + "h"
+        self.cut = self.base + "c"
+        self.fresh = self.base + "f"
+        self.participants = self.base + "p/"
+        self.finished = self.base + "q/"
+        self.redundant = self.base + "r/"
+        self.waiting = self.base + "w/"
+        self.store = self.base + "kv/"
+        self.ops = self.base + "op/"
+
+    def __repr__(self) -> str:
+        return f"RunKeys({self.base!r})"
+
+    def kv(self, key: str) -> str:
+        """The key holding ``key`` of the members' store."""
+        return self.store + key
+
+    def op(self, op_id: str) -> str:
+        """Where the result of an add with id ``op_id`` is kept."""
+        return self.ops + op_id
+
+    def member(self, where: str, node: NodeDesc) -> str:
+        """``node``'s key in list ``where`` (``p``, ``w``, ``r`` or ``q``)."""
+        return f"{self.base}{where}/{sort_key(node)}"
+
+    @staticmethod
+    def run_of_header(key: str, prefix: str) -> str | None:
+        """The run id whose header is ``key`` (``None`` for any other key)."""
+        head = prefix + "/"
+        if not (key.startswith(head) and key.endswith("/h")):
+            return None
+        encoded = key[len(head) : -2]
+        return unquote(encoded) if encoded and "/" not in encoded else None
+
+
+@dataclass(frozen=True)
+class Header:
+    """The run's header (see the module docstring). Counts are those of its last write.
+
+    Attributes:
+        deadline: ``(id, setter's time)`` of the last call, or ``None``. Its id is the
+            generation that set it; readers time the last call from when they first saw
+            that id, never from another machine's clock (:mod:`._port`).
+    """
+
+    epoch: str
+    gen: int = 0
+    round: int = 0
+    complete: bool = False
+    closed: bool = False
+    deadline: tuple[int, int] | None = None
+    world: int = 0
+    sample: tuple[str, ...] = ()
+    sampled: int = 0
+    accounted: int = 0
+    master: tuple[str, int] | None = None
+    rules: Rules | None = None
+    counts: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+    flags: tuple[bool, bool, bool] = (False, False, False)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def evolve(self, **changes: Any) -> Header:
+        """A copy with ``changes``."""
+        return replace(self, **changes)
+
+
+def encode_header(header: Header) -> str:
+    """The JSON text of ``header``."""
+    rules = header.rules
+    doc: dict[str, Any] = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "layout": LAYOUT,
+        "epoch": header.epoch,
+        "gen": header.gen,
+        "round": header.round,
+        "complete": header.complete,
+        "closed": header.closed,
+        "deadline": list(header.deadline) if header.deadline else None,
+        "world": header.world,
+        "sample": list(header.sample),
+        "sampled": header.sampled,
+        "accounted": header.accounted,
+        "master": list(header.master) if header.master else None,
+        "rules": None
+        if rules is None
+        else [rules.min_nodes, rules.max_nodes, rules.last_call_ms, rules.window_ms],
+        "counts": list(header.counts),
+        "flags": list(header.flags),
+    }
+    doc.update(header.extra)
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def _fail(where: str, why: str) -> RendezvousStateError:
+    return RendezvousStateError(f"{where} {why}; it was left as it is.")
+
+
+def decode_header(raw: bytes, where: str) -> Header:
+    """The header in ``raw``.
+
+    Args:
+        raw: The value of the header key.
+        where: What to name in an error (the run and endpoint).
+
+    Raises:
+        RendezvousStateError: The value is not a header of this aelastic (foreign, corrupt
+            or another format version).
+    """
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise _fail(where, "holds a value that aelastic did not write (not JSON)") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise _fail(where, "holds a value that aelastic did not write")
+    if doc.get("version") != FORMAT_VERSION or doc.get("layout") != LAYOUT:
+        raise _fail(
+            where,
+            f"has format version {doc.get('version')!r} (etcd layout {doc.get('layout')!r}); "
+            f"this aelastic uses version {FORMAT_VERSION} (layout {LAYOUT}). Nodes of both "
+            "versions cannot share a run: use one aelastic version for the job, or another "
+            "run id",
+        )
+    try:
+        deadline = doc["deadline"]
+        master = doc["master"]
+        rules = doc["rules"]
+        c, f = doc["counts"], doc["flags"]
+        if len(c) != 5 or len(f) != 3:
+            raise ValueError("counts")
+        counts = (int(c[0]), int(c[1]), int(c[2]), int(c[3]), int(c[4]))
+        flags = (bool(f[0]), bool(f[1]), bool(f[2]))
+        return Header(
+            epoch=str(doc["epoch"]),
+            gen=int(doc["gen"]),
+            round=int(doc["round"]),
+            complete=bool(doc["complete"]),
+            closed=bool(doc["closed"]),
+            deadline=None if deadline is None else (int(deadline[0]), int(deadline[1])),
+            world=int(doc["world"]),
+            sample=tuple(str(s) for s in doc["sample"]),
+            sampled=int(doc["sampled"]),
+            accounted=int(doc["accounted"]),
+            master=None if master is None else (str(master[0]), int(master[1])),
+            rules=None if rules is None else Rules(*(int(r) for r in rules)),
+            counts=counts,
+            flags=flags,
+        )
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise _fail(where, "holds a corrupt rendezvous header") from None

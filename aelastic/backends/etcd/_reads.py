@@ -1,0 +1,363 @@
+"""Reading a run on etcd: one node's view of it, the lost members' names, a snapshot.
+
+How it works: :meth:`RunReads.read` is one read transaction of constant size (the header,
+the node's three possible keys, count-only ranges of the lists, the first participant, the
+cut, and the node's rank at the cut when the process knows it), turned into a
+:class:`~._port.View`. The other reads are rarer: the newest participants when more joined
+a forming round than it admits, the history of the participants' deletions (the names of
+members etcd dropped), and the whole membership for operators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from ...core.errors import RendezvousConnectionError, RendezvousStateError
+from ...core.state import MemberEntry, NodeDesc, Snapshot, Status
+from ._client import Compacted, EtcdClient, EtcdError, b64, unb64
+from ._layout import RunKeys, decode_header, node_of, prefix_end
+from ._leases import Deadlines, Leases
+from ._port import LISTS, Member, View, status_of
+
+__all__ = ["SHOWN_BEATS", "RunReads", "members_of", "range_of", "range_op"]
+
+#: A snapshot of at most this many nodes shows when each last renewed its lease.
+SHOWN_BEATS = 64
+
+
+def range_op(key: str | bytes, end: str | bytes | None = None, **options: Any) -> dict[str, Any]:
+    """A range request of a transaction."""
+    body: dict[str, Any] = {"key": b64(key)}
+    if end is not None:
+        body["range_end"] = b64(end)
+    body.update(options)
+    return {"request_range": body}
+
+
+def members_of(kvs: list[dict[str, Any]]) -> list[Member]:
+    return [
+        Member(
+            key=unb64(kv.get("key")).decode(errors="replace"),
+            mod=int(kv.get("mod_revision", 0)),
+            create=int(kv.get("create_revision", 0)),
+            value=unb64(kv.get("value")),
+            lease=int(kv.get("lease", 0)),
+        )
+        for kv in kvs
+    ]
+
+
+def range_of(response: dict[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = response.get("response_range", {})
+    return result
+
+
+class RunReads:
+    """The reads of one run (the base of :class:`~._apply.RunPort`).
+
+    Args:
+        client: The etcd client.
+        keys: The run's keys.
+        leases: The nodes' leases.
+        deadlines: This process's record of the last calls.
+        cut_hint: The cut of the current round as this process heard it (from the watch),
+            so that a finished join reads its rank in the same read.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: RunKeys,
+        leases: Leases,
+        deadlines: Deadlines,
+        cut_hint: Callable[[], int | None] | None = None,
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self._leases = leases
+        self._deadlines = deadlines
+        self._cut_hint = cut_hint
+        self._where_of: dict[NodeDesc, str | None] = {}
+        self.where = f"The rendezvous state of run '{keys.run_id}' at {client.display}"
+
+    @property
+    def client(self) -> EtcdClient:
+        return self._client
+
+    @property
+    def leases(self) -> Leases:
+        return self._leases
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return self._deadlines
+
+    def where_of(self, node: NodeDesc) -> str | None:
+        """The list ``node`` was in after its last request (``p``, ``w``, ``r``)."""
+        return self._where_of.get(node)
+
+    async def status(self, now: int, missing_ok: bool = False) -> Status | None:
+        """The run's status (header and counts; an empty status, or ``None`` with
+        ``missing_ok``, when it has no state)."""
+        k = self._keys
+        body = {"success": [range_op(k.header), *(
+            range_op(p, prefix_end(p), count_only=True)
+            for p in (k.participants, k.waiting, k.redundant, k.finished))]}  # fmt: skip
+        try:
+            answer = await self._client.call("/v3/kv/txn", body, "status")
+            ranges = [range_of(r) for r in answer.get("responses", [])]
+            headers = members_of(ranges[0].get("kvs", []))
+            if not headers:
+                return None if missing_ok else Status(now_ms=now)
+            h = decode_header(headers[0].value, self.where)
+        except RendezvousStateError:
+            if missing_ok:
+                return None
+            raise
+        counts = [int(r.get("count", 0)) for r in ranges[1:5]]
+        deadline = None
+        if h.deadline is not None and h.rules is not None:
+            deadline = self._deadlines.end(h.epoch, h.deadline[0], h.rules.last_call_ms, now)
+        return status_of(h, counts[0], counts[1], counts[2], counts[3], now, deadline)
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _view_ops(self, node: NodeDesc, rank_at: int | None = None) -> list[dict[str, Any]]:
+        k = self._keys
+        ops = [
+            range_op(k.header),
+            *(range_op(k.member(w, node)) for w in LISTS),
+            *(
+                range_op(p, prefix_end(p), count_only=True)
+                for p in (k.participants, k.waiting, k.redundant, k.finished)
+            ),
+            range_op(k.participants, prefix_end(k.participants), limit=1),
+            range_op(k.cut, keys_only=True),
+        ]
+        if rank_at:
+            ops.append(
+                range_op(k.participants, k.member("p", node), count_only=True, revision=rank_at)
+            )
+        return ops
+
+    def _view(self, responses: list[dict[str, Any]], revision: int) -> tuple[View, int | None]:
+        ranges = [range_of(r) for r in responses]
+        headers = members_of(ranges[0].get("kvs", []))
+        header = decode_header(headers[0].value, self.where) if headers else None
+        own: dict[str, Member | None] = {}
+        for i, where in enumerate(LISTS, start=1):
+            found = members_of(ranges[i].get("kvs", []))
+            own[where] = found[0] if found else None
+        counts = [int(ranges[i].get("count", 0)) for i in range(4, 8)]
+        first = None
+        firsts = members_of(ranges[8].get("kvs", []))
+        if firsts:
+            first = (self._node_of(firsts[0].key, "p/"), _port_of(firsts[0].value))
+        cuts = members_of(ranges[9].get("kvs", []))
+        rank = int(ranges[10].get("count", 0)) if len(ranges) > 10 else None
+        view = View(
+            revision=revision,
+            header=header,
+            header_mod=headers[0].mod if headers else 0,
+            own=own,
+            participants=counts[0],
+            waiting=counts[1],
+            redundant=counts[2],
+            finished=counts[3],
+            first=first,
+            cut=cuts[0].mod if cuts else 0,
+        )
+        return view, rank
+
+    def _node_of(self, key: str, where: str) -> NodeDesc:
+        try:
+            return node_of(key[len(self._keys.base) + len(where) :])
+        except ValueError:
+            raise RendezvousStateError(
+                f"{self.where}: the key {key!r} is not a node's key aelastic wrote; it was "
+                "left as it is."
+            ) from None
+
+    async def read(self, node: NodeDesc, rank_at: int | None = None) -> tuple[View, int | None]:
+        """One read of the run as ``node`` sees it (and its rank at revision ``rank_at``)."""
+        body = {"success": self._view_ops(node, rank_at)}
+        try:
+            answer = await self._client.call("/v3/kv/txn", body, "read")
+        except Compacted:
+            answer = await self._client.call(
+                "/v3/kv/txn", {"success": self._view_ops(node)}, "read"
+            )
+        revision = int(answer.get("header", {}).get("revision", 0))
+        return self._view(answer.get("responses", []), revision)
+
+    async def _with_extras(self, view: View, node: NodeDesc, count: int) -> View:
+        """``view`` with the ``count`` newest participants (the completion sends them back)."""
+        k = self._keys
+        body = {
+            "success": [
+                *self._view_ops(node),
+                range_op(
+                    k.participants,
+                    prefix_end(k.participants),
+                    sort_target="CREATE",
+                    sort_order="DESCEND",
+                    limit=count,
+                    keys_only=True,
+                ),
+                range_op(k.participants, prefix_end(k.participants), limit=count + 1),
+            ]
+        }
+        answer = await self._client.call("/v3/kv/txn", body, "read")
+        responses = answer.get("responses", [])
+        fresh, _ = self._view(responses[:10], int(answer.get("header", {}).get("revision", 0)))
+        extras = tuple(members_of(range_of(responses[10]).get("kvs", [])))
+        drop = {m.key for m in extras}
+        first = None
+        for member in members_of(range_of(responses[11]).get("kvs", [])):
+            if member.key not in drop:
+                first = (self._node_of(member.key, "p/"), _port_of(member.value))
+                break
+        return View(**{**fresh.__dict__, "extras": extras, "first": first})
+
+    async def lost_names(self, view: View, count: int) -> list[str]:
+        """The members etcd removed from the complete round since the header's last write,
+        in order: deletions of ``p/`` keys after the revision the header accounted for,
+        but those of its own write and of the members that left having finished."""
+        header = view.header
+        assert header is not None
+        k = self._keys
+        body = {
+            "create_request": {
+                "key": b64(k.participants),
+                "range_end": b64(prefix_end(k.finished)),
+                "start_revision": header.accounted + 1,
+            }
+        }
+        names: list[str] = []
+        finished: set[tuple[int, str]] = set()
+        try:
+            async with self._client.stream("/v3/watch", body, timeout=5.0) as messages:
+                async for message in _until(messages, 2.0):
+                    if message.get("compact_revision") or message.get("canceled"):
+                        break
+                    for event in message.get("events", []):
+                        kv = event.get("kv", {})
+                        revision = int(kv.get("mod_revision", 0))
+                        if revision > view.revision:
+                            return names
+                        key = unb64(kv.get("key")).decode(errors="replace")
+                        name = key[len(k.base) + 2 :]
+                        if key.startswith(k.finished):
+                            finished.add((revision, name))
+                            continue
+                        lost = event.get("type") == "DELETE" and revision != view.header_mod
+                        if lost and (revision, name) not in finished:
+                            names.append(self._node_of(key, "p/").key)
+                            if len(names) >= count:
+                                return names
+        except (ConnectionError, EtcdError, RendezvousConnectionError, TimeoutError):
+            pass  # the names are for the sample only: the counts stay exact
+        return names
+
+    async def snapshot(self, now: int) -> Snapshot | None:
+        """The whole membership (O(N): for operators), or ``None`` without a state."""
+        k = self._keys
+        every = [
+            range_op(p, prefix_end(p), keys_only=p != k.participants)
+            for p in (k.participants, k.waiting, k.redundant)
+        ]
+        finished = range_op(k.finished, prefix_end(k.finished), count_only=True)
+        body = {"success": [range_op(k.header), *every, finished, range_op(k.cut, keys_only=True)]}
+        answer = await self._client.call("/v3/kv/txn", body, "snapshot")
+        ranges = [range_of(r) for r in answer.get("responses", [])]
+        headers = members_of(ranges[0].get("kvs", []))
+        if not headers:
+            return None
+        h = decode_header(headers[0].value, self.where)
+        lists = [members_of(ranges[i].get("kvs", [])) for i in (1, 2, 3)]
+        done = int(ranges[4].get("count", 0))
+        cuts = members_of(ranges[5].get("kvs", []))
+        ranks: dict[str, int] = {}
+        if h.complete and cuts:
+            at = {"revision": cuts[0].mod}
+            cut_body = {"success": [range_op(k.participants, prefix_end(k.participants),
+                                             keys_only=True, **at)]}  # fmt: skip
+            try:
+                cut = await self._client.call("/v3/kv/txn", cut_body, "snapshot")
+                members = members_of(range_of(cut.get("responses", [{}])[0]).get("kvs", []))
+                ranks = {m.key: i for i, m in enumerate(members)}
+            except Compacted:
+                ranks = {m.key: i for i, m in enumerate(lists[0])}
+        participants = lists[0]
+        if not h.complete:
+            participants = sorted(participants, key=lambda m: m.create)
+        deadline = None
+        if h.deadline is not None and h.rules is not None:
+            deadline = self._deadlines.end(h.epoch, h.deadline[0], h.rules.last_call_ms, now)
+        status = status_of(h, len(lists[0]), len(lists[1]), len(lists[2]), done, now, deadline)
+
+        beats = await self._beats([m.lease for group in lists for m in group], now)
+
+        def entry(member: Member, where: str, rank: int | None = None) -> MemberEntry:
+            return MemberEntry(self._node_of(member.key, where), beats.get(member.lease, now), rank)
+
+        return Snapshot(
+            status=status,
+            participants=tuple(
+                entry(m, "p/", ranks.get(m.key) if h.complete else None) for m in participants
+            ),
+            wait_list=tuple(entry(m, "w/") for m in lists[1]),
+            redundancy_list=tuple(entry(m, "r/") for m in lists[2]),
+            master_addr=None if h.master is None else h.master[0],
+            master_port=None if h.master is None else h.master[1],
+        )
+
+    async def _beats(self, leases: list[int], now: int) -> dict[int, int]:
+        """When each lease was last renewed, by this process's clock (etcd says how long
+        each has left, in whole seconds): for a run of at most :data:`SHOWN_BEATS` nodes;
+        a larger one's members show as just renewed (etcd drops them when they are not)."""
+        unique = sorted({lease for lease in leases if lease})
+        if not unique or len(unique) > SHOWN_BEATS:
+            return {}
+
+        async def beat(lease: int) -> tuple[int, int]:
+            answer = await self._client.call("/v3/lease/timetolive", {"ID": lease}, "snapshot")
+            granted, left = int(answer.get("grantedTTL", 0)), int(answer.get("TTL", 0))
+            return lease, now - max(granted - left - 1, 0) * 1000
+
+        return dict(await asyncio.gather(*(beat(lease) for lease in unique)))
+
+    # -- writing --------------------------------------------------------------------------
+
+    async def _rank(self, node: NodeDesc, cut: int) -> int:
+        k = self._keys
+        at = {"revision": cut}
+        body = {"success": [range_op(k.participants, k.member("p", node), count_only=True, **at)]}
+        try:
+            answer = await self._client.call("/v3/kv/txn", body, "rank")
+        except Compacted:
+            raise RendezvousStateError(
+                f"{self.where}: the revision at which round completed was compacted away "
+                "before this node read its rank; compact less often (etcd's "
+                "--auto-compaction-retention) or start the job again."
+            ) from None
+        return int(range_of(answer.get("responses", [{}])[0]).get("count", 0))
+
+
+async def _until(messages: Any, idle: float) -> Any:
+    """``messages`` until none came for ``idle`` seconds."""
+    iterator = messages.__aiter__()
+    while True:
+        try:
+            yield await asyncio.wait_for(iterator.__anext__(), idle)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            return
+
+
+def _port_of(value: bytes) -> int:
+    try:
+        return int(value or b"0")
+    except ValueError:
+        return 0

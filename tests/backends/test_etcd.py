@@ -1,0 +1,293 @@
+"""The etcd backend against a real etcd: endpoints, credentials, faults, losses, a cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+
+from aelastic import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from aelastic.backends import create_backend as create_any
+from aelastic.backends.etcd import (
+    ENV_PASSWORD,
+    ENV_USERNAME,
+    EtcdBackend,
+    create_backend,
+    parse_endpoint,
+)
+from aelastic.core.redact import redact
+from aelastic.rendezvous import DynamicRendezvousHandler
+from tests._etcd_server import EtcdCluster, EtcdServer
+from tests._ports import free_port
+from tests._redis_server import RedisServer
+from tests._rendezvous_helpers import PROMPT, assert_one_group, handler_group, join_all
+
+pytestmark = pytest.mark.anyio
+
+PASSWORD = "s3cret-pa55"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EtcdServer]:
+    with EtcdServer() as etcd:
+        yield etcd
+
+
+@asynccontextmanager
+async def backend(endpoint: str, run_id: str, **conf: Any) -> AsyncIterator[EtcdBackend]:
+    b = create_backend(RendezvousParameters("etcd", endpoint, run_id, 1, 1, **conf))
+    try:
+        yield b
+    finally:
+        await b.aclose()
+
+
+def group(
+    endpoint: str, run_id: str, count: int, min_nodes: int, max_nodes: int, **conf: Any
+) -> AbstractAsyncContextManager[list[DynamicRendezvousHandler]]:
+    return handler_group("etcd", endpoint, run_id, count, min_nodes, max_nodes, **conf)
+
+
+# -- endpoints and options ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "config", "members", "tls"),
+    [
+        ("", {}, (("localhost", 2379),), False),
+        ("e0", {}, (("e0", 2379),), False),
+        ("e0:1,e1:2, e2", {}, (("e0", 1), ("e1", 2), ("e2", 2379)), False),
+        ("e0:1", {"protocol": "https"}, (("e0", 1),), True),
+        ("https://e0:1,https://e1", {}, (("e0", 1), ("e1", 2379)), True),
+        ("[::1]:7", {}, (("::1", 7),), False),
+    ],
+)
+def test_endpoints_in_torchs_form(
+    endpoint: str, config: dict[str, str], members: tuple[tuple[str, int], ...], tls: bool
+) -> None:
+    parsed = parse_endpoint(endpoint, config, environ={})
+    assert parsed.members == members
+    assert parsed.tls is tls
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "config", "message"),
+    [
+        ("e0:x", {}, "port"),
+        ("e0", {"protocol": "ftp"}, "http or https"),
+        ("http://e0,https://e1", {}, "mix"),
+        ("e0", {"cacert": "/ca.pem"}, "protocol=https"),
+        ("e0", {"protocol": "https", "key": "/k.pem"}, "needs 'cert'"),
+        ("u:pw@e0", {}, ENV_PASSWORD),
+        ("http://u:pw@e0", {}, ENV_PASSWORD),
+        ("e0", {"password": "pw"}, ENV_PASSWORD),
+    ],
+)
+def test_bad_endpoints_and_options_are_one_clear_line(
+    endpoint: str, config: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message) as info:
+        parse_endpoint(endpoint, config, environ={})
+    assert "\n" not in str(info.value) and "pw" not in str(info.value).replace(ENV_PASSWORD, "")
+
+
+def test_credentials_come_from_the_environment_and_never_show() -> None:
+    env = {ENV_USERNAME: "alice", ENV_PASSWORD: PASSWORD}
+    parsed = parse_endpoint("e0:1,e1:2", {"etcd_prefix": "jobs/"}, environ=env)
+    assert (parsed.username, parsed.password) == ("alice", PASSWORD)
+    assert parsed.prefix == "/jobs"
+    for shown in (parsed.display, repr(parsed)):
+        assert PASSWORD not in shown
+    assert ENV_PASSWORD in redact.__globals__["SECRET_ENV"]
+
+
+def test_the_registry_knows_torchs_names() -> None:
+    for name in ("etcd", "etcd-v2", "aelastic-etcd"):
+        made = create_any(RendezvousParameters(name, "127.0.0.1:1", "r", 1, 1))
+        assert isinstance(made, EtcdBackend)
+
+
+# -- bad input: one clear line each, nothing overwritten --------------------------------------
+
+
+async def test_a_port_without_etcd_fails_at_once_naming_it() -> None:
+    with RedisServer() as redis:
+        async with backend(f"127.0.0.1:{redis.port}", "wrong", read_timeout=30) as b:
+            started = time.monotonic()
+            with pytest.raises(RendezvousConnectionError, match="does not answer etcd") as info:
+                await b.kv_get(["k"])
+    assert time.monotonic() - started < 10
+    assert str(redis.port) in str(info.value) and "\n" not in str(info.value)
+
+
+async def test_etcd_down_at_start_fails_after_read_timeout_naming_it() -> None:
+    port = free_port()
+    async with backend(f"127.0.0.1:{port}", "down", read_timeout=1) as b:
+        with pytest.raises(RendezvousConnectionError, match="could not be reached within 1 s"):
+            await b.kv_get(["k"])
+
+
+async def test_etcd_that_comes_up_within_read_timeout_is_waited_for() -> None:
+    etcd = EtcdServer()
+    try:
+        async with backend(etcd.endpoint, "late", read_timeout=30) as b:
+            waiting = asyncio.ensure_future(b.kv_set("k", b"v"))
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(etcd.start)
+            with anyio.fail_after(PROMPT):
+                await waiting
+            assert await b.kv_get(["k"]) == [b"v"]
+    finally:
+        etcd.close()
+
+
+async def test_wrong_credentials_are_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    with EtcdServer(auth=("root", PASSWORD)) as etcd:
+        monkeypatch.setenv(ENV_USERNAME, "root")
+        monkeypatch.setenv(ENV_PASSWORD, "wrong-" + PASSWORD)
+        async with backend(etcd.endpoint, "auth") as b:
+            with pytest.raises(RendezvousConnectionError, match=ENV_PASSWORD) as info:
+                await b.kv_set("k", b"v")
+        message = str(info.value)
+        assert PASSWORD not in message and "\n" not in message
+        monkeypatch.delenv(ENV_USERNAME)
+        monkeypatch.delenv(ENV_PASSWORD)
+        async with backend(etcd.endpoint, "auth") as b:
+            with pytest.raises(RendezvousConnectionError, match="authentication"):
+                await b.kv_set("k", b"v")
+        monkeypatch.setenv(ENV_USERNAME, "root")
+        monkeypatch.setenv(ENV_PASSWORD, PASSWORD)
+        async with group(etcd.endpoint, "auth-ok", 2, 2, 2) as handlers:
+            assert_one_group(await join_all(handlers), 2)
+
+
+async def test_a_foreign_value_under_the_prefix_is_left_alone(server: EtcdServer) -> None:
+    server.put("/aelastic/foreign/h", "not ours")
+    async with group(server.endpoint, "foreign", 1, 1, 1) as handlers:
+        with pytest.raises(RendezvousStateError, match="did not write") as info:
+            await handlers[0].next_rendezvous()
+    assert "\n" not in str(info.value) and "left as it is" in str(info.value)
+    assert server.get("/aelastic/foreign/h") == b"not ours"
+    assert server.keys("/aelastic/foreign/") == ["/aelastic/foreign/h"]
+
+
+async def test_another_format_version_is_named_and_left_alone(server: EtcdServer) -> None:
+    other = json.dumps({"format": "aelastic.rendezvous.state", "version": 9})
+    server.put("/aelastic/newer/h", other)
+    async with group(server.endpoint, "newer", 1, 1, 1) as handlers:
+        with pytest.raises(RendezvousStateError, match="version 9"):
+            await handlers[0].next_rendezvous()
+    assert server.get("/aelastic/newer/h") == other.encode()
+
+
+# -- losses ---------------------------------------------------------------------------------
+
+
+async def test_a_silent_member_is_seen_lost_within_the_window(server: EtcdServer) -> None:
+    """etcd drops a silent node's keys when its lease ends; a sentinel (ranks 0-2) writes
+    the loss, and every member hears of it. Window: 0.5 s x 4 = 2 s."""
+    conf = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 4}
+    async with group(server.endpoint, "silent", 5, 2, 5, **conf) as handlers:
+        infos = await join_all(handlers)
+        by_rank = {info.rank: h for info, h in zip(infos, handlers, strict=True)}
+        for victim_rank in (4, 0):  # not a sentinel, then one
+            victim = by_rank.pop(victim_rank)
+            await victim._heartbeats.stop()  # silent from now on, as if killed
+            started = time.monotonic()
+            views = await asyncio.wait_for(
+                asyncio.gather(*(h.watch() for h in by_rank.values())), 2 + PROMPT
+            )
+            assert all(victim.node in v.lost for v in views)
+            assert all(v.lost_count >= 1 for v in views)
+            assert time.monotonic() - started < 2 + 0.5 + 4  # window + lease tick + slack
+            infos = await join_all(list(by_rank.values()), 2 * PROMPT)
+            assert_one_group(infos, len(by_rank))
+            by_rank = {info.rank: h for info, h in zip(infos, by_rank.values(), strict=True)}
+
+
+async def test_a_heartbeat_wakes_nobody_and_costs_one_request(server: EtcdServer) -> None:
+    conf = {"keep_alive_interval": 0.2}
+    async with group(server.endpoint, "idle", 3, 3, 3, **conf) as handlers:
+        await join_all(handlers)
+        before = [h.stats.requests for h in handlers]
+        watchers = [asyncio.ensure_future(h.watch()) for h in handlers]
+        await asyncio.sleep(1.2)
+        assert not any(w.done() for w in watchers)
+        for w in watchers:
+            w.cancel()
+        beats = [h.stats.requests - b for h, b in zip(handlers, before, strict=True)]
+        assert all(3 <= n <= 8 for n in beats), beats  # one request per beat, ~6 each
+
+
+# -- a 3-member cluster ---------------------------------------------------------------------
+
+
+async def test_a_round_forms_and_keeps_its_store_across_a_leader_kill() -> None:
+    with EtcdCluster(3) as cluster:
+        conf = {"keep_alive_interval": 0.5, "read_timeout": 20}
+        async with group(cluster.endpoint, "failover", 3, 3, 3, **conf) as handlers:
+            infos = await join_all(handlers)
+            await infos[0].store.set("before", "kill")
+            watchers = [asyncio.ensure_future(h.watch()) for h in handlers]
+            await asyncio.to_thread(cluster.leader().kill)
+            await asyncio.to_thread(cluster.leader)  # another is elected
+            await infos[1].store.set("after", "kill")
+            assert await infos[2].store.get("before") == b"kill"
+            assert await infos[0].store.get("after") == b"kill"
+            await asyncio.sleep(2.0)  # two windows: nobody was dropped meanwhile
+            assert not any(w.done() for w in watchers), [w.result() for w in watchers if w.done()]
+            for w in watchers:
+                w.cancel()
+
+
+async def test_runs_are_listed_one_range_each(server: EtcdServer) -> None:
+    prefix = {"etcd_prefix": "/listing"}
+    async with (
+        group(server.endpoint, "job/a", 1, 1, 1, **prefix) as a,
+        group(server.endpoint, "job-b", 2, 1, 2, **prefix) as b,
+    ):
+        await join_all(a)
+        await join_all(b)
+        server.put("/listing/foreign/h", "not ours")
+        async with backend(server.endpoint, "lister", **prefix) as lister:
+            runs = await lister.list_runs(10)
+            assert [(run, s.participants) for run, s in runs] == [("job-b", 2), ("job/a", 1)]
+            assert len(await lister.list_runs(1)) == 1
+            assert await lister.reset() is False  # the lister's own run has no keys
+
+
+async def test_the_retry_budget_runs_once_per_outage() -> None:
+    """A call made during an outage gets what is left of read_timeout (at least one more
+    attempt); once etcd answered, the next outage has a whole budget again."""
+    etcd = EtcdServer()
+    try:
+        async with backend(etcd.endpoint, "budget", read_timeout=3) as b:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            first = asyncio.ensure_future(b.kv_get(["k"]))
+            await asyncio.sleep(1.5)
+            with pytest.raises(RendezvousConnectionError):
+                await b.kv_get(["k"])
+            late = loop.time() - started
+            with pytest.raises(RendezvousConnectionError):
+                await first
+            assert late < 4.2, late  # what was left of the outage's 3 s (whole: 4.5 s)
+            await asyncio.to_thread(etcd.start)
+            assert await b.kv_get(["k"]) == [None]
+            await asyncio.to_thread(etcd.kill)
+            again = loop.time()
+            with pytest.raises(RendezvousConnectionError):
+                await b.kv_get(["k"])
+            assert loop.time() - again >= 2.5  # a whole budget for the new outage
+    finally:
+        etcd.close()

@@ -1,0 +1,158 @@
+"""The etcd port of the state machine answers exactly as the Python machine does.
+
+The same random interleavings of requests (with the clock passed in) run through the etcd
+port on a real ``etcd`` and through :func:`aelastic.core.machine.step`; every reply and the
+whole state after every request must be equal. Silence is etcd's to judge (a node's lease
+expires): before each request, the nodes the machine prunes at that moment have their leases
+revoked, in the machine's order, and the port must then do what the machine's pruning does.
+
+Left out of the comparison, by design: heartbeat times (etcd keeps leases, not beat times:
+``oldest_beat_ms`` and a snapshot's ``beat_ms``), and how many nodes a request pruned (etcd
+removed them before the request; ``pruned``, and ``PRUNE`` for a request that did nothing
+else).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from aelastic.backends.etcd._apply import RunPort
+from aelastic.backends.etcd._client import EtcdClient
+from aelastic.backends.etcd._endpoint import parse_endpoint
+from aelastic.backends.etcd._layout import RunKeys
+from aelastic.backends.etcd._leases import Deadlines, Leases
+from aelastic.core import machine
+from aelastic.core.machine import snapshot_of, step
+from aelastic.core.params import Rules
+from aelastic.core.state import Op, Reply, RunState, Snapshot, Transition
+from aelastic.core.wire import reply_to_json, snapshot_to_json
+from tests._etcd_server import EtcdServer
+from tests._machine_steps import NODES, Step, scenarios
+
+T0 = 1_000_000
+_runs = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EtcdServer]:
+    with EtcdServer() as etcd:
+        yield etcd
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def client(server: EtcdServer, loop: asyncio.AbstractEventLoop) -> Iterator[EtcdClient]:
+    c = EtcdClient(parse_endpoint(server.endpoint, {}), read_timeout=10)
+    yield c
+    loop.run_until_complete(c.aclose())
+
+
+@pytest.fixture(autouse=True)
+def sorted_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks in sorted node order (torch's): the machine's rule once the core has it."""
+    state = RunState("probe")
+    state.participants = {NODES[1]: 1, NODES[0]: 2}
+    machine._complete(state)
+    if state.participants[NODES[0]] == 0:
+        return
+
+    def complete(state: RunState) -> None:
+        order = sorted(state.participants)
+        state.participants = {node: rank for rank, node in enumerate(order)}
+        first = order[0]
+        state.master = (first.addr, state.ports.get(first, 0))
+        state.ports.clear()
+        state.complete = True
+        state.deadline_ms = None
+        state.world = len(order)
+        state.lost = state.finished = 0
+        state.lost_sample = []
+
+    monkeypatch.setattr(machine, "_complete", complete)
+
+
+def _reply(reply: Reply) -> dict[str, Any]:
+    transition = Transition.NONE if reply.transition is Transition.PRUNE else reply.transition
+    doc = reply_to_json(replace(reply, oldest_beat_ms=None, pruned=0, transition=transition))
+    return json.loads(json.dumps(doc))
+
+
+def _snapshot(snap: Snapshot | None) -> Any:
+    if snap is None:
+        return None
+    doc = snapshot_to_json(snap)
+    for where in ("participants", "wait_list", "redundancy_list"):
+        rows = [[row[0], 0, *row[2:]] for row in doc[where]]
+        doc[where] = rows if where == "participants" else sorted(rows)
+    return json.loads(json.dumps(doc))
+
+
+async def run_both(client: EtcdClient, rules: Rules, steps: list[Step]) -> None:
+    keys = RunKeys("/parity", f"run-{next(_runs)}")
+    leases = Leases(client, ttl=3600)
+    port = RunPort(client, keys, leases, Deadlines())
+    state = RunState("feed")
+    now = T0
+    try:
+        for item in steps:
+            now += item.advance_ms
+            expired = now - rules.window_ms
+            dead = sorted((b, n.key, n) for n, b in state.beats.items() if b < expired)
+            for _, _, node in dead:
+                lease = leases.of(node)
+                assert lease is not None, node
+                await client.call("/v3/lease/revoke", {"ID": lease}, "revoke")
+                leases.forget(node)
+            request = item.request(rules)
+            expected = _reply(step(state, request, now))
+            got = _reply(await port.apply(request, now, epoch="feed"))
+            assert got == expected, item
+            mine = _snapshot(await port.snapshot(now))
+            theirs = _snapshot(snapshot_of(state, now))
+            assert mine == theirs, item
+    finally:
+        await leases.revoke_all()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(scenarios)
+def test_port_and_python_agree_on_every_reply_and_state(
+    client: EtcdClient, loop: asyncio.AbstractEventLoop, scenario: tuple[Rules, list[Step]]
+) -> None:
+    loop.run_until_complete(run_both(client, *scenario))
+
+
+def test_many_losses_of_a_complete_round_agree(
+    client: EtcdClient, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Several members lost, left, finished and pruned after completion (rare at random)."""
+    join = [Step(i, Op.JOIN, 1) for i in range(6)]
+    losses = [
+        Step(1, Op.LEAVE, 10),
+        Step(2, Op.LEAVE, 10, finished=True),
+        Step(3, Op.LEAVE, 10),
+        Step(0, Op.KEEP_ALIVE, 100),
+        Step(5, Op.KEEP_ALIVE, 100),
+        Step(0, Op.KEEP_ALIVE, 2_500),  # 4 went silent: pruned
+        Step(5, Op.JOIN, 10),
+        Step(0, Op.LEAVE, 10),
+        Step(5, Op.LEAVE, 10),  # the last one: the next round opens
+        Step(1, Op.JOIN, 10),
+    ]
+    loop.run_until_complete(run_both(client, Rules(2, 6, last_call_ms=5, window_ms=2_000),
+                                     join + losses))  # fmt: skip
