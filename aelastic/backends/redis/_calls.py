@@ -66,7 +66,7 @@ T = TypeVar("T")
 #: add key and channel patterns for the key prefix (``~aelastic:* &aelastic:*``).
 NODE_ACL = (
     "+hello +ping +select +evalsha +eval +time +info +publish +subscribe +unsubscribe "
-    "+exists +wait +type +get +set +del +incrby +pexpire +pttl +hget +hmget +hset +hdel "
+    "+exists +wait +type +get +set +del +incrby +pexpire +pttl +hget +hmget +hset +hsetnx +hdel "
     "+sadd +srem +scard +sismember +smembers +zadd +zrem +zcard +zscore +zrange +zrangebyscore"
 )
 #: What ``aelastic status --list/--reset`` and ``aelastic dashboard`` need beyond a node's.
