@@ -14,7 +14,12 @@ from .core.errors import (
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
-from .core.params import RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
+from .core.params import (
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeout,
+)
 
 __version__ = "0.1.0"
 
@@ -28,6 +33,7 @@ __all__ = [
     "RendezvousParameters",
     "RendezvousStateError",
     "RendezvousStoreInfo",
+    "RendezvousTimeout",
     "RendezvousTimeoutError",
     "StoreTimeoutError",
     "__version__",

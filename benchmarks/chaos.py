@@ -10,6 +10,9 @@ max) per backend and per kind of fault, how many exceeded the bound the design p
 (heartbeat window + last call + 2 s; an added agent is timed from its first event, after its
 interpreter started), and the checks of the chaos test: no duplicate rank in any sample
 or round, no agent that ended by itself, nothing of the run left once the agents are gone.
+Meanwhile a client that is not a member sends forged requests at random moments (forged
+windows, leaves, keep-alives, joins and closes naming members, phantom joins; see
+``tests/chaos/_forgery.py``): none may change the run.
 
 Run: ``python benchmarks/chaos.py [--backends redis,http] [--agents 5] [--faults 50]
 [--seed N] [--json PATH]``
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._servers import server_endpoint
 from tests.chaos._cluster import ChaosConfig, Cluster
 from tests.chaos._faults import KINDS, Chaos, wait_formed
+from tests.chaos._forgery import FORGED_KINDS, Forger
 
 #: Longest wait for a re-form before the fault counts as never re-formed.
 _GIVE_UP = 60.0
@@ -68,6 +72,8 @@ def run_backend(backend: str, agents: int, faults: int, seed: int) -> dict[str, 
             if first.workers is None:
                 raise RuntimeError(f"{backend}: the first round never formed")
             chaos = Chaos(cluster, rng)
+            forger = Forger(config, rng)
+            forger.start()
             for n in range(faults):
                 time.sleep(rng.uniform(0.2, 1.0))
                 fault = chaos.inject()
@@ -78,9 +84,11 @@ def run_backend(backend: str, agents: int, faults: int, seed: int) -> dict[str, 
                     f"state {_fmt(reform.state)} workers {_fmt(reform.workers)}  {fault.detail}",
                     flush=True,
                 )
+            forger.stop()
             cluster.stop_all()
             left = cluster.wait_no_leftovers(config.grace + 10)
             checks = {
+                "forgery": forger.summary(),
                 "sample_violations": cluster.violations,
                 "round_violations": cluster.history_violations(),
                 "unexpected_exits": cluster.unexpected_exits(),
@@ -149,8 +157,24 @@ def report(result: dict[str, Any]) -> None:
         f"agents ended by themselves: {len(checks['unexpected_exits'])}, "
         f"processes left: {len(checks['leftovers'])}"
     )
+    forgery = checks["forgery"]
+    print(
+        f"  forged requests from a non-member: {forgery['sent']}, changes they made: "
+        f"{len(forgery['changes'])}, nodes the run's own window pruned meanwhile: "
+        f"{forgery['pruned_by_the_runs_window']}, names taken after the run dropped their "
+        f"node: {forgery['names_taken_after_the_run_dropped_them']}, errors: "
+        f"{len(forgery['errors'])}"
+    )
+    for kind in FORGED_KINDS:
+        done = forgery["by_kind"][kind]
+        said = ", ".join(f"{o} {n}" for o, n in sorted(done["outcomes"].items()))
+        print(f"    {kind:<18} {done['sent']:4d}  {said}")
     for problem in (
-        checks["sample_violations"] + checks["round_violations"] + checks["unexpected_exits"]
+        checks["sample_violations"]
+        + checks["round_violations"]
+        + checks["unexpected_exits"]
+        + forgery["changes"]
+        + forgery["errors"]
     ):
         print(f"  ! {problem}")
 
@@ -178,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         or r["checks"]["round_violations"]
         or r["checks"]["sample_violations"]
         or r["checks"]["unexpected_exits"]
+        or r["checks"]["forgery"]["changes"]
         for r in results
     )
     return 1 if bad else 0

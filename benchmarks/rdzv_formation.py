@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import statistics
 import sys
 import threading
@@ -192,7 +193,8 @@ async def _async_wakeup(backend: str, endpoint: str) -> float:
 
 def _join(params: RendezvousParameters, index: int) -> Request:
     settings = RendezvousSettings.from_parameters(params)
-    return Request(Op.JOIN, NodeDesc(LOOPBACK, 1000 + index, 0), settings.rules)
+    node = NodeDesc(LOOPBACK, 1000 + index, 0)
+    return Request(Op.JOIN, node, settings.rules, secret=secrets.token_hex(16))
 
 
 async def _async_backend_wakeup(backend: str, endpoint: str) -> float:

@@ -1,20 +1,50 @@
 """Random interleavings of rendezvous requests, for property tests of the state machine.
 
 A scenario is a list of steps: a node (of a few), a request (join, leave, close, keep-alive,
-status, with its flags) and how far the clock moves first. The same scenario runs through the
-pure Python machine and through the Redis script, which must answer alike.
+status, with its flags) and how far the clock moves first. Some steps are forged (another
+client's request for the node, with a secret that is not the node's), some carry other rules
+than the scenario's (a forged window, other node bounds), some closes are the operator's.
+The same scenario runs through the pure Python machine and through the Redis script, which
+must answer alike.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import strategies as st
 
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Request
 
-NODES = [NodeDesc("10.0.0.1", 100 + i, i % 2) for i in range(6)]
+#: Names that sort differently by bytes, by a locale and by join order: addresses that are
+#: prefixes of others, with '.', '-' and '_', upper case, a non-ASCII one; pids of different
+#: digit counts (torch's rank order: address, then pid, then local id).
+NODES = [
+    NodeDesc("10.0.0.1", 100, 0),
+    NodeDesc("10.0.0.1", 99, 1),
+    NodeDesc("10.0.0.10", 7, 0),
+    NodeDesc("10.0.0-2", 1000, 0),
+    NodeDesc("node-a.example", 5, 1),
+    NodeDesc("node.a", 12345, 0),
+    NodeDesc("Node_b", 3, 0),
+    NodeDesc("nœud.example", 42, 0),
+]
+#: Each node's own secret; a forged request carries :data:`FORGED`.
+SECRETS = [f"{i:02d}" + "c0ffee" * 5 for i in range(len(NODES))]
+FORGED = "f0" * 16
+
+
+def variant_rules(rules: Rules, variant: int) -> Rules:
+    """The rules a step's request carries: the scenario's (0), a forged 1 ms window (1),
+    other node bounds (2), another last call (3)."""
+    if variant == 1:
+        return replace(rules, window_ms=1)
+    if variant == 2:
+        return replace(rules, max_nodes=rules.max_nodes + 1)
+    if variant == 3:
+        return replace(rules, last_call_ms=rules.last_call_ms + 7)
+    return rules
 
 
 @dataclass(frozen=True)
@@ -24,15 +54,25 @@ class Step:
     advance_ms: int
     expired: bool = False
     finished: bool = False
+    forged: bool = False
+    variant: int = 0
+    operator: bool = False
+
+    @property
+    def secret(self) -> str:
+        return FORGED if self.forged else SECRETS[self.node]
 
     def request(self, rules: Rules) -> Request:
+        if self.operator:
+            return Request.operator_close()
         return Request(
             self.op,
             NODES[self.node],
-            rules,
+            variant_rules(rules, self.variant),
             expired=self.expired,
             finished=self.finished,
             port=1000 + self.node,
+            secret=self.secret,
         )
 
 
@@ -45,6 +85,9 @@ steps = st.builds(
     advance_ms=st.one_of(st.just(0), st.integers(1, 400), st.integers(400, 3_000), st.just(20_000)),
     expired=st.sampled_from([False] * 9 + [True]),
     finished=st.booleans(),
+    forged=st.sampled_from([False] * 7 + [True]),
+    variant=st.sampled_from([0] * 12 + [1, 2, 3]),
+    operator=st.sampled_from([False] * 30 + [True]),
 )
 
 

@@ -135,6 +135,7 @@ class SentinelGroup:
         password: ``requirepass`` of the data nodes (the sentinels are told it).
         sentinel_password: ``requirepass`` of the sentinels.
         extra_args: More ``redis-server`` arguments for the data nodes.
+        down_after_ms: How long a primary is silent before the sentinels fail it over.
     """
 
     def __init__(
@@ -144,6 +145,7 @@ class SentinelGroup:
         password: str | None = None,
         sentinel_password: str | None = None,
         extra_args: tuple[str, ...] = (),
+        down_after_ms: int = 1000,
     ) -> None:
         self.password = password
         self.sentinel_password = sentinel_password
@@ -157,7 +159,7 @@ class SentinelGroup:
             )
         lines = [
             f"sentinel monitor {SERVICE} 127.0.0.1 {self.servers[0].port} 2",
-            f"sentinel down-after-milliseconds {SERVICE} 1000",
+            f"sentinel down-after-milliseconds {SERVICE} {down_after_ms}",
             f"sentinel failover-timeout {SERVICE} 3000",
             f"sentinel parallel-syncs {SERVICE} 1",
         ]

@@ -16,6 +16,9 @@ from aelastic.store import Store
 #: Generous bound for anything that should happen "promptly" on a shared 2-core machine.
 PROMPT = 10.0
 
+#: A node's secret for requests a test makes itself (each test node under its own name).
+SECRET = "7e57" * 8
+
 #: Small timeouts for tests (seconds).
 TEST_CONF: dict[str, Any] = {"join_timeout": 30, "last_call_timeout": 0.2, "read_timeout": 10}
 

@@ -13,6 +13,7 @@ from aelastic import (
     RendezvousClosedError,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStoreInfo,
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
@@ -131,3 +132,45 @@ def test_interrupting_a_blocked_call_cancels_it(run_id: str) -> None:
 
     assert aelastic_sync.run(gone())
     handler.close()
+
+
+def test_a_second_job_with_the_same_id_runs_at_once_in_one_process(run_id: str) -> None:
+    """The in-memory backend, torch's default heartbeats (a 15 s window): a job ends (every
+    node shuts the rendezvous down, as torch's launcher does), and the next job of the
+    process with the same id runs at once; a node of the first job that is still open when
+    it comes learns that the run closed."""
+    for job in range(2):
+        handlers = [aelastic_sync.create_handler(params(run_id, 2, 2)) for _ in range(3)]
+        try:
+            infos = join_in_threads(handlers[:2])
+            assert sorted(i.rank for i in infos) == [0, 1], job
+            build = RendezvousStoreInfo.build(infos[1].rank, infos[1].store, None)
+            boot = infos[1].bootstrap_store_info
+            assert boot is not None and (build.master_addr, build.master_port) == (
+                boot.master_addr,
+                boot.master_port,
+            )
+            for handler in handlers[:2]:
+                assert handler.shutdown() is True
+            with pytest.raises(RendezvousClosedError, match="is closed: the job"):
+                handlers[2].next_rendezvous()  # late, while the run is still known
+        finally:
+            for handler in handlers:
+                handler.close()
+
+
+def test_rendezvous_store_info_build_is_torchs(run_id: str) -> None:
+    """Rank 0 publishes its address and a port; the others read them (torch's ``build``)."""
+    handlers = [aelastic_sync.create_handler(params(run_id, 2, 2)) for _ in range(2)]
+    try:
+        infos = join_in_threads(handlers)
+        store = infos[0].store.async_store.scoped("build/")
+        sync_store = SyncStore(store)
+        zero = RendezvousStoreInfo.build(0, sync_store, "10.1.2.3", server_port=4567)
+        one = RendezvousStoreInfo.build(1, sync_store, None)
+        assert zero == one == RendezvousStoreInfo("10.1.2.3", 4567)
+        free = RendezvousStoreInfo.build(0, SyncStore(store.scoped("free/")), None)
+        assert free.master_port > 0 and free.master_addr
+    finally:
+        for handler in handlers:
+            handler.close()

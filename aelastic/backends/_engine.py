@@ -138,9 +138,14 @@ class Engine:
         with self.lock:
             run = self.run(run_id)
             before = run.token
-            if run.state is None:
-                run.state = RunState(new_epoch())  # a new token: who waits for a run wakes
-            reply = step(run.state, request, now)
+            state = run.state
+            if state is None:
+                state = RunState(new_epoch())
+                reply = step(state, request, now)
+                if state.made:  # a join made the run: a new token, who waits for it wakes
+                    run.state = state
+            else:
+                reply = step(state, request, now)
             if run.token != before:
                 _wake(run.status_waiters)
             if reply.transition not in _QUIET:
@@ -255,6 +260,15 @@ class Engine:
             if self._on_change is not None:
                 self._on_change(run_id)
             return not run.empty()
+
+    def forget_if_over(self, run_id: str) -> bool:
+        """Forget ``run_id`` if it is closed and no node is in it; whether it was."""
+        with self.lock:
+            run = self.runs.get(run_id)
+            state = None if run is None else run.state
+            if state is None or not state.closed or state.beats:
+                return False
+        return self.delete(run_id)
 
     def wake_everyone(self) -> None:
         """Wake every waiter of every run (a server shutting down)."""

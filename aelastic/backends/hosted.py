@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import socket
 from collections.abc import Sequence
@@ -209,7 +210,29 @@ class HostedBackend:
             return reply
         if request.op is Op.JOIN:
             await self._ranks.check(request, reply)  # duplicate node ranks fail, every one
-        return reply if reply.rank is None else replace(reply, rank=self._rank)
+        if reply.rank is None:
+            return reply
+        if request.op is Op.JOIN:
+            addr, port = await self._master(request, reply)
+            return replace(reply, rank=self._rank, master_addr=addr, master_port=port)
+        return replace(reply, rank=self._rank)
+
+    async def _master(self, request: Request, reply: Reply) -> tuple[str, int]:
+        """Where the workers bootstrap: node rank 0's address and port (not the first node
+        of the round's order, whose rank the node rank replaced); node rank 0 says it."""
+        key = f"static/master/{reply.status.round}"
+        if self._rank == 0:
+            mine = (request.node.addr, request.port)
+            await self._reach("kv_set", key, json.dumps(mine).encode())
+            return mine
+        if not await self._reach("kv_wait", [key], self._join_timeout):
+            raise RendezvousError(
+                f"node rank 0 did not say where the workers bootstrap within the join "
+                f"timeout ({self._join_timeout:g} s)"
+            )
+        (raw,) = await self._reach("kv_get", [key])
+        addr, port = json.loads(raw or b"null")
+        return str(addr), int(port)
 
     async def wait_for_change(self, token: Token, timeout: float | None) -> Status | None:
         result: Status | None = await self._reach("wait_for_change", token, timeout)
@@ -218,6 +241,9 @@ class HostedBackend:
     async def snapshot(self) -> Snapshot | None:
         result: Snapshot | None = await self._reach("snapshot")
         return result
+
+    async def close_run(self) -> bool:
+        return bool(await self._reach("close_run"))
 
     async def reset(self) -> bool:
         return bool(await self._reach("reset"))

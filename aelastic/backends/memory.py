@@ -4,6 +4,9 @@ How it works: handlers in one process that name the same ``endpoint`` share one
 :class:`~._engine.Engine`, which applies the pure state machine to each run under a lock
 (safe across threads and event loops) and wakes waiters on changes. Time is the handler's
 clock (a request carries it), so a test's manual clock drives timeouts and heartbeats.
+A run lives in its process: once the last backend of a closed run that no node is in any
+more is closed, the run is forgotten (a node of its job would be a handler of this process:
+none can still come), so its id is free at once for the next job of the process.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Sequence
 
 from ..core.params import RendezvousParameters
 from ..core.redact import redact_endpoint
-from ..core.state import Reply, Request, Snapshot, Status
+from ..core.state import Reply, Request, Snapshot, Status, Transition
 from ..core.token import Token
 from ._engine import Engine, now_ms
 
@@ -21,6 +24,8 @@ __all__ = ["MemoryBackend", "create_backend", "reset"]
 
 _engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()
+#: Backends of this process per (endpoint, run id) not closed yet.
+_users: dict[tuple[str, str], int] = {}
 
 
 def _engine(endpoint: str) -> Engine:
@@ -45,6 +50,9 @@ class MemoryBackend:
         self._endpoint = endpoint
         self._engine = _engine(endpoint)
         self._run_id = run_id
+        self._released = False
+        with _engines_lock:
+            _users[endpoint, run_id] = _users.get((endpoint, run_id), 0) + 1
 
     def __repr__(self) -> str:
         endpoint = redact_endpoint(self._endpoint)
@@ -65,6 +73,10 @@ class MemoryBackend:
 
     async def snapshot(self) -> Snapshot | None:
         return self._engine.snapshot(self._run_id, now_ms())
+
+    async def close_run(self) -> bool:
+        reply = self._engine.apply(self._run_id, Request.operator_close(), now_ms())
+        return reply.transition is Transition.MARK_CLOSED
 
     async def reset(self) -> bool:
         return self._engine.delete(self._run_id)
@@ -94,7 +106,19 @@ class MemoryBackend:
         return await self._engine.kv_wait(self._run_id, keys, timeout)
 
     async def aclose(self) -> None:
-        """Nothing to release: the run's data stays for other handlers of this process."""
+        """Let go of the run (its data stays for other handlers of this process); the last
+        backend of a closed run that no node is in forgets it: its id is free again."""
+        if self._released:
+            return
+        self._released = True
+        key = (self._endpoint, self._run_id)
+        with _engines_lock:
+            left = _users.get(key, 1) - 1
+            if left:
+                _users[key] = left
+                return
+            _users.pop(key, None)
+        self._engine.forget_if_over(self._run_id)
 
 
 def create_backend(params: RendezvousParameters) -> MemoryBackend:
@@ -106,3 +130,4 @@ def reset() -> None:
     """Forget every in-memory run of this process (tests use it between cases)."""
     with _engines_lock:
         _engines.clear()
+        _users.clear()

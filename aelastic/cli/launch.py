@@ -115,12 +115,20 @@ def _where(config: LaunchConfig) -> str:
     return redact_endpoint(config.rdzv_endpoint) if config.rdzv_endpoint else "this process"
 
 
-def _closed_on_arrival(config: LaunchConfig) -> list[str]:
+def _closed_on_arrival(config: LaunchConfig, exc: RendezvousClosedError) -> list[str]:
     """What to say when the job id names a run that was closed before this node came."""
     lines = [
         f"error: the job id '{config.run_id}' was used by a job that has finished: its "
-        f"rendezvous at {_where(config)} is closed, so no node can join it again"
+        f"rendezvous at {_where(config)} is closed, so no node can join it for now"
     ]
+    if exc.reopens_in is not None:
+        lines.append(
+            f"the id is free again in {math.ceil(exc.reopens_in)} s (two heartbeat windows "
+            "after that job's last node left, so that a late node of it still learns that it "
+            "closed)"
+        )
+    else:
+        lines.append("the id is free again two heartbeat windows after that job's nodes leave")
     info = backend_info(config.rdzv_backend)
     if info is not None and info.external:
         reset = shlex.join(
@@ -397,7 +405,7 @@ def _failed_to_run(
 ) -> int:
     """Say why the agent could not run (the rendezvous, a worker's start); exit code 1."""
     if isinstance(exc, RendezvousClosedError) and agent.metrics.rendezvous_count == 0:
-        for line in _closed_on_arrival(config):
+        for line in _closed_on_arrival(config, exc):
             console.line(line, always=True)
     elif isinstance(exc, RendezvousError):
         console.line(f"error: rendezvous failed: {typed(exc)}", always=True)

@@ -6,14 +6,17 @@ it is complete or closed, the participants with their ranks and heartbeat ages (
 backend's clock), and the waiting and redundant nodes. It never changes the rendezvous,
 except with ``--reset``: that shows the run, asks for a confirmation line (``--yes`` skips
 it) and deletes the run's rendezvous state and store (the backend's ``reset()``), so that a
-finished job's id can be used again. ``--watch`` prints again whenever the membership
-changed (woken by round transitions, and looking every two seconds for joins to a forming
-round; heartbeats alone print nothing) and exits when the run closes; ``--json`` prints
-machine-readable output (a rank is ``null`` until the round completes). ``--list`` names
-the runs on the backend instead, one line each (:mod:`.status_list`). Nothing printed
-shows a password or token. When the job's workers failed, the job's health follows
-(:mod:`aelastic.core.health`, the same on every node): the root cause of its newest
-failure with the message, how many nodes failed, quarantined and lost hosts.
+finished job's id can be used again; and ``--close``: that closes the run as its operator
+(the backend's ``close_run()``; nodes still joining fail with ``RendezvousClosedError``).
+Heartbeat ages are judged by the run's own heartbeat window (the one it was created with).
+``--watch`` prints again whenever the membership changed (woken by round transitions, and
+looking every two seconds for joins to a forming round; heartbeats alone print nothing) and
+exits when the run closes; ``--json`` prints machine-readable output (a rank is ``null``
+until the round completes). ``--list`` names the runs on the backend instead, one line each
+(:mod:`.status_list`). Nothing printed shows a password or token. When the job's workers
+failed, the job's health follows (:mod:`aelastic.core.health`, the same on every node): the
+root cause of its newest failure with the message, how many nodes failed, quarantined and
+lost hosts.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ..core.params import RendezvousParameters, RendezvousSettings
 from ..core.protocol import RendezvousBackend
 from ..core.redact import known_secrets, redact, redact_endpoint
 from ..core.state import MemberEntry, Snapshot
+from ..core.wire import rules_to_json
 from .options import UsageError, parse_rdzv_conf
 from .reading import add_backend_flags, backend_of
 from .rules import UsageParser
@@ -62,7 +66,12 @@ def build_parser(prog: str = "aelastic status") -> argparse.ArgumentParser:
         action="store_true",
         help="delete the job's rendezvous state and store (asks first), so its id can be reused",
     )
-    p.add_argument("-y", "--yes", action="store_true", help="--reset without asking")
+    p.add_argument(
+        "--close",
+        action="store_true",
+        help="close the job's rendezvous (asks first): its nodes stop, later joins fail",
+    )
+    p.add_argument("-y", "--yes", action="store_true", help="--reset or --close without asking")
     return p
 
 
@@ -77,15 +86,22 @@ def _member(entry: MemberEntry, now_ms: int, window_ms: int) -> dict[str, Any]:
     }
 
 
+def _window_ms(snapshot: Snapshot, settings: RendezvousSettings) -> int:
+    """The run's heartbeat window (this command's settings only if the backend did not say)."""
+    rules = snapshot.rules or settings.rules
+    return rules.window_ms
+
+
 def snapshot_to_json(snapshot: Snapshot | None, settings: RendezvousSettings) -> dict[str, Any]:
-    """The membership as a JSON-able dict (heartbeat ages in seconds, by the backend's clock).
+    """The membership as a JSON-able dict (heartbeat ages in seconds, by the backend's clock;
+    ``alive`` by the run's own heartbeat window).
 
     A participant's ``rank`` is ``null`` until the round completes.
     """
     if snapshot is None:
         return {"run_id": settings.run_id, "exists": False}
     status = snapshot.status
-    now, window = status.now_ms, settings.rules.window_ms
+    now, window = status.now_ms, _window_ms(snapshot, settings)
     deadline = status.deadline_ms
     return {
         "run_id": settings.run_id,
@@ -101,6 +117,7 @@ def snapshot_to_json(snapshot: Snapshot | None, settings: RendezvousSettings) ->
         "redundant": [_member(e, now, window) for e in snapshot.redundancy_list],
         "lost": status.lost,
         "finished": status.finished,
+        "rules": None if snapshot.rules is None else rules_to_json(snapshot.rules),
     }
 
 
@@ -109,9 +126,14 @@ def format_snapshot(snapshot: Snapshot | None, settings: RendezvousSettings) -> 
     if snapshot is None:
         return f"job '{settings.run_id}': no rendezvous state (no node has joined yet)"
     status = snapshot.status
-    now, window = status.now_ms, settings.rules.window_ms
+    now, window = status.now_ms, _window_ms(snapshot, settings)
     state = "closed" if status.closed else ("complete" if status.complete else "forming")
     lines = [f"job '{settings.run_id}': round {status.round}, {state}"]
+    if snapshot.rules is not None:
+        r = snapshot.rules
+        lines[0] += (
+            f" (nodes {r.min_nodes}:{r.max_nodes}, heartbeat window {r.window_ms / 1000:g} s)"
+        )
     if status.deadline_ms is not None and not status.complete:
         lines[0] += f", closes for joining in {(status.deadline_ms - now) / 1000:.1f} s"
     if status.lost or status.finished:
@@ -238,7 +260,7 @@ def _summary(snapshot: Snapshot | None, settings: RendezvousSettings) -> str:
     status = snapshot.status
     state = "closed" if status.closed else ("complete" if status.complete else "forming")
     members = snapshot.members()
-    window = settings.rules.window_ms
+    window = _window_ms(snapshot, settings)
     live = sum(1 for e in members if expiry_ms(e.beat_ms, window) >= status.now_ms)
     text = f"round {status.round}, {state}, {len(members)} node(s)"
     if live and not status.closed:
@@ -268,12 +290,40 @@ async def _reset(
     return 0
 
 
+async def _close(
+    args: argparse.Namespace,
+    backend: RendezvousBackend,
+    settings: RendezvousSettings,
+    secrets: frozenset[str],
+) -> int:
+    where = f"job '{settings.run_id}' at {redact_endpoint(args.rdzv_endpoint)}"
+    snapshot = await backend.snapshot()
+    if snapshot is None:
+        _say(f"{where}: no rendezvous state: nothing to close", secrets)
+        return 1
+    if snapshot.status.closed:
+        _say(f"{where} is closed already", secrets)
+        return 0
+    _say(f"{where}: {_summary(snapshot, settings)}", secrets)
+    if not (args.yes or _confirm("close it (its nodes stop, later joins fail)? [y/N] ")):
+        _say("nothing closed", secrets)
+        return 1
+    if await backend.close_run():
+        _say(f"closed {where}", secrets)
+    else:
+        _say(f"{where} was closed already (or is gone)", secrets)
+    return 0
+
+
 async def _show(args: argparse.Namespace, secrets: frozenset[str]) -> int:
     backend_name, config = backend_of(args, "status", lambda line: _say(line, secrets, err=True))
-    if args.reset and (args.watch or args.json):
-        raise UsageError("--reset cannot be combined with --watch or --json")
-    if args.list and (args.watch or args.reset):
-        raise UsageError("--list cannot be combined with --watch or --reset")
+    acting = "--reset" if args.reset else ("--close" if args.close else None)
+    if args.reset and args.close:
+        raise UsageError("--reset and --close cannot be combined")
+    if acting and (args.watch or args.json):
+        raise UsageError(f"{acting} cannot be combined with --watch or --json")
+    if args.list and (args.watch or acting):
+        raise UsageError("--list cannot be combined with --watch, --reset or --close")
     if args.list and args.limit < 1:
         raise UsageError(f"--limit must be at least 1, not {args.limit}")
     if not args.list and not args.rdzv_id:
@@ -295,6 +345,8 @@ async def _show(args: argparse.Namespace, secrets: frozenset[str]) -> int:
     try:
         if args.reset:
             return await _reset(args, backend, settings, secrets)
+        if args.close:
+            return await _close(args, backend, settings, secrets)
         while True:
             snapshot = await backend.snapshot()
             health, failed = await read_health(backend)
@@ -322,7 +374,7 @@ async def _show(args: argparse.Namespace, secrets: frozenset[str]) -> int:
 
 def main(argv: Sequence[str]) -> int:
     """Run ``aelastic status``; the exit code (1 when the backend cannot be read, or when
-    ``--reset`` was not confirmed).
+    ``--reset`` or ``--close`` was not confirmed or found nothing).
 
     Raises:
         UsageError: Bad flags (exit code 2).

@@ -19,6 +19,7 @@ from .params import (
     RendezvousParameters,
     RendezvousSettings,
     RendezvousStoreInfo,
+    RendezvousTimeout,
     Rules,
 )
 from .protocol import KeyValueBackend, RendezvousBackend
@@ -47,6 +48,7 @@ __all__ = [
     "RendezvousSettings",
     "RendezvousStateError",
     "RendezvousStoreInfo",
+    "RendezvousTimeout",
     "RendezvousTimeoutError",
     "Reply",
     "Request",

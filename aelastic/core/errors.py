@@ -25,7 +25,14 @@ class RendezvousError(Exception):
 
 
 class RendezvousClosedError(RendezvousError):
-    """Raised when a rendezvous is closed."""
+    """Raised when a rendezvous is closed.
+
+    Attributes:
+        reopens_in: Seconds until a new job can use the closed run's id (``None``: not
+            known, or some of its nodes are still in it).
+    """
+
+    reopens_in: float | None = None
 
 
 class RendezvousTimeoutError(RendezvousError):

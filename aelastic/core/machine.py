@@ -9,38 +9,62 @@ same random interleavings. Its semantics are torch's ``DynamicRendezvousHandler`
 * JOIN: a node joins the participants of an open round. At ``min_nodes`` the last call
   starts (``last_call_timeout``); at ``max_nodes`` the round completes at once. A completed
   round admits latecomers to the wait list (the next round) or, at ``max_nodes``, to the
-  redundancy list. Ranks are fixed at completion, in join order, so every member agrees; the
-  reply carries this node's rank and where rank 0's workers bootstrap. A participant asks
+  redundancy list. Ranks are fixed at completion in torch's order, the sorted node
+  descriptors (address, then pid, then local id), so every member agrees; the reply carries
+  this node's rank and where rank 0's workers bootstrap. A participant asks
   again when the last call ends, and the first to ask then completes the round.
 * LEAVE: the node removes itself; when the last participant of a complete round is gone
   the next round opens. A member that leaves a complete round is counted as finished (its
   workers succeeded: the others need not act) or lost.
-* CLOSE: the run is closed; later joins fail with ``RendezvousClosedError``.
+* CLOSE: the run is closed; later joins fail with ``RendezvousClosedError`` (and end the
+  joining node's part in it). Once its last node has gone, a closed run stays closed for
+  :func:`reuse_grace_ms` (two heartbeat windows), so that a late node of its job still
+  learns that it closed; then the next join makes it a new run (the next round, the
+  joiner's rules): a job id can be used again.
 * KEEP_ALIVE: the node's heartbeat. STATUS: nothing but the pruning.
 
-Every request first prunes the nodes silent for the heartbeat window. Cost: O(1) per
+One set of rules per run: the join that makes a run fixes its rules (node bounds, last
+call, heartbeat window), and every later decision uses them, whoever asks; a join whose
+rules differ is refused (:attr:`~.state.Outcome.ERROR_RULES`, the reply names the run's).
+A node acts only for itself: its first join stores the secret it sent, and a join,
+keep-alive, leave or close for a listed node with another secret changes nothing
+(:attr:`~.state.Outcome.ERROR_FORBIDDEN`). A close takes a member's secret, or the
+operator (``Request.operator``, made by a backend for a caller it trusts). A state that no
+join made (a status, a leave or a close of an unknown run) is answered and not stored.
+
+Every request first prunes the nodes silent for the run's heartbeat window. Cost: O(1) per
 request (plus O(pruned)), O(N) once per round at completion. The status's token changes
 only when a field that watchers act on changes (see :meth:`~.state.Status.signature`).
 """
 
 from __future__ import annotations
 
+import hmac
+
+from .params import Rules
 from .state import (
     MAX_LOST_SAMPLE,
-    MemberEntry,
     NodeDesc,
     Op,
     Outcome,
     Reply,
     Request,
     RunState,
-    Snapshot,
-    Status,
     Transition,
+    snapshot_of,
+    status_of,
 )
-from .token import make
 
-__all__ = ["beat_due_ms", "expiry_ms", "prune", "snapshot_of", "status_of", "step"]
+__all__ = [
+    "beat_due_ms",
+    "expiry_ms",
+    "prune",
+    "reopen_at_ms",
+    "reuse_grace_ms",
+    "snapshot_of",
+    "status_of",
+    "step",
+]
 
 
 # -- the heartbeat rule ---------------------------------------------------------------------
@@ -54,47 +78,6 @@ def beat_due_ms(last_beat_ms: int, interval_ms: int) -> int:
 def expiry_ms(last_beat_ms: int, window_ms: int) -> int:
     """When a node whose last heartbeat is ``last_beat_ms`` is dead (and pruned)."""
     return last_beat_ms + window_ms
-
-
-# -- reading --------------------------------------------------------------------------------
-
-
-def status_of(state: RunState, now_ms: int) -> Status:
-    """The status header of ``state`` at ``now_ms``."""
-    return Status(
-        token=make(state.epoch, state.generation),
-        round=state.round,
-        complete=state.complete,
-        closed=state.closed,
-        deadline_ms=state.deadline_ms,
-        now_ms=now_ms,
-        participants=len(state.participants),
-        world=state.world,
-        waiting=len(state.wait_list),
-        redundant=len(state.redundancy_list),
-        lost=state.lost,
-        finished=state.finished,
-        lost_sample=tuple(state.lost_sample),
-    )
-
-
-def snapshot_of(state: RunState, now_ms: int) -> Snapshot:
-    """The whole membership of ``state`` at ``now_ms``."""
-    beats = state.beats
-    rank = state.complete
-    return Snapshot(
-        status=status_of(state, now_ms),
-        participants=tuple(
-            MemberEntry(n, beats.get(n, 0), r if rank else None)
-            for n, r in state.participants.items()
-        ),
-        wait_list=tuple(MemberEntry(n, beats.get(n, 0)) for n in sorted(state.wait_list)),
-        redundancy_list=tuple(
-            MemberEntry(n, beats.get(n, 0)) for n in sorted(state.redundancy_list)
-        ),
-        master_addr=None if state.master is None else state.master[0],
-        master_port=None if state.master is None else state.master[1],
-    )
 
 
 def _signature(state: RunState) -> tuple[object, ...]:
@@ -127,8 +110,19 @@ def _open_next_round(state: RunState) -> None:
     state.master = None
 
 
-def _remove(state: RunState, node: NodeDesc, rules_min: int, finished: bool = False) -> None:
+def _owns(state: RunState, node: NodeDesc, secret: str) -> bool:
+    """Whether ``node`` is listed under ``secret`` (compared in constant time)."""
+    stored = state.secrets.get(node)
+    return stored is not None and hmac.compare_digest(stored.encode(), secret.encode())
+
+
+def _remove(state: RunState, node: NodeDesc, at_ms: int, finished: bool = False) -> None:
+    """Remove ``node`` (gone at ``at_ms``: a closed run empty since then may be reused)."""
+    assert state.rules is not None
     state.beats.pop(node, None)
+    state.secrets.pop(node, None)
+    if state.closed and not state.beats:
+        state.vacated_ms = at_ms
     if node not in state.participants:
         state.wait_list.discard(node)
         state.redundancy_list.discard(node)
@@ -136,7 +130,7 @@ def _remove(state: RunState, node: NodeDesc, rules_min: int, finished: bool = Fa
     del state.participants[node]
     state.ports.pop(node, None)
     if not state.complete:
-        if len(state.participants) < rules_min:
+        if len(state.participants) < state.rules.min_nodes:
             state.deadline_ms = None
     elif not state.participants:
         _open_next_round(state)
@@ -148,22 +142,26 @@ def _remove(state: RunState, node: NodeDesc, rules_min: int, finished: bool = Fa
             state.lost_sample.append(node.key)
 
 
-def prune(state: RunState, window_ms: int, now_ms: int, rules_min: int) -> int:
-    """Remove the nodes whose last heartbeat is older than the window; how many."""
-    expired = now_ms - window_ms
+def prune(state: RunState, now_ms: int) -> int:
+    """Remove the nodes whose last heartbeat is older than the run's window; how many."""
+    if state.rules is None:
+        return 0
+    expired = now_ms - state.rules.window_ms
     dead: list[tuple[int, str, NodeDesc]] = []
     for node, beat in state.beats.items():
         if beat >= expired:
             break  # ordered by beat: the rest are younger
         dead.append((beat, node.key, node))
     dead.sort()  # by time, then name: the order of a sorted set (Redis)
-    for _, _, node in dead:
-        _remove(state, node, rules_min)
+    for beat, _, node in dead:
+        _remove(state, node, expiry_ms(beat, state.rules.window_ms))
     return len(dead)
 
 
 def _complete(state: RunState) -> None:
-    order = sorted(state.participants, key=state.participants.__getitem__)
+    # Ranks in torch's order: the sorted node descriptors (address, then pid, then local
+    # id), so hosts get a stable, name-ordered rank layout whatever the join order.
+    order = sorted(state.participants)
     state.participants = {node: rank for rank, node in enumerate(order)}
     first = order[0]
     state.master = (first.addr, state.ports.get(first, 0))
@@ -196,19 +194,70 @@ class _Answer:
         self.restart = restart
 
 
+_FORBIDDEN = _Answer(Outcome.ERROR_FORBIDDEN)
+
+
+def _enter(state: RunState, req: Request, now_ms: int) -> None:
+    """A node not yet listed is listed: its heartbeat and its secret."""
+    if req.node not in state.secrets:
+        state.secrets[req.node] = req.secret
+    _beat(state, req.node, now_ms)
+
+
+def reuse_grace_ms(rules: Rules) -> int:
+    """How long a closed run stays closed once its last node left: then the next join makes
+    it a new run (its id is reused). Two heartbeat windows: a node of the old job that went
+    silent just before the end is dropped after one window, and still learns that the run
+    closed if it comes back within another."""
+    return 2 * rules.window_ms
+
+
+def reopen_at_ms(state: RunState) -> int | None:
+    """When the closed run ``state`` can be reused (``None``: nodes are still in it)."""
+    if state.beats or state.vacated_ms is None or state.rules is None:
+        return None
+    return state.vacated_ms + reuse_grace_ms(state.rules)
+
+
+def _reopen(state: RunState, rules: Rules) -> None:
+    """The closed, empty run becomes a new one: the next round, the joiner's rules."""
+    state.closed = False
+    state.rules = rules
+    state.vacated_ms = None
+    _open_next_round(state)
+
+
+def _join_closed(state: RunState, node: NodeDesc, now_ms: int) -> _Answer:
+    """A join to a closed run ends this node's join (it is removed)."""
+    redundant = node in state.redundancy_list
+    transition = Transition.NONE
+    if state.knows(node):
+        _remove(state, node, now_ms)
+        transition = Transition.REMOVE
+    return _Answer(Outcome.GRACEFUL_EXIT if redundant else Outcome.ERROR_CLOSED, transition)
+
+
 def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
-    node, rules = req.node, req.rules
+    node = req.node
+    if state.knows(node) and not _owns(state, node, req.secret):
+        return _FORBIDDEN
     if state.closed:
-        if node in state.redundancy_list:
-            return _Answer(Outcome.GRACEFUL_EXIT)
-        return _Answer(Outcome.ERROR_CLOSED)
+        reopen = reopen_at_ms(state)
+        if reopen is None or now_ms < reopen:
+            return _join_closed(state, node, now_ms)
+        _reopen(state, req.rules)
+    if state.rules is None:
+        state.rules = req.rules  # this join makes the run: its rules are the run's
+    elif req.rules != state.rules:
+        return _Answer(Outcome.ERROR_RULES)
+    rules = state.rules
     expired, restart, transition = req.expired, False, Transition.NONE
     if node in state.redundancy_list:
         if len(state.participants) >= rules.max_nodes:
             # A redundant node waits, without a deadline, until a slot opens.
             _beat(state, node, now_ms)
             return _Answer(Outcome.WAIT, Transition.KEEP_ALIVE)
-        _remove(state, node, rules.min_nodes)
+        _remove(state, node, now_ms)
         expired, restart = False, True
         transition = Transition.REMOVE_FROM_REDUNDANCY_LIST
     if state.complete and node in state.participants:
@@ -216,7 +265,7 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
         return _Answer(Outcome.FINISH, transition, restart=restart)
     if expired:
         if state.knows(node):
-            _remove(state, node, rules.min_nodes)
+            _remove(state, node, now_ms)
             transition = Transition.REMOVE
         return _Answer(Outcome.ERROR_TIMEOUT, transition)
     if state.complete:
@@ -228,7 +277,7 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
             else:
                 state.redundancy_list.add(node)
                 transition = Transition.ADD_TO_REDUNDANCY_LIST
-        _beat(state, node, now_ms)
+        _enter(state, req, now_ms)
         return _Answer(Outcome.WAIT, transition, restart=restart)
     if node in state.participants:
         count = len(state.participants)
@@ -244,7 +293,7 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
     state.seq += 1
     state.participants[node] = state.seq
     state.ports[node] = req.port
-    _beat(state, node, now_ms)
+    _enter(state, req, now_ms)
     count = len(state.participants)
     if count == rules.min_nodes:
         state.deadline_ms = now_ms + rules.last_call_ms
@@ -254,40 +303,49 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
     return _Answer(Outcome.WAIT, Transition.ADD_TO_PARTICIPANTS, state.deadline_ms, restart)
 
 
+def _close(state: RunState, req: Request, now_ms: int) -> _Answer:
+    if state.closed or not state.made:
+        return _Answer(Outcome.FINISH)  # closed already, or no run to close
+    if not req.operator and not _owns(state, req.node, req.secret):
+        return _FORBIDDEN  # only a member, or the operator, closes a run
+    state.closed = True
+    if not state.beats:
+        state.vacated_ms = now_ms
+    return _Answer(Outcome.FINISH, Transition.MARK_CLOSED)
+
+
 def _apply(state: RunState, req: Request, now_ms: int) -> _Answer:
-    node = req.node
-    if req.op is Op.JOIN:
+    node, op = req.node, req.op
+    if op is Op.JOIN:
         return _join(state, req, now_ms)
-    if req.op is Op.LEAVE:
-        if not state.knows(node):
-            return _Answer(Outcome.FINISH)
-        _remove(state, node, req.rules.min_nodes, req.finished)
+    if op is Op.CLOSE:
+        return _close(state, req, now_ms)
+    if op is Op.STATUS or not state.knows(node):
+        return _Answer(Outcome.FINISH)
+    if not _owns(state, node, req.secret):
+        return _FORBIDDEN  # a leave or a heartbeat for another node
+    if op is Op.LEAVE:
+        _remove(state, node, now_ms, req.finished)
         return _Answer(Outcome.FINISH, Transition.REMOVE)
-    if req.op is Op.CLOSE:
-        if state.closed:
-            return _Answer(Outcome.FINISH)
-        state.closed = True
-        return _Answer(Outcome.FINISH, Transition.MARK_CLOSED)
-    if req.op is Op.KEEP_ALIVE and state.knows(node):
-        _beat(state, node, now_ms)
-        return _Answer(Outcome.FINISH, Transition.KEEP_ALIVE)
-    return _Answer(Outcome.FINISH)
+    _beat(state, node, now_ms)
+    return _Answer(Outcome.FINISH, Transition.KEEP_ALIVE)
 
 
 def step(state: RunState, request: Request, now_ms: int) -> Reply:
     """Apply ``request`` to ``state`` (in place) at the backend's time ``now_ms``.
 
     Args:
-        state: The run's state; changed in place.
+        state: The run's state; changed in place. A state that is not
+            :attr:`~.state.RunState.made` afterwards is not to be stored.
         request: What a node asks.
         now_ms: The backend's time in whole milliseconds.
 
     Returns:
         The reply: outcome, status, and for a finished join the node's rank and the
-        bootstrap address.
+        bootstrap address; for a join refused for its rules, the run's rules.
     """
     before = _signature(state)
-    pruned = prune(state, request.rules.window_ms, now_ms, request.rules.min_nodes)
+    pruned = prune(state, now_ms)
     answer = _apply(state, request, now_ms)
     if _signature(state) != before:
         state.generation += 1
@@ -298,6 +356,8 @@ def step(state: RunState, request: Request, now_ms: int) -> Reply:
     finished_join = request.op is Op.JOIN and answer.outcome is Outcome.FINISH
     master = state.master if finished_join else None
     oldest = next(iter(state.beats.values()), None) if request.op is Op.KEEP_ALIVE else None
+    refused_rules = answer.outcome is Outcome.ERROR_RULES
+    closed = answer.outcome is Outcome.ERROR_CLOSED
     return Reply(
         outcome=answer.outcome,
         status=status_of(state, now_ms),
@@ -307,7 +367,9 @@ def step(state: RunState, request: Request, now_ms: int) -> Reply:
         master_port=None if master is None else master[1],
         wake_at_ms=answer.wake_at_ms,
         restart_deadline=answer.restart,
-        known=state.knows(node),
+        known=_owns(state, node, request.secret),
         oldest_beat_ms=oldest,
         pruned=pruned,
+        run_rules=state.rules if refused_rules else None,
+        reopen_at_ms=reopen_at_ms(state) if closed else None,
     )

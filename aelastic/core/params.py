@@ -1,7 +1,9 @@
 """Rendezvous parameters and results with torch's names and validation rules.
 
 These mirror ``torch.distributed.elastic.rendezvous.api``: ``RendezvousParameters`` (same
-``ValueError`` messages), ``RendezvousStoreInfo`` and ``RendezvousInfo``.
+``ValueError`` messages), ``RendezvousStoreInfo`` (with torch's ``build``) and
+``RendezvousInfo``; and ``dynamic_rendezvous.RendezvousTimeout`` (the last three live in
+:mod:`.info`, re-exported here).
 ``RendezvousSettings`` is the validated, typed form of the parameters; :class:`Rules` is the
 part of it that the pure state machine (:mod:`.machine`) decides with, in whole milliseconds.
 """
@@ -11,8 +13,15 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any
 
+from .info import (
+    TIMEOUT_DEFAULTS,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+    RendezvousTimeout,
+    free_port,
+)
 from .redact import redact_endpoint
 
 __all__ = [
@@ -20,7 +29,9 @@ __all__ = [
     "RendezvousParameters",
     "RendezvousSettings",
     "RendezvousStoreInfo",
+    "RendezvousTimeout",
     "Rules",
+    "free_port",
     "parse_rendezvous_endpoint",
 ]
 
@@ -145,14 +156,6 @@ class RendezvousParameters:
         return number
 
 
-_TIMEOUT_DEFAULTS = {
-    "join": 600.0,
-    "last_call": 30.0,
-    "close": 30.0,
-    "heartbeat": 5.0,
-}
-
-
 @dataclass(frozen=True)
 class RendezvousSettings:
     """The validated settings the pure core and the handler work with (seconds)."""
@@ -180,7 +183,7 @@ class RendezvousSettings:
                 f"The maximum number of nodes ({self.max_nodes}) must be greater than or equal "
                 f"to the minimum number of nodes ({self.min_nodes})."
             )
-        for name in _TIMEOUT_DEFAULTS:
+        for name in TIMEOUT_DEFAULTS:
             value = getattr(self, f"{name}_timeout")
             if not value > 0:
                 raise ValueError(f"The {name} timeout ({value}) must be positive.")
@@ -219,7 +222,7 @@ class RendezvousSettings:
             TypeError: ``keep_alive_interval`` or ``keep_alive_max_attempt`` was passed as None.
         """
         timeouts: dict[str, float] = {}
-        for name, default in _TIMEOUT_DEFAULTS.items():
+        for name, default in TIMEOUT_DEFAULTS.items():
             value = params.get_as_float(f"{name}_timeout")
             timeouts[f"{name}_timeout"] = default if value is None else value
         for key in ("keep_alive_interval", "keep_alive_max_attempt"):
@@ -256,67 +259,6 @@ class Rules:
     max_nodes: int
     last_call_ms: int
     window_ms: int
-
-
-@dataclass
-class RendezvousStoreInfo:
-    """Address and port that workers use to bootstrap their own communication."""
-
-    MASTER_ADDR_KEY: ClassVar[str] = "MASTER_ADDR"
-    MASTER_PORT_KEY: ClassVar[str] = "MASTER_PORT"
-
-    master_addr: str
-    master_port: int
-
-
-StoreT = TypeVar("StoreT")
-
-
-class RendezvousInfo(Generic[StoreT]):
-    """What a completed rendezvous gives a node: store, rank, world size, bootstrap info.
-
-    ``store`` is the async :class:`aelastic.store.Store` from the async handler, a
-    :class:`aelastic.sync.SyncStore` from the sync facade, and a ``torch.distributed.Store``
-    from the torchrun plugin.
-    """
-
-    def __init__(
-        self,
-        store: StoreT,
-        rank: int,
-        world_size: int,
-        bootstrap_store_info: RendezvousStoreInfo | None,
-    ) -> None:
-        self._store = store
-        self._rank = rank
-        self._world_size = world_size
-        self._bootstrap_store_info = bootstrap_store_info
-
-    @property
-    def store(self) -> StoreT:
-        """Store shared by the members of this round."""
-        return self._store
-
-    @property
-    def rank(self) -> int:
-        """Rank of this node within the group."""
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of nodes in the group."""
-        return self._world_size
-
-    @property
-    def bootstrap_store_info(self) -> RendezvousStoreInfo | None:
-        """Where the workers can bootstrap their communication."""
-        return self._bootstrap_store_info
-
-    def __repr__(self) -> str:
-        return (
-            f"RendezvousInfo(rank={self._rank}, world_size={self._world_size}, "
-            f"bootstrap_store_info={self._bootstrap_store_info!r})"
-        )
 
 
 _HOST = re.compile(r"^[\w.:-]+$")

@@ -7,7 +7,9 @@ A backend serves one run (one ``run_id``) at one endpoint. It has two small surf
   Redis runs its Lua port) and answers with a constant-size :class:`~.state.Reply`;
   ``wait_for_change`` returns the run's :class:`~.state.Status` as soon as its token differs
   from the one given (round transitions only, never heartbeats), without a fixed poll;
-  ``snapshot`` reads the whole membership (for operators); ``reset`` deletes the run;
+  ``snapshot`` reads the whole membership (for operators); ``close_run`` closes the run
+  for its operator (a node closes it with a request carrying its secret); ``reset``
+  deletes the run;
   a backend that can also name the other runs at its endpoint is a :class:`RunLister`
   (``aelastic status --list``, the dashboard);
 * the **key-value store** the members share: ``kv_set``, ``kv_get`` (never blocks; ``None``
@@ -113,6 +115,20 @@ class RendezvousBackend(KeyValueBackend, Protocol):
 
     async def snapshot(self) -> Snapshot | None:
         """The whole membership, or ``None`` when the run has no state."""
+
+    async def close_run(self) -> bool:
+        """Close the run as its operator (``aelastic status --close``): later joins fail
+        with ``RendezvousClosedError``. The backend applies
+        :meth:`~.state.Request.operator_close` only for a caller it trusts as the operator
+        (HTTP: the server's token, or its own machine when it has none; Redis: its
+        credentials).
+
+        Returns:
+            Whether the run was open (a run with no state, or closed already: ``False``).
+
+        Raises:
+            RendezvousConnectionError: The backend could not be reached, or refused.
+        """
 
     async def reset(self) -> bool:
         """Delete the run's state and store; whether there was anything."""

@@ -1,13 +1,15 @@
 """The rendezvous state of one run, and the values that travel between nodes and backends.
 
 How it works: a run's state is a small header (round, complete, closed, last-call deadline,
-counters) plus one entry per node: the participants (join order, then rank), the wait and
-redundancy lists, and a heartbeat time per node. A node never handles the whole state: it
-sends a :class:`Request` (join, leave, close, keep-alive, status) and the backend applies the
-state machine (:mod:`.machine`) to its copy, answering with a :class:`Reply` of constant size
-(outcome, this node's rank, and the :class:`Status` header). Watchers are sent a
-:class:`Status` when the round's status changes, never on a heartbeat. A :class:`Snapshot` is
-the full membership, for ``aelastic status`` and tests.
+counters, and the run's own :class:`~.params.Rules`, fixed by the join that made it) plus
+one entry per node: the participants (join order, then rank), the wait and redundancy lists,
+a heartbeat time and the node's secret (drawn by the node, sent with each of its requests: a
+request for a node without its secret changes nothing). A node never handles the whole
+state: it sends a :class:`Request` (join, leave, close, keep-alive, status) and the backend
+applies the state machine (:mod:`.machine`) to its copy, answering with a :class:`Reply` of
+constant size (outcome, this node's rank, and the :class:`Status` header). Watchers are sent
+a :class:`Status` when the round's status changes, never on a heartbeat. A :class:`Snapshot`
+is the full membership, for ``aelastic status`` and tests.
 
 All times in the state are the backend's own clock in whole milliseconds, so clocks of
 different machines are never compared.
@@ -20,11 +22,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .params import Rules
+from .token import NO_STATE, make
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MAX_LOST_SAMPLE",
+    "OPERATOR",
     "MemberEntry",
     "NodeDesc",
     "Op",
@@ -35,12 +39,15 @@ __all__ = [
     "Snapshot",
     "Status",
     "Transition",
+    "snapshot_of",
+    "status_of",
 ]
 
 #: Format tag of the rendezvous state.
 FORMAT = "aelastic.rendezvous.state"
-#: Version of the state's layout and wire format. Version 1 was one JSON blob per run.
-FORMAT_VERSION = 2
+#: Version of the state's layout and wire format. Version 1 was one JSON blob per run;
+#: version 2 took each request's rules and had no node secrets.
+FORMAT_VERSION = 3
 #: How many lost members a status names (the counts are exact).
 MAX_LOST_SAMPLE = 4
 
@@ -78,6 +85,10 @@ class NodeDesc(NamedTuple):
         return cls(addr, int(pid), int(rest))
 
 
+#: Who an operator's request names (it acts for no node).
+OPERATOR = NodeDesc("operator", 0, 0)
+
+
 class Op(enum.Enum):
     """What a node asks of the rendezvous."""
 
@@ -96,6 +107,10 @@ class Outcome(enum.Enum):
     ERROR_CLOSED = "error_closed"
     ERROR_TIMEOUT = "error_timeout"
     GRACEFUL_EXIT = "graceful_exit"
+    #: a join whose rules differ from the run's (the reply carries the run's)
+    ERROR_RULES = "error_rules"
+    #: a request for a node that is in the run under another secret: nothing changed
+    ERROR_FORBIDDEN = "error_forbidden"
 
 
 class Transition(enum.Enum):
@@ -120,12 +135,17 @@ class Request:
     Attributes:
         op: What it asks.
         node: Who asks.
-        rules: Node bounds, last call and heartbeat window.
+        rules: The node's view of the run's rules (bounds, last call, heartbeat window):
+            the join that makes a run fixes them; a later join with other rules is refused.
         expired: The node's join timeout has passed (a join then gives up).
         finished: A leave after this node's workers succeeded (the others need not act).
         port: A free port on the node, for the workers' bootstrap if it becomes rank 0.
         now_ms: The time to decide at; only an in-process backend takes it (from the
             handler's clock); servers use their own.
+        secret: The node's secret (never shown): a request acting for a node that is in
+            the run under another secret is refused.
+        operator: A close by the run's operator (``aelastic status --close``): the
+            backend made it for a caller it trusts; never sent by a node.
     """
 
     op: Op
@@ -135,6 +155,13 @@ class Request:
     finished: bool = False
     port: int = 0
     now_ms: int | None = None
+    secret: str = field(default="", repr=False)
+    operator: bool = False
+
+    @classmethod
+    def operator_close(cls, now_ms: int | None = None) -> Request:
+        """The request closing a run for its operator (no node acts; no rules apply)."""
+        return cls(Op.CLOSE, OPERATOR, Rules(1, 1, 1, 1), now_ms=now_ms, operator=True)
 
 
 @dataclass(frozen=True)
@@ -193,10 +220,14 @@ class Reply:
         master_addr, master_port: Where rank 0's workers bootstrap (a join that finished).
         wake_at_ms: When the node must ask again by itself (the last call's end), if ever.
         restart_deadline: The node left the redundancy list: its join timeout starts anew.
-        known: Whether the node is in the state (after the request).
+        known: Whether the node is in the state under the request's secret (after it).
         oldest_beat_ms: The oldest heartbeat of any node (a keep-alive's answer), so the
             caller can check when it expires.
         pruned: How many silent nodes this request removed.
+        run_rules: The run's rules, when a join was refused for other ones
+            (:attr:`Outcome.ERROR_RULES`).
+        reopen_at_ms: When a closed run refusing a join can be used again by a new job
+            (:attr:`Outcome.ERROR_CLOSED`; ``None``: nodes are still in it).
     """
 
     outcome: Outcome
@@ -210,6 +241,8 @@ class Reply:
     known: bool = False
     oldest_beat_ms: int | None = None
     pruned: int = 0
+    run_rules: Rules | None = None
+    reopen_at_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -223,7 +256,8 @@ class MemberEntry:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The whole membership of a run (``aelastic status``, dashboards, tests)."""
+    """The whole membership of a run (``aelastic status``, dashboards, tests), and the
+    run's rules (``None`` only when a backend of another version answered)."""
 
     status: Status
     participants: tuple[MemberEntry, ...] = ()
@@ -231,6 +265,7 @@ class Snapshot:
     redundancy_list: tuple[MemberEntry, ...] = ()
     master_addr: str | None = None
     master_port: int | None = None
+    rules: Rules | None = None
 
     def knows(self, node: NodeDesc) -> bool:
         """Whether ``node`` is anywhere in the state."""
@@ -252,10 +287,14 @@ class RunState:
     ``participants`` maps a node to its join sequence number while the round forms, to its
     rank once it is complete (dicts keep insertion order, which is join order).
     ``beats`` is ordered by heartbeat: a beat moves its node to the end, so the oldest is
-    first and finding the silent nodes costs nothing while nobody is silent.
+    first and finding the silent nodes costs nothing while nobody is silent. ``rules`` is
+    ``None`` until a join makes the run (a state without rules is not stored); ``secrets``
+    holds each listed node's secret (never shown); ``vacated_ms`` when a closed run's last
+    node left (the run can be reused :func:`~.machine.reuse_grace_ms` later).
     """
 
     epoch: str
+    rules: Rules | None = None
     generation: int = 0
     round: int = 0
     complete: bool = False
@@ -272,7 +311,60 @@ class RunState:
     wait_list: set[NodeDesc] = field(default_factory=set)
     redundancy_list: set[NodeDesc] = field(default_factory=set)
     beats: dict[NodeDesc, int] = field(default_factory=dict)
+    secrets: dict[NodeDesc, str] = field(default_factory=dict, repr=False)
+    #: When the last node of a closed run left (``None``: open, or nodes are still in it).
+    vacated_ms: int | None = None
+
+    @property
+    def made(self) -> bool:
+        """Whether a join made the run (it has rules): only then is the state stored."""
+        return self.rules is not None
 
     def knows(self, node: NodeDesc) -> bool:
         """Whether ``node`` is anywhere in the state (every listed node has a heartbeat)."""
         return node in self.beats
+
+
+# -- reading a state ------------------------------------------------------------------------
+
+
+def status_of(state: RunState, now_ms: int) -> Status:
+    """The status header of ``state`` at ``now_ms`` (an empty one, token ``NO_STATE``,
+    when no join made the run)."""
+    if not state.made:
+        return Status(token=NO_STATE, now_ms=now_ms)
+    return Status(
+        token=make(state.epoch, state.generation),
+        round=state.round,
+        complete=state.complete,
+        closed=state.closed,
+        deadline_ms=state.deadline_ms,
+        now_ms=now_ms,
+        participants=len(state.participants),
+        world=state.world,
+        waiting=len(state.wait_list),
+        redundant=len(state.redundancy_list),
+        lost=state.lost,
+        finished=state.finished,
+        lost_sample=tuple(state.lost_sample),
+    )
+
+
+def snapshot_of(state: RunState, now_ms: int) -> Snapshot:
+    """The whole membership of ``state`` at ``now_ms`` (never its secrets)."""
+    beats = state.beats
+    rank = state.complete
+    return Snapshot(
+        status=status_of(state, now_ms),
+        participants=tuple(
+            MemberEntry(n, beats.get(n, 0), r if rank else None)
+            for n, r in state.participants.items()
+        ),
+        wait_list=tuple(MemberEntry(n, beats.get(n, 0)) for n in sorted(state.wait_list)),
+        redundancy_list=tuple(
+            MemberEntry(n, beats.get(n, 0)) for n in sorted(state.redundancy_list)
+        ),
+        master_addr=None if state.master is None else state.master[0],
+        master_port=None if state.master is None else state.master[1],
+        rules=state.rules,
+    )

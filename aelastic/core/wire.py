@@ -9,6 +9,7 @@ field reads as ``null`` (Redis' Lua JSON encoder drops nil fields and writes an 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .params import Rules
@@ -32,6 +33,8 @@ __all__ = [
     "reply_to_json",
     "request_from_json",
     "request_to_json",
+    "rules_from_json",
+    "rules_to_json",
     "snapshot_from_json",
     "snapshot_to_json",
     "status_from_json",
@@ -39,6 +42,8 @@ __all__ = [
 ]
 
 _MAX_INT = (1 << 63) - 1
+#: A node's secret: what ``secrets.token_hex`` or ``token_urlsafe`` make.
+_SECRET = re.compile(r"^[0-9A-Za-z_-]{16,128}$")
 
 
 class WireError(ValueError):
@@ -144,22 +149,50 @@ def status_from_json(doc: Any) -> Status:
     )
 
 
-# -- requests and replies -------------------------------------------------------------------
+# -- rules ----------------------------------------------------------------------------------
 
 
-def request_to_json(request: Request) -> dict[str, Any]:
-    """The JSON form of ``request`` (``now_ms`` is never sent: servers use their clock)."""
-    rules = request.rules
+def rules_to_json(rules: Rules) -> dict[str, Any]:
+    """The JSON form of a run's ``rules``."""
     return {
-        "op": request.op.value,
-        "node": request.node.key,
         "min": rules.min_nodes,
         "max": rules.max_nodes,
         "last_call": rules.last_call_ms,
         "window": rules.window_ms,
+    }
+
+
+def _rules(d: dict[str, Any]) -> Rules:
+    min_nodes, max_nodes = _int(d, "min", low=1), _int(d, "max", low=1)
+    _require(min_nodes <= max_nodes, "'min' must not exceed 'max'")
+    return Rules(min_nodes, max_nodes, _int(d, "last_call", low=1), _int(d, "window", low=1))
+
+
+def rules_from_json(doc: Any) -> Rules | None:
+    """The rules that ``doc`` describes (``None`` for ``null``).
+
+    Raises:
+        WireError: ``doc`` is neither rules nor ``null``.
+    """
+    if doc is None:
+        return None
+    return _rules(_obj(doc, "the rules"))
+
+
+# -- requests and replies -------------------------------------------------------------------
+
+
+def request_to_json(request: Request) -> dict[str, Any]:
+    """The JSON form of ``request`` (``now_ms`` is never sent: servers use their clock; nor
+    is ``operator``: only a backend makes an operator's request)."""
+    return {
+        "op": request.op.value,
+        "node": request.node.key,
+        **rules_to_json(request.rules),
         "expired": request.expired,
         "finished": request.finished,
         "port": request.port,
+        "secret": request.secret,
     }
 
 
@@ -170,32 +203,41 @@ def request_from_json(doc: Any) -> Request:
         WireError: ``doc`` is not a valid request.
     """
     d = _obj(doc, "a request")
-    unknown = (
-        set(d)
-        - {"op", "node", "min", "max", "last_call", "window"}
-        - {
-            "expired",
-            "finished",
-            "port",
-        }
-    )
+    unknown = set(d) - _REQUEST_FIELDS
     _require(not unknown, f"unknown field(s): {', '.join(sorted(map(repr, unknown)))}")
     try:
         op = Op(d.get("op"))
     except ValueError:
         raise WireError(f"'op' must be one of {', '.join(o.value for o in Op)}") from None
-    min_nodes, max_nodes = _int(d, "min", low=1), _int(d, "max", low=1)
-    _require(min_nodes <= max_nodes, "'min' must not exceed 'max'")
+    node, rules = _node(d.get("node")), _rules(d)
     port = _int(d, "port")
     _require(port <= 65535, "'port' must be a port number")
+    expired, finished = _bool(d, "expired", False), _bool(d, "finished", False)
+    _require(
+        "secret" in d,
+        "missing 'secret' (the node's secret of rendezvous state format 3): a node of an "
+        "older aelastic? Run one aelastic version on the server and the nodes",
+    )
+    secret = d.get("secret")
+    # Never echoed: a message naming a bad secret would show it.
+    _require(
+        type(secret) is str and _SECRET.match(secret) is not None,
+        "'secret' must be the node's secret: 16 to 128 characters of [0-9A-Za-z_-]",
+    )
     return Request(
         op=op,
-        node=_node(d.get("node")),
-        rules=Rules(min_nodes, max_nodes, _int(d, "last_call", low=1), _int(d, "window", low=1)),
-        expired=_bool(d, "expired", False),
-        finished=_bool(d, "finished", False),
+        node=node,
+        rules=rules,
+        expired=expired,
+        finished=finished,
         port=port,
+        secret=str(secret),
     )
+
+
+_REQUEST_FIELDS = frozenset(
+    {"op", "node", "min", "max", "last_call", "window", "expired", "finished", "port", "secret"}
+)
 
 
 def reply_to_json(reply: Reply) -> dict[str, Any]:
@@ -212,6 +254,8 @@ def reply_to_json(reply: Reply) -> dict[str, Any]:
         "known": reply.known,
         "oldest": reply.oldest_beat_ms,
         "pruned": reply.pruned,
+        "rules": None if reply.run_rules is None else rules_to_json(reply.run_rules),
+        "reopen_at": reply.reopen_at_ms,
     }
 
 
@@ -239,6 +283,8 @@ def reply_from_json(doc: Any) -> Reply:
         known=_bool(d, "known", False),
         oldest_beat_ms=_int(d, "oldest", optional=True),
         pruned=_int(d, "pruned"),
+        run_rules=rules_from_json(d.get("rules")),
+        reopen_at_ms=_int(d, "reopen_at", optional=True),
     )
 
 
@@ -254,6 +300,7 @@ def snapshot_to_json(snapshot: Snapshot) -> dict[str, Any]:
         "redundancy_list": [[e.node.key, e.beat_ms] for e in snapshot.redundancy_list],
         "master_addr": snapshot.master_addr,
         "master_port": snapshot.master_port,
+        "rules": None if snapshot.rules is None else rules_to_json(snapshot.rules),
     }
 
 
@@ -283,4 +330,5 @@ def snapshot_from_json(doc: Any) -> Snapshot:
         redundancy_list=_entries(d.get("redundancy_list"), "redundancy_list", False),
         master_addr=_str(d, "master_addr", optional=True),
         master_port=_int(d, "master_port", optional=True),
+        rules=rules_from_json(d.get("rules")),
     )

@@ -26,6 +26,7 @@ from ..core.params import (
     RendezvousParameters,
     RendezvousSettings,
     RendezvousStoreInfo,
+    RendezvousTimeout,
 )
 from ..core.state import NodeDesc
 from ..core.view import MembershipView
@@ -51,6 +52,7 @@ __all__ = [
     "RendezvousSettings",
     "RendezvousStateError",
     "RendezvousStoreInfo",
+    "RendezvousTimeout",
     "RendezvousTimeoutError",
     "RendezvousWaiting",
     "StoreTimeoutError",

@@ -19,7 +19,9 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
+import secrets
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,14 +30,7 @@ from typing import Any
 import anyio
 
 from ..core.clock import SYSTEM_CLOCK, Clock, SystemClock
-from ..core.errors import (
-    RendezvousClosedError,
-    RendezvousConnectionError,
-    RendezvousError,
-    RendezvousGracefulExitError,
-    RendezvousTimeoutError,
-    typed,
-)
+from ..core.errors import RendezvousConnectionError, RendezvousError, typed
 from ..core.events import (
     BackendError,
     Event,
@@ -45,13 +40,16 @@ from ..core.events import (
     RendezvousWaiting,
     reporting,
 )
-from ..core.params import RendezvousSettings
+from ..core.params import RendezvousSettings, free_port
 from ..core.protocol import RendezvousBackend
 from ..core.race import Signal, first_of
 from ..core.state import NodeDesc, Op, Outcome, Reply, Request, Status, Transition
 from ._heartbeat import Heartbeats
+from ._refusals import join_refused
 
 __all__ = ["HandlerStats", "NodeRequests"]
+
+log = logging.getLogger("aelastic.rendezvous")
 
 _local_ids = itertools.count()
 
@@ -59,6 +57,8 @@ _local_ids = itertools.count()
 _QUIET = frozenset({Transition.NONE, Transition.KEEP_ALIVE})
 #: Asked again this long after the last call's end by the backend's clock (absorbs drift).
 _LATE = 0.002
+#: Other names a node takes when its own is listed under another secret, before it fails.
+_RENAMES = 3
 
 
 @dataclass
@@ -93,13 +93,6 @@ async def _settle(task: asyncio.Task[Any]) -> None:
         raise asyncio.CancelledError
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class NodeRequests:
     """One node of a run: its requests, its join loop, its events (the handler's base).
 
@@ -129,6 +122,9 @@ class NodeRequests:
         # the node needs no separate long-poll to watch its round.
         self._holds = bool(getattr(backend, "holds_keep_alive", False))
         self._node = NodeDesc(local_addr or socket.getfqdn(), os.getpid(), next(_local_ids))
+        # This node's secret: sent with each of its requests, so no other client can act
+        # for it (the backend keeps it from the first join). Never shown, never logged.
+        self._secret = secrets.token_hex(16)
         self._status: Status | None = None
         self._round: _Round | None = None
         self._joined = False
@@ -208,6 +204,7 @@ class NodeRequests:
             finished=finished,
             port=port,
             now_ms=round(self._clock.time() * 1000),
+            secret=self._secret,
         )
         listened = self.hub.listened
         try:
@@ -251,10 +248,11 @@ class NodeRequests:
 
     async def _join(self, deadline: float) -> Reply:
         """Ask to join until the round completes; ``deadline`` is on the monotonic clock."""
-        port = _free_port()
+        port = free_port()
         expired = False
         interval = self._settings.keep_alive_interval
         clock = self._clock
+        renamed = 0
         while True:
             sent = clock.monotonic()
             hold = max(min(interval, deadline - sent), 0.0)
@@ -264,8 +262,12 @@ class NodeRequests:
             outcome = reply.outcome
             if outcome is Outcome.FINISH:
                 return reply
+            if outcome is Outcome.ERROR_FORBIDDEN and renamed < _RENAMES:
+                renamed += 1
+                self._rename()
+                continue
             if outcome is not Outcome.WAIT:
-                raise self._error(outcome)
+                raise join_refused(self._settings, self._node, reply)
             if self.hub.listened:
                 self._publish_wait(reply.status, deadline)
             # Ask again when the status changes, the last call ends, the join times out,
@@ -278,6 +280,21 @@ class NodeRequests:
             if wake > 0:
                 await self._wait_change(reply.status.token, wake)
             expired = clock.monotonic() > deadline
+
+    def _rename(self) -> None:
+        """Take another name: this one is listed under another secret (another process of
+        the same address and pid, or a client that took it once the run dropped this node);
+        a node is never locked out of its run by its name."""
+        old = self._node
+        self._node = NodeDesc(old.addr, old.pid, next(_local_ids))
+        log.warning(
+            "node %s is in run '%s' under another secret (another process with this address "
+            "and pid, or a client that took the name once the run dropped this node): joining "
+            "as %s",
+            old,
+            self._settings.run_id,
+            self._node,
+        )
 
     def _publish_wait(self, status: Status, deadline: float) -> None:
         last_call = None
@@ -361,18 +378,6 @@ class NodeRequests:
             await _settle(change)
             return None
         return change.result()
-
-    def _error(self, outcome: Outcome) -> RendezvousError:
-        run_id = self._settings.run_id
-        if outcome is Outcome.ERROR_CLOSED:
-            return RendezvousClosedError(f"The rendezvous '{run_id}' is closed.")
-        if outcome is Outcome.GRACEFUL_EXIT:
-            return RendezvousGracefulExitError(
-                f"The rendezvous '{run_id}' is closed, terminating pending rendezvous."
-            )
-        return RendezvousTimeoutError(
-            f"The rendezvous '{run_id}' did not complete on time for node {self._node}."
-        )
 
     async def _leave_quietly(self) -> None:
         """Leave what a cancelled or failed join joined; never raises, never hangs (one

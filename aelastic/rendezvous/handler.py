@@ -25,10 +25,11 @@ from ..core.events import RendezvousEvent
 from ..core.params import RendezvousInfo, RendezvousSettings, RendezvousStoreInfo
 from ..core.protocol import RendezvousBackend
 from ..core.race import first_of
-from ..core.state import NodeDesc, Op
+from ..core.state import NodeDesc, Op, Outcome
 from ..core.store import Store
 from ..core.view import MembershipView, view_of
 from ._node import HandlerStats, NodeRequests, _Round
+from ._refusals import close_refused
 
 __all__ = ["DynamicRendezvousHandler", "HandlerStats", "RendezvousEvent"]
 
@@ -91,7 +92,10 @@ class DynamicRendezvousHandler(NodeRequests):
 
         Returns:
             The store of the round, this node's rank, the world size and where the
-            workers bootstrap (rank 0's address and a port free on its host).
+            workers bootstrap (rank 0's address and a port free on its host; rank 0 also
+            publishes them as ``MASTER_ADDR`` and ``MASTER_PORT`` in the round's store,
+            as torch's ``RendezvousStoreInfo.build`` does). Ranks are in torch's order:
+            the sorted node descriptors (address, then pid, then local id).
 
         Raises:
             RendezvousClosedError: The rendezvous is closed.
@@ -133,6 +137,11 @@ class DynamicRendezvousHandler(NodeRequests):
             reply.master_addr or self._node.addr, reply.master_port or 0
         )
         store = Store(self._backend, prefix=f"r{status.round}/")
+        if reply.rank == 0:
+            # torch's RendezvousStoreInfo.build: rank 0 publishes where the workers bootstrap
+            # (every member also has it from its own join's answer, so nobody waits for it).
+            keys = [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY]
+            await store.multi_set(keys, [bootstrap.master_addr, str(bootstrap.master_port)])
         return RendezvousInfo(store, reply.rank, status.world, bootstrap)
 
     async def is_closed(self) -> bool:
@@ -142,9 +151,19 @@ class DynamicRendezvousHandler(NodeRequests):
         return (await self._request(Op.STATUS)).status.closed
 
     async def set_closed(self) -> None:
-        """Mark the rendezvous as closed: later joins fail with ``RendezvousClosedError``."""
+        """Mark the rendezvous as closed: later joins fail with ``RendezvousClosedError``.
+
+        Raises:
+            RendezvousError: This node is not a member of the run (only a member, or the
+                operator with ``aelastic status --close``, closes a run).
+        """
         if not self._shut_down:
-            await self._request(Op.CLOSE)
+            await self._close()
+
+    async def _close(self) -> None:
+        reply = await self._request(Op.CLOSE)
+        if reply.outcome is Outcome.ERROR_FORBIDDEN:
+            raise close_refused(self.get_run_id(), self._node)
 
     async def num_nodes_waiting(self) -> int:
         """Number of nodes waiting to join the next round (late arrivals)."""
@@ -153,7 +172,9 @@ class DynamicRendezvousHandler(NodeRequests):
         return (await self._request(Op.STATUS)).status.waiting
 
     async def shutdown(self) -> bool:
-        """Stop heartbeats, close the rendezvous for every node, release the backend.
+        """Stop heartbeats, close the rendezvous for every node, leave it, release the
+        backend (once the last node has left, the closed run's id can be used again by a
+        new job two heartbeat windows later).
 
         Calling it again is harmless (``True``); afterwards the handler still answers:
         closed, nobody waiting, and ``next_rendezvous`` raises ``RendezvousClosedError``.
@@ -165,7 +186,10 @@ class DynamicRendezvousHandler(NodeRequests):
             return True
         await self._heartbeats.stop()
         try:
-            await self._request(Op.CLOSE)
+            await self._close()
+            if self._joined:  # this node is done too: its run empties as its nodes stop
+                self._joined = False
+                await self._leave_quietly()
         except RendezvousError as exc:
             log.warning(
                 "node %s could not close '%s': %s", self._node, self.get_run_id(), reason(exc)

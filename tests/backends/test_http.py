@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -37,20 +38,21 @@ from aelastic.core.token import NO_STATE, is_valid, make, parse
 from aelastic.core.wire import (
     reply_from_json,
     request_to_json,
+    rules_to_json,
     snapshot_from_json,
     snapshot_to_json,
     status_from_json,
 )
 from aelastic.rendezvous import DynamicRendezvousHandler, create_handler
 from tests._http_server import HttpServer, free_port, serve_in_loop
-from tests._rendezvous_helpers import PROMPT, assert_one_group, handler_group, join_all
+from tests._rendezvous_helpers import PROMPT, SECRET, assert_one_group, handler_group, join_all
 
 pytestmark = pytest.mark.anyio
 
 TOKEN = "s3cret-token"
 RULES = Rules(2, 3, last_call_ms=60_000, window_ms=60_000)
 ROOT = Path(__file__).resolve().parents[2]
-HEADER = b'{"format": "aelastic.http.runs", "version": 2}\n'
+HEADER = b'{"format": "aelastic.http.runs", "version": 3}\n'
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,7 @@ def node(index: int) -> NodeDesc:
 
 
 def request(op: Op, index: int = 0, rules: Rules = RULES, **flags: Any) -> Request:
-    return Request(op, node(index), rules, **flags)
+    return Request(op, node(index), rules, secret=SECRET, **flags)
 
 
 def body(op: Op, index: int = 0, rules: Rules = RULES, **flags: Any) -> dict[str, Any]:
@@ -155,7 +157,8 @@ async def until_known(b: HttpBackend, count: int) -> Snapshot:
 @dataclass
 class Traffic:
     """What an in-loop server was asked, by ``"METHOD last-path-segment"`` (a long-poll of
-    the status is ``"GET status?wait"``): how many so far, how many in flight."""
+    the status is ``"GET status?wait"``, a held keep-alive ``"POST rendezvous?seen"``): how
+    many so far, how many in flight."""
 
     seen: Counter[str] = field(default_factory=Counter)
     in_flight: Counter[str] = field(default_factory=Counter)
@@ -178,6 +181,8 @@ async def counted_server(**kwargs: Any) -> AsyncIterator[tuple[str, Traffic]]:
         kind = f"{request.method} {request.path.rsplit('/', 1)[-1]}"
         if "wait" in request.query:
             kind += "?wait"
+        if "seen" in request.query:
+            kind += "?seen"  # a held keep-alive
         traffic.seen[kind] += 1
         traffic.in_flight[kind] += 1
         traffic.moved.set()
@@ -430,14 +435,14 @@ async def test_a_held_join_is_one_request_per_node(run_id: str) -> None:
         async with group(url, run_id, 3, 3, 3, **conf) as nodes:
             assert_one_group(await join_all(nodes), 3)
             assert [h.stats.requests for h in nodes] == [1, 1, 1]
-        # The joins, and each member's first heartbeat (sent at once, held).
-        assert 3 <= traffic.seen["POST rendezvous"] <= 3 + 3
+        # The joins (each member's first heartbeat, held, is "?seen").
+        assert traffic.seen["POST rendezvous"] == 3
         before = traffic.seen["POST rendezvous"]
         # With a last call: the server asks again for the node when it ends.
         async with group(url, run_id + "-lc", 2, 2, 3, last_call_timeout=0.3, **conf) as nodes:
             assert_one_group(await join_all(nodes), 2)
             assert [h.stats.requests for h in nodes] == [1, 1]
-        assert 2 <= traffic.seen["POST rendezvous"] - before <= 2 + 2
+        assert traffic.seen["POST rendezvous"] - before == 2
 
 
 async def test_a_held_join_whose_node_left_is_not_joined_again(
@@ -487,7 +492,9 @@ async def test_a_node_of_the_first_format_reads_a_state_naming_both_versions(
     server: HttpServer, run_id: str
 ) -> None:
     """What a format-1 node finds at its route (``/state``, base64 in ``state``): a state
-    document of version 2, which its decoder refuses naming both versions; nothing changes."""
+    document of this version, which its decoder refuses naming both versions; nothing
+    changes. Its rendezvous requests (format 2: no node secret) are refused naming the
+    versions too."""
     base = f"{server.url}/v1/runs/{run_id}"
     async with backend(server.url, run_id) as b:
         await b.apply(request(Op.JOIN, 0))
@@ -498,8 +505,11 @@ async def test_a_node_of_the_first_format_reads_a_state_naming_both_versions(
         ]:
             status, doc = await raw(method, f"{base}/state", sent)
             assert status == expected
-            assert json.loads(base64.b64decode(doc["state"])) == {"format": FORMAT, "version": 2}
+            assert json.loads(base64.b64decode(doc["state"])) == {"format": FORMAT, "version": 3}
             assert doc["token"] and is_valid(doc["token"])
+        old = {k: v for k, v in request_to_json(request(Op.JOIN, 1)).items() if k != "secret"}
+        status, doc = await raw("POST", f"{base}/rendezvous", old)
+        assert status == 400 and "older aelastic" in doc["error"]
         assert without_time(await b.snapshot()) == before
     status, _ = await raw("GET", f"{server.url}/v1/runs/{run_id}-never/state")
     assert status == 200
@@ -514,7 +524,7 @@ async def test_a_server_without_the_rendezvous_route_is_named_older(run_id: str)
     app.router.add_route("*", "/{tail:.*}", not_found)
     async with serve_app(app) as url:
         async with backend(url, run_id, read_timeout=2.0) as b:
-            with pytest.raises(RendezvousStateError, match=r"format 2 \(an older aelastic serve"):
+            with pytest.raises(RendezvousStateError, match=r"format 3 \(an older aelastic serve"):
                 await b.apply(request(Op.JOIN, 0))
             with anyio.fail_after(PROMPT), pytest.raises(RendezvousConnectionError):
                 await b.wait_for_change(NO_STATE, 60)
@@ -807,13 +817,16 @@ async def test_journal_lines_and_heartbeats_are_not_saved(tmp_path: Path) -> Non
             await b.apply(request(Op.JOIN, 1))
             assert path.stat().st_size > size
     lines = path.read_bytes().splitlines()
-    assert json.loads(lines[0]) == {"format": "aelastic.http.runs", "version": 2}
+    assert json.loads(lines[0]) == {"format": "aelastic.http.runs", "version": 3}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it holds the nodes' secrets
     records = [json.loads(line) for line in lines[1:]]
     assert {r["run"] for r in records} == {"r"}
     last = records[-1]
     assert last["kv"] == {"k": b64(b"v")}
     assert [n for n, _ in last["state"]["participants"]] == [node(0).key, node(1).key]
     assert "beats" not in last["state"]
+    assert last["state"]["rules"] == rules_to_json(RULES)
+    assert dict(last["state"]["secrets"]) == {node(0).key: SECRET, node(1).key: SECRET}
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]  # none left behind
 
 
@@ -881,7 +894,9 @@ def serve_once(args: list[str]) -> subprocess.CompletedProcess[str]:
         b"",
         b'{"format": "something else"}\n',
         b'{"format": "aelastic.http.runs", "version": 1, "runs": {}}',
-        b'{"format": "aelastic.http.runs", "version": 3}\n',
+        b'{"format": "aelastic.http.runs", "version": 99}\n',
+        b'{"format": "aelastic.http.runs", "version": 2}\n',  # before runs had rules
+        HEADER + b'{"run": "r", "state": {"epoch": "ab", "generation": 1}, "kv": {}}\n',
         HEADER + b"[1, 2]\n",
         HEADER + b'{"run": "", "state": null, "kv": {}}\n',
         HEADER + b'{"run": "r", "state": null, "kv": {"k": "!!"}}\n',

@@ -31,7 +31,7 @@ from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Outcome, Request, Transition
 from aelastic.core.wire import reply_from_json, request_to_json
 from tests._http_server import HttpServer
-from tests._rendezvous_helpers import PROMPT, assert_one_group, handler_group, join_all
+from tests._rendezvous_helpers import PROMPT, SECRET, assert_one_group, handler_group, join_all
 
 pytestmark = pytest.mark.anyio
 
@@ -44,7 +44,7 @@ def node(index: int) -> NodeDesc:
 
 
 def request(op: Op, index: int = 0, **flags: Any) -> Request:
-    return Request(op, node(index), RULES, **flags)
+    return Request(op, node(index), RULES, secret=SECRET, **flags)
 
 
 @dataclass
@@ -405,7 +405,7 @@ async def test_shutdown_is_not_held_up_by_frozen_clients(run_id: str) -> None:
 
 async def test_a_withdrawn_held_join_is_never_applied_again(run_id: str) -> None:
     rules = Rules(2, 3, last_call_ms=60_000, window_ms=60_000)
-    join = request_to_json(Request(Op.JOIN, node(0), rules))
+    join = request_to_json(Request(Op.JOIN, node(0), rules, secret=SECRET))
     async with server() as (url, seen, _), aiohttp.ClientSession() as session:
         b = HttpBackend(run_id, url)
         try:
@@ -421,7 +421,7 @@ async def test_a_withdrawn_held_join_is_never_applied_again(run_id: str) -> None
                 (joined,) = snapshot.participants
                 await ws.send_str(json.dumps({"id": 1, "cancel": True}))
                 await asyncio.sleep(0.2)  # a later beat time would show a join applied again
-                await b.apply(Request(Op.JOIN, node(1), rules))  # the last call starts
+                await b.apply(Request(Op.JOIN, node(1), rules, secret=SECRET))  # last call
                 await asyncio.sleep(0.3)
                 snapshot = await b.snapshot()
                 assert snapshot is not None
@@ -444,7 +444,9 @@ async def test_a_cancelled_send_withdraws_its_held_join(run_id: str) -> None:
             other,
         ),
     ):
-        held = asyncio.ensure_future(b.apply(Request(Op.JOIN, node(0), rules), hold=30))
+        held = asyncio.ensure_future(
+            b.apply(Request(Op.JOIN, node(0), rules, secret=SECRET), hold=30)
+        )
         with anyio.fail_after(PROMPT):
             while True:
                 snapshot = await other.snapshot()
@@ -455,7 +457,7 @@ async def test_a_cancelled_send_withdraws_its_held_join(run_id: str) -> None:
         held.cancel()
         await asyncio.gather(held, return_exceptions=True)
         await asyncio.sleep(0.2)
-        await other.apply(Request(Op.JOIN, node(1), rules))  # the last call starts
+        await other.apply(Request(Op.JOIN, node(1), rules, secret=SECRET))  # last call
         await asyncio.sleep(0.3)
         snapshot = await other.snapshot()
         assert snapshot is not None

@@ -48,6 +48,8 @@ OVERSIZED = b'{"junk": "' + b"x" * (MAX_BODY + 4096) + b'"}'
 #: Seeded nodes: long rules, so that the seeded run stays as it is unless a request changes it.
 SEED_RULES = Rules(2, 3, last_call_ms=86_400_000, window_ms=86_400_000)
 NODES = [NodeDesc("10.1.2.3", 100 + i, 0).key for i in range(3)]
+#: The seeded node's secret, and another client's.
+SECRETS = ["5eed" * 8, "f0e" * 8]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,7 @@ def b64(data: bytes) -> str:
 def seed(srv: HttpServer) -> None:
     """A run with a member and some keys for the fuzzer to aim at."""
     base = f"/v1/runs/{RUN}"
-    join = Request(Op.JOIN, NodeDesc.from_key(NODES[0]), SEED_RULES, port=29500)
+    join = Request(Op.JOIN, NodeDesc.from_key(NODES[0]), SEED_RULES, port=29500, secret=SECRETS[0])
     sent = json.dumps(request_to_json(join)).encode()
     assert request(srv, "POST", base + "/rendezvous", sent, auth())[0] == 200
     for key, value in [("k", b"v"), ("n", b"7"), ("", b"empty")]:
@@ -210,6 +212,7 @@ rendezvous_requests = st.fixed_dictionaries(
         "expired": st.booleans(),
         "finished": st.booleans(),
         "port": st.integers(0, 65535),
+        "secret": st.sampled_from(SECRETS),
     }
 )
 #: For each route: a method, a query and a body that fit its schema (before mutation).

@@ -27,7 +27,7 @@ from aelastic.core.state import NodeDesc, Op, Request
 from aelastic.core.wire import request_to_json
 from aelastic.web.pages import serve_pages
 from tests._http_server import HttpServer, serve_in_loop
-from tests._rendezvous_helpers import PROMPT
+from tests._rendezvous_helpers import PROMPT, SECRET
 
 pytestmark = pytest.mark.anyio
 parser = pytest.importorskip("prometheus_client.parser")
@@ -76,7 +76,7 @@ async def scrape(url: str, token: str | None = None) -> dict[tuple[str, str], fl
 
 
 def join(pid: int, addr: str = "10.0.0.9", op: Op = Op.JOIN) -> dict[str, Any]:
-    return request_to_json(Request(op, NodeDesc(addr, pid, 0), FORMING))
+    return request_to_json(Request(op, NodeDesc(addr, pid, 0), FORMING, secret=SECRET))
 
 
 # -- failed token checks ------------------------------------------------------------------

@@ -34,7 +34,7 @@ from aelastic.core.state import NodeDesc, Op, Outcome, Request
 from aelastic.rendezvous import DynamicRendezvousHandler, RendezvousInfo
 from aelastic.store import Store
 from tests._redis_server import RedisServer, free_port, redis_server_fixture
-from tests._rendezvous_helpers import PROMPT, assert_one_group, eventually, handler_group
+from tests._rendezvous_helpers import PROMPT, SECRET, assert_one_group, eventually, handler_group
 from tests._rendezvous_helpers import join_all as join_all_within
 
 pytestmark = pytest.mark.anyio
@@ -247,17 +247,21 @@ async def test_tls_with_the_servers_certificate(run_id: str) -> None:
 
 
 def request(b: RedisBackend, op: Op, index: int = 0, **flags: Any) -> Request:
-    return Request(op, NodeDesc("10.9.8.7", 4000 + index, 0), RULES, **flags)
+    return Request(op, NodeDesc("10.9.8.7", 4000 + index, 0), RULES, secret=SECRET, **flags)
 
 
-def foreign_op(srv: RedisServer, keys: _scripts.RunKeys, op: Op, index: int) -> Any:
-    """One request from another client (another process, in effect)."""
+def foreign_op(
+    srv: RedisServer, keys: _scripts.RunKeys, op: Op, index: int, operator: bool = False
+) -> Any:
+    """One request from another client (another process, in effect); ``operator``: a close
+    by the run's operator."""
     args = [
         op.value, f"10.9.8.7_{4000 + index}_0", RULES.min_nodes, RULES.max_nodes,
         RULES.last_call_ms, RULES.window_ms, "0", "0", 1, "", "feed", 60_000, keys.channel,
+        "0", SECRET, "1" if operator else "0",
     ]  # fmt: skip
     with srv.client() as client:
-        return json.loads(client.eval(_lua.OP, 6, *keys.rendezvous, *args))
+        return json.loads(client.eval(_lua.OP, len(keys.rendezvous), *keys.rendezvous, *args))
 
 
 async def test_requests_and_tokens(server: RedisServer, run_id: str) -> None:
@@ -380,23 +384,46 @@ async def test_a_state_of_the_first_format_is_refused_naming_both_versions(
                 mapping={"epoch": "abc", "version": "3", "data": json.dumps(v1)},
             )
             before = client.dump(b.keys.state)
-        with pytest.raises(RendezvousStateError, match=r"version 1.*version 2"):
+        with pytest.raises(RendezvousStateError, match=r"version 1.*version 3"):
             await b.apply(request(b, Op.JOIN, 0))
         with server.client() as client:
             assert client.dump(b.keys.state) == before
+
+
+async def test_a_state_of_format_2_is_refused_naming_both_versions(
+    server: RedisServer, run_id: str
+) -> None:
+    """A run made by an aelastic of state format 2 (no rules, no node secrets) is reported
+    and never overwritten: nodes of both versions cannot share it."""
+    async with backend(server.url, run_id) as b:
+        v2 = {"format": "aelastic.rendezvous.state", "version": 2}
+        with server.client() as client:
+            client.hset(
+                b.keys.state,
+                mapping={"format": "2", "epoch": "abc", "version": "3", "data": json.dumps(v2)},
+            )
+            client.zadd(b.keys.rendezvous[5], {"10.9.8.7_4000_0": 1})
+            before = [client.dump(k) for k in b.keys.rendezvous]
+        for op in (Op.JOIN, Op.STATUS, Op.KEEP_ALIVE):
+            with pytest.raises(RendezvousStateError, match=r"version 2; this aelastic uses ver"):
+                await b.apply(request(b, op, 0))
+        with pytest.raises(RendezvousStateError, match=r"version 2"):
+            await b.snapshot()
+        with server.client() as client:
+            assert [client.dump(k) for k in b.keys.rendezvous] == before
 
 
 async def test_a_node_of_the_first_format_reads_a_state_naming_both_versions(
     server: RedisServer, run_id: str
 ) -> None:
     """What a format-1 node finds where it looks (hash fields epoch, version, data): a
-    state document of format version 2, which its decoder refuses naming the version."""
+    state document of format version 3, which its decoder refuses naming the version."""
     async with backend(server.url, run_id) as b:
         await b.apply(request(b, Op.JOIN, 0))
         with server.client() as client:
             epoch, version, data = client.hmget(b.keys.state, "epoch", "version", "data")
         assert epoch and version is not None and version.isdigit()
-        assert json.loads(data) == {"format": "aelastic.rendezvous.state", "version": 2}
+        assert json.loads(data) == {"format": "aelastic.rendezvous.state", "version": 3}
 
 
 async def test_garbage_reply_of_a_script_is_a_clear_error(server: RedisServer, run_id: str) -> None:
@@ -441,7 +468,8 @@ async def test_run_watched_again_right_after_release_still_wakes(
                 waiting = asyncio.ensure_future(b.wait_for_change(token, 60))
                 await asyncio.sleep(0.05)
                 assert not waiting.done()
-                foreign_op(server, b.keys, Op.CLOSE if round_ % 2 else Op.JOIN, 1)
+                op = Op.CLOSE if round_ % 2 else Op.JOIN
+                foreign_op(server, b.keys, op, 1, operator=op is Op.CLOSE)
                 with anyio.fail_after(2.0):
                     await waiting
                 await b.reset()

@@ -24,7 +24,7 @@ from aelastic.backends.redis._calls import CLUSTER_ACL, NODE_ACL, OPERATOR_ACL
 from aelastic.core.state import NodeDesc, Op, Request
 from aelastic.rendezvous import RendezvousSettings
 from tests._redis_server import RedisServer
-from tests._rendezvous_helpers import assert_one_group, handler_group, join_all
+from tests._rendezvous_helpers import SECRET, assert_one_group, handler_group, join_all
 
 pytestmark = pytest.mark.anyio
 
@@ -124,7 +124,7 @@ async def test_a_missing_command_is_named(run_id: str, missing: str) -> None:
             params = RendezvousParameters("redis", "h", run_id, 1, 2)
             rules = RendezvousSettings.from_parameters(params).rules
             with pytest.raises(RendezvousConnectionError) as refused:
-                await node.apply(Request(Op.JOIN, NodeDesc("10.0.0.1", 1, 0), rules))
+                await node.apply(Request(Op.JOIN, NodeDesc("10.0.0.1", 1, 0), rules, secret=SECRET))
     message = str(refused.value)
     said, hint = message.split("; a node's Redis user needs", 1)
     named = f"may not run {missing.upper()} " in said or f"run the '{missing}' command" in said

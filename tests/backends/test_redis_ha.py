@@ -8,6 +8,7 @@ replica; the failures that retrying cannot fix end in one-line errors.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,6 @@ import pytest
 from aelastic import RendezvousConnectionError, RendezvousParameters
 from aelastic.backends.redis import RedisBackend, create_backend, parse_endpoint
 from aelastic.backends.redis._client import RedisClient
-from aelastic.core.state import Op, Request
 from aelastic.rendezvous import DynamicRendezvousHandler
 from tests._redis_ha import SERVICE, RedisCluster, SentinelGroup, wait_until
 from tests._redis_server import RedisServer, free_port
@@ -202,6 +202,39 @@ async def test_sentinel_store_writes_wait_for_the_replica_and_survive_a_failover
                 assert await infos[1].store.add("counter", 1) == 6
 
 
+async def test_a_sentinel_failover_with_short_heartbeats_keeps_the_round(run_id: str) -> None:
+    """1 s heartbeats (a 3 s window) and a primary killed: the failover takes longer than the
+    window, and the beats sent meanwhile were lost with the old primary. They are not counted
+    against the members: nobody is removed, the watchers see no change (no restart), and
+    the members beat on the new primary."""
+    conf = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "heartbeat_timeout": 2}
+    with SentinelGroup(down_after_ms=4000) as ha:  # a failover longer than the window
+        async with handler_group("redis", ha.endpoint, run_id, 2, 2, 2, **conf) as handlers:
+            assert_one_group(await join_all(handlers, 3 * PROMPT), 2)
+            watches = [asyncio.ensure_future(h.watch()) for h in handlers]
+            killed = time.monotonic()
+            await anyio.to_thread.run_sync(ha.kill_primary)
+            backend = handlers[0].backend
+            assert isinstance(backend, RedisBackend)
+
+            async def beating_on_the_new_primary() -> bool:
+                snapshot = await backend.snapshot()
+                assert snapshot is not None and snapshot.status.lost == 0, snapshot
+                beats = [e.beat_ms for e in snapshot.participants]
+                return len(beats) == 2 and min(beats) > snapshot.status.now_ms - 1_500
+
+            await eventually(beating_on_the_new_primary, 3 * PROMPT)
+            assert time.monotonic() - killed > 3.0  # longer than the window
+            await asyncio.sleep(4.0)  # another window on the new primary
+            assert not any(w.done() for w in watches), [w.result() for w in watches if w.done()]
+            snapshot = await backend.snapshot()
+            assert snapshot is not None and snapshot.status.lost == 0
+            assert set(snapshot.ranks()) == {h.node for h in handlers}
+            for watch in watches:
+                watch.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
+
+
 async def test_status_through_sentinel_needs_no_primary_address(
     guarded: SentinelGroup, run_id: str
 ) -> None:
@@ -265,7 +298,7 @@ async def test_a_state_written_under_another_primary_takes_a_new_epoch(run_id: s
             waiting = asyncio.ensure_future(backend.wait_for_change(before.status.token, 60))
             await asyncio.sleep(0)
             node = handlers[1]
-            await node.backend.apply(Request(Op.KEEP_ALIVE, node.node, node.settings.rules))
+            await node.keep_alive(0.0)
             with anyio.fail_after(PROMPT):
                 moved = await waiting
             assert moved is not None
@@ -274,7 +307,7 @@ async def test_a_state_written_under_another_primary_takes_a_new_epoch(run_id: s
             after = await backend.snapshot()
             assert after is not None and len(after.participants) == 2
             # Once only: the state now carries this primary's id.
-            await node.backend.apply(Request(Op.KEEP_ALIVE, node.node, node.settings.rules))
+            await node.keep_alive(0.0)
             again = await backend.snapshot()
             assert again is not None
             assert again.status.token.split(".")[0] == moved.token.split(".")[0]
@@ -297,7 +330,7 @@ async def test_a_join_lost_in_a_failover_makes_the_round_form_again(run_id: str)
                 client.zrem(keys[1], str(second.node))
                 client.hset(keys[0], mapping={"complete": "0", "replid": "f" * 40})
             # The first request the "promoted" server serves moves the run to a new epoch.
-            await first.backend.apply(Request(Op.KEEP_ALIVE, first.node, first.settings.rules))
+            await first.keep_alive(0.0)
             with anyio.fail_after(PROMPT):
                 views = await asyncio.gather(*watches)
             assert all(view.removed for view in views)

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from aelastic.backends.redis import _lua, _scripts
 from aelastic.core.machine import snapshot_of, step
 from aelastic.core.params import Rules
-from aelastic.core.state import Op, RunState
+from aelastic.core.state import NodeDesc, Op, Request, RunState
 from aelastic.core.wire import (
     reply_from_json,
     reply_to_json,
@@ -43,12 +43,13 @@ def client() -> Iterator[redis.Redis]:
             c.close()
 
 
-def _lua_step(c: redis.Redis, keys: _scripts.RunKeys, rules: Rules, item: Step, now: int) -> Any:
-    r = rules
+def _lua_step(c: redis.Redis, keys: _scripts.RunKeys, req: Request, now: int) -> Any:
+    r = req.rules
     args = [
-        item.op.value, item.request(r).node.key, r.min_nodes, r.max_nodes, r.last_call_ms,
-        r.window_ms, "1" if item.expired else "0", "1" if item.finished else "0",
-        1000 + item.node, now, "feed", 60_000, keys.channel,
+        req.op.value, req.node.key, r.min_nodes, r.max_nodes, r.last_call_ms,
+        r.window_ms, "1" if req.expired else "0", "1" if req.finished else "0",
+        req.port, now, "feed", 60_000, keys.channel, "0", req.secret,
+        "1" if req.operator else "0",
     ]  # fmt: skip
     return json.loads(c.eval(_lua.OP, len(keys.rendezvous), *keys.rendezvous, *args))
 
@@ -65,6 +66,7 @@ def _comparable(doc: dict[str, Any]) -> dict[str, Any]:
         "wait_list": sorted(snap.wait_list, key=lambda e: e.node),
         "redundancy_list": sorted(snap.redundancy_list, key=lambda e: e.node),
         "master": (snap.master_addr, snap.master_port),
+        "rules": snap.rules,
     }
 
 
@@ -82,11 +84,20 @@ def run_both(client: redis.Redis, rules: Rules, steps: list[Step]) -> None:
     now = T0
     for item in steps:
         now += item.advance_ms
-        expected = reply_to_json(step(state, item.request(rules), now))
-        got = reply_to_json(reply_from_json(_lua_step(client, keys, rules, item, now)))
+        request = item.request(rules)
+        expected = reply_to_json(step(state, request, now))
+        got = reply_to_json(reply_from_json(_lua_step(client, keys, request, now)))
         assert got == expected, item
+        lua_snapshot = _snapshot(client, keys, now)
+        if not state.made:  # nothing stored on either side
+            assert lua_snapshot == {"absent": True}, item
+            continue
         py_snapshot = _comparable(json.loads(json.dumps(snapshot_to_json(snapshot_of(state, now)))))
-        assert _comparable(_snapshot(client, keys, now)) == py_snapshot, item
+        assert _comparable(lua_snapshot) == py_snapshot, item
+        lua_secrets = client.hgetall(keys.rendezvous[6])
+        assert {k.decode(): v.decode() for k, v in lua_secrets.items()} == {
+            n.key: s for n, s in state.secrets.items()
+        }, item
 
 
 def test_many_losses_of_a_complete_round_agree(client: redis.Redis) -> None:
@@ -105,3 +116,55 @@ def test_many_losses_of_a_complete_round_agree(client: redis.Redis) -> None:
         Step(1, Op.JOIN, 10),
     ]
     run_both(client, Rules(2, 6, last_call_ms=5, window_ms=2_000), join + losses)
+
+
+def test_a_closed_run_used_again_agrees(client: redis.Redis) -> None:
+    """Closed, left by its nodes, refused to a late node for two windows, then made again by
+    a join with other rules (rare at random)."""
+    steps = [Step(i, Op.JOIN, 1) for i in range(3)] + [
+        Step(0, Op.CLOSE, 5),
+        Step(1, Op.JOIN, 5),  # a member asks again: closed, and out
+        Step(0, Op.LEAVE, 5),
+        Step(5, Op.JOIN, 5),  # a late node: closed, nodes still in it
+        Step(2, Op.KEEP_ALIVE, 100),
+        Step(3, Op.STATUS, 2_500),  # the last one pruned: empty since its expiry
+        Step(6, Op.JOIN, 1_000),  # a late node: closed, free again later
+        Step(7, Op.JOIN, 3_000, variant=1),  # two windows later: a new run, its rules
+        Step(4, Op.JOIN, 10),  # the old rules: refused
+    ]
+    run_both(client, Rules(2, 5, last_call_ms=5, window_ms=2_000), steps)
+
+
+def test_ranks_of_a_large_round_agree_and_sorting_them_is_quick(client: redis.Redis) -> None:
+    """4,096 nodes whose names sort differently by bytes, by a locale and by join order:
+    Lua and Python give the same ranks, and the script that completes the round (and sorts
+    them) keeps Redis busy for a moment only."""
+    import random
+    import time
+
+    rng = random.Random(7)
+    nodes = [
+        NodeDesc(rng.choice(["10.0.", "10.0-", "node.", "node-", "Node_"]) + str(i % 97),
+            rng.randrange(1, 10 ** rng.randrange(1, 7)), i % 3)
+        for i in range(4096)
+    ]  # fmt: skip
+    nodes = list(dict.fromkeys(nodes))
+    rules = Rules(len(nodes), len(nodes), last_call_ms=1, window_ms=600_000)
+    keys = _scripts.RunKeys("parity", f"run-{next(_runs)}")
+    state = RunState("feed")
+    for number, node in enumerate(nodes[:-1]):
+        request = Request(Op.JOIN, node, rules, port=number, secret="s" * 16)
+        step(state, request, T0)
+        _lua_step(client, keys, request, T0)
+    last = Request(Op.JOIN, nodes[-1], rules, port=1, secret="s" * 16)
+    expected = step(state, last, T0)
+    started = time.perf_counter()
+    got = reply_from_json(_lua_step(client, keys, last, T0))
+    took = time.perf_counter() - started
+    assert got.rank == expected.rank and got.master_addr == expected.master_addr
+    lua_ranks = {
+        e.node: e.rank for e in snapshot_from_json(_snapshot(client, keys, T0)).participants
+    }
+    assert lua_ranks == dict(state.participants)
+    assert took < 2.0, f"completing a round of {len(nodes)} took {took:.3f} s"
+    print(f"completion of {len(nodes)} nodes (sort included): {took * 1000:.1f} ms")

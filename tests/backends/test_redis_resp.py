@@ -24,7 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from aelastic.backends.redis import _resp, parse_endpoint
 from aelastic.backends.redis._codec import Incomplete, pack, parse
 from tests._redis_server import RedisServer, free_port, redis_server_fixture
-from tests._rendezvous_helpers import PROMPT
+from tests._rendezvous_helpers import PROMPT, SECRET
 
 pytestmark = pytest.mark.anyio
 
@@ -229,11 +229,13 @@ async def _one_node_joins_and_is_woken(
     try:
         with server_client(url, admin) as client:
             before = len(client.client_list())
-            reply = await first.apply(Request(Op.JOIN, NodeDesc("10.0.0.1", 1, 0), rules))
+            reply = await first.apply(
+                Request(Op.JOIN, NodeDesc("10.0.0.1", 1, 0), rules, secret=SECRET)
+            )
             waiting = asyncio.ensure_future(first.wait_for_change(reply.status.token, 30))
             await asyncio.sleep(0.2)
             held = len(client.client_list()) - before
-            await second.apply(Request(Op.JOIN, NodeDesc("10.0.0.2", 2, 0), rules))
+            await second.apply(Request(Op.JOIN, NodeDesc("10.0.0.2", 2, 0), rules, secret=SECRET))
             with anyio.fail_after(PROMPT):
                 status = await waiting
             assert status is not None and status.complete

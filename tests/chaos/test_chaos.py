@@ -6,7 +6,8 @@ last one, every live agent must be in one complete round within the heartbeat wi
 last call + 2 s, with ranks ``0..n-1``; at no sample of the rendezvous state, and in no
 round any agent completed, may two agents or two workers have the same rank; no agent may
 end by itself; and once the agents are stopped (and the guardians of the killed ones are
-done) no process they started may be left.
+done) no process they started may be left. Meanwhile a client that is not a member sends
+forged requests at random moments (:mod:`tests.chaos._forgery`): none may change the run.
 
 CI runs 10 faults per backend; ``AELASTIC_CHAOS_FAULTS=30`` runs the full scenario, and
 ``AELASTIC_CHAOS_SEED`` replays a run's choices (the seed is printed, and in every failure).
@@ -24,6 +25,7 @@ import pytest
 
 from ._cluster import ChaosConfig, Cluster
 from ._faults import Chaos, Fault, wait_formed
+from ._forgery import Forger
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -62,10 +64,13 @@ def test_live_agents_reform_after_random_faults(
         assert wait_formed(cluster, started, FIRST_ROUND).workers is not None, "no first round"
         rng = random.Random(seed)
         chaos = Chaos(cluster, rng)
+        forger = Forger(config, rng)
+        forger.start()
         for _ in range(FAULTS):
             time.sleep(rng.uniform(0.2, 1.0))
             faults.append(chaos.inject())
         reform = wait_formed(cluster, faults[-1].at, config.reform_bound)
+        forger.stop()
         cluster.stop_all()
         left = cluster.wait_no_leftovers(config.grace + 15)
         what = f"seed {seed}, faults:\n" + "\n".join(f"  {f.kind}: {f.detail}" for f in faults)
@@ -79,6 +84,9 @@ def test_live_agents_reform_after_random_faults(
         assert not cluster.unexpected_exits(), f"{cluster.unexpected_exits()} ({what})"
         assert not left, f"processes left after the agents: {left} ({what})"
         assert cluster.samples > 0
+        forged = forger.summary()
+        assert forged["sent"] > 0 and not forged["errors"], forged
+        assert not forged["changes"], f"forged requests changed the run: {forged['changes']}"
     finally:
         cluster.close()
 

@@ -7,6 +7,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,6 +19,7 @@ from aelastic import RendezvousParameters
 from aelastic.backends.registry import create_backend
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Request
+from tests._rendezvous_helpers import SECRET
 
 from ._proc import cli_env, run_cli
 
@@ -61,7 +63,8 @@ def test_a_finished_jobs_id_says_how_to_start_fresh(
     backend, endpoint = server
     (tmp_path / "hello.py").write_text(HELLO)
     job = ["run", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id]
-    job += ["--local-addr", "127.0.0.1", "hello.py"]
+    # A 90 s heartbeat window: the closed run stays closed for 180 s, the whole test.
+    job += ["--rdzv-conf", "keep_alive_interval=30", "--local-addr", "127.0.0.1", "hello.py"]
     code, out = run_cli(job, tmp_path, timeout=90)
     assert code == 0, out
 
@@ -70,6 +73,7 @@ def test_a_finished_jobs_id_says_how_to_start_fresh(
     assert code == 1, out
     assert "Traceback" not in out and "hello rank" not in out, out
     assert f"the job id '{run_id}' was used by a job that has finished" in out, out
+    assert re.search(r"the id is free again in 1[0-9]{2} s", out), out
     hint = re.search(r"start fresh with a new --rdzv-id, or delete the old run first: (.+)", out)
     assert hint is not None, out
     reset = shlex.split(hint.group(1))
@@ -96,6 +100,52 @@ def test_a_finished_jobs_id_says_how_to_start_fresh(
     code, out = run_cli([*status, "--rdzv-id", f"{run_id}-unused", "--reset", "--yes"], tmp_path)
     assert code == 0, out
     assert "no rendezvous state" in out and "had nothing to delete" in out, out
+
+
+def test_a_finished_jobs_id_is_free_again_two_windows_after_it_ended(
+    server: tuple[str, str], tmp_path: Path, run_id: str
+) -> None:
+    """A second job with a finished job's id runs: at once refused with the time left
+    (a late node of the first job still learns that it closed), then it runs."""
+    backend, endpoint = server
+    (tmp_path / "hello.py").write_text(HELLO)
+    job = ["run", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id]
+    job += ["--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2"]  # a 2 s window
+    job += ["--local-addr", "127.0.0.1", "hello.py"]
+    code, out = run_cli(job, tmp_path, timeout=90)
+    assert code == 0, out
+    code, out = run_cli(job, tmp_path, timeout=90)
+    if code != 0:  # (it started within the 4 s: a loaded machine may take longer)
+        free = re.search(r"the id is free again in (\d+) s", out)
+        assert code == 1 and free is not None and 0 < int(free.group(1)) <= 4, out
+        time.sleep(int(free.group(1)) + 0.5)
+        code, out = run_cli(job, tmp_path, timeout=90)
+    assert code == 0, out
+    assert "hello rank 0" in out
+
+
+def test_close_closes_the_run_for_its_operator(
+    server: tuple[str, str], tmp_path: Path, run_id: str
+) -> None:
+    backend, endpoint = server
+    status = ["status", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint]
+    status += ["--rdzv-id", run_id]
+    code, out = run_cli([*status, "--close", "--yes"], tmp_path)
+    assert code == 1 and "nothing to close" in out, out
+
+    async def join() -> None:
+        async with _backend(backend, endpoint, run_id) as b:
+            await b.apply(_join(0))
+
+    asyncio.run(join())
+    code, out = _cli_with_input([*status, "--close"], tmp_path, "n\n")
+    assert code == 1 and "nothing closed" in out, out
+    code, out = run_cli([*status, "--close", "--yes"], tmp_path)
+    assert code == 0 and f"closed job '{run_id}'" in out, out
+    code, out = run_cli(status, tmp_path)
+    assert code == 0 and "closed" in out.splitlines()[0], out
+    code, out = run_cli([*status, "--close", "--yes"], tmp_path)
+    assert code == 0 and "closed already" in out, out
 
 
 def test_reset_flags_that_do_not_go_together(tmp_path: Path) -> None:
@@ -126,7 +176,9 @@ def endpoint(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
 
 
 def _join(index: int) -> Request:
-    return Request(Op.JOIN, NodeDesc("10.1.2.3", 500 + index, 0), Rules(2, 2, 60_000, 60_000))
+    return Request(
+        Op.JOIN, NodeDesc("10.1.2.3", 500 + index, 0), Rules(2, 2, 60_000, 60_000), secret=SECRET
+    )
 
 
 @asynccontextmanager

@@ -162,3 +162,35 @@ def test_a_member_stopped_as_the_round_completes_then_killed_never_hangs_the_oth
         # heartbeat window (1.5 s) + last call (3 s), with room for a loaded machine
         assert time.monotonic() - started < 40
     assert "world=2" in survivor.output and "world=2" in c.output
+
+
+def test_nodes_with_other_keep_alive_settings_get_a_clear_error_not_a_livelock(
+    tmp_path: Path, rendezvous: tuple[str, str], run_id: str
+) -> None:
+    """One agent with 1 s keep-alives made the run; one with 5 s joins it: it exits at once
+    naming both windows (they once evicted each other forever), and the first node's group
+    never re-forms because of it."""
+    backend, endpoint = rendezvous
+    (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
+
+    def node(interval: int) -> Cli:
+        return Cli(
+            [
+                "run", "--nnodes=1:2", f"--rdzv-backend={backend}",
+                f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+                f"--rdzv-conf=last_call_timeout=0.5,keep_alive_interval={interval}",
+                "--local-addr=127.0.0.1", "--max-restarts=3", "worker.py", "2",
+            ],
+            tmp_path,
+        )  # fmt: skip
+
+    with node(1) as first:
+        first.wait_for(_has("world=1"))
+        with node(5) as other:
+            assert other.wait(60) != 0, other.output
+        first.kill()
+    assert "heartbeat window is 15 s (keep_alive_interval 5 x keep_alive_max_attempt 3)" in (
+        other.output
+    )
+    assert f"run '{run_id}' was created with 3 s" in other.output
+    assert first.output.count("world=") == 1, first.output  # never re-formed

@@ -14,6 +14,7 @@ from aelastic import RendezvousParameters
 from aelastic.backends import create_backend
 from aelastic.core.state import NodeDesc, Op, Request
 from aelastic.rendezvous import RendezvousSettings
+from tests._rendezvous_helpers import SECRET
 
 from ._proc import run_cli
 
@@ -31,9 +32,9 @@ def _make_runs(backend: str, endpoint: str, runs: dict[str, int]) -> None:
                 rules = RendezvousSettings.from_parameters(params).rules
                 nodes = [NodeDesc("10.0.0.9", 100 + pid, 0) for pid in range(count)]
                 for node in nodes:
-                    await made.apply(Request(Op.JOIN, node, rules))
+                    await made.apply(Request(Op.JOIN, node, rules, secret=SECRET))
                 await asyncio.sleep(0.2)  # past the last call: the next join completes
-                await made.apply(Request(Op.JOIN, nodes[-1], rules))
+                await made.apply(Request(Op.JOIN, nodes[-1], rules, secret=SECRET))
             finally:
                 await made.aclose()
 

@@ -93,6 +93,7 @@ def test_entry_points_are_registered() -> None:
 
 def test_handler_through_torchs_registry(run_id: str) -> None:
     handler = get_rendezvous_handler(_params(run_id))
+    late = get_rendezvous_handler(_params(run_id))  # a node of this job that comes late
     try:
         assert isinstance(handler, RendezvousHandler)
         assert handler.get_backend() == "aelastic-memory"
@@ -111,8 +112,16 @@ def test_handler_through_torchs_registry(run_id: str) -> None:
     finally:
         assert handler.shutdown()
     assert handler.is_closed()
-    with pytest.raises(RendezvousClosedError):
-        get_rendezvous_handler(_params(run_id)).next_rendezvous()
+    with pytest.raises(RendezvousClosedError, match="the job that used this id is over"):
+        late.next_rendezvous()
+    late.shutdown()
+    # The job is over in this process: the next job with the same id runs (as torch's c10d,
+    # whose store dies with the job).
+    again = get_rendezvous_handler(_params(run_id))
+    try:
+        assert (again.next_rendezvous().rank, again.is_closed()) == (0, False)
+    finally:
+        assert again.shutdown()
 
 
 def test_store_is_a_torch_store(run_id: str) -> None:

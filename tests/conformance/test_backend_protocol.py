@@ -12,7 +12,7 @@ import pytest
 
 from aelastic import RendezvousParameters
 from aelastic.backends import RendezvousBackend, create_backend
-from tests._rendezvous_helpers import PROMPT
+from tests._rendezvous_helpers import PROMPT, SECRET
 
 from .conftest import MakeParams
 
@@ -114,7 +114,7 @@ async def test_list_runs_names_the_runs_with_a_state(
                 RendezvousParameters(backend, endpoint, ids[number], 1, 1)
             )
             node = NodeDesc("127.0.0.1", 1000 + number, 0)
-            await made_backend.apply(Request(Op.JOIN, node, settings.rules))
+            await made_backend.apply(Request(Op.JOIN, node, settings.rules, secret=SECRET))
         await made[3].kv_set("k", b"v")
         lister = made[0]
         assert isinstance(lister, RunLister)

@@ -141,3 +141,33 @@ def test_register_backend_and_conflicts() -> None:
         register_backend("custom-test", lambda p: MemoryBackend(p.run_id))
     with pytest.raises(ValueError, match="non-empty"):
         register_backend("", factory)
+
+
+def test_rendezvous_timeout_has_torchs_defaults_and_checks() -> None:
+    from datetime import timedelta
+
+    from aelastic import RendezvousTimeout
+
+    t = RendezvousTimeout()
+    assert (t.join, t.last_call, t.close, t.heartbeat) == tuple(
+        timedelta(seconds=s) for s in (600, 30, 30, 5)
+    )
+    custom = RendezvousTimeout(join=timedelta(seconds=5), heartbeat=timedelta(seconds=1))
+    assert (custom.join, custom.last_call, custom.heartbeat) == (
+        timedelta(seconds=5),
+        timedelta(seconds=30),
+        timedelta(seconds=1),
+    )
+    with pytest.raises(ValueError, match=r"The close timeout \(0:00:00\) must be positive."):
+        RendezvousTimeout(close=timedelta(0))
+    with pytest.raises(ValueError, match="The join timeout"):
+        RendezvousTimeout(join=timedelta(seconds=-1))
+
+
+def test_torch_and_aelastic_timeouts_agree() -> None:
+    torch_api = pytest.importorskip("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+    from aelastic import RendezvousTimeout
+
+    ours, theirs = RendezvousTimeout(), torch_api.RendezvousTimeout()
+    for name in ("join", "last_call", "close", "heartbeat"):
+        assert getattr(ours, name) == getattr(theirs, name)

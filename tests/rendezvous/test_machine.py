@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from aelastic.core.machine import beat_due_ms, expiry_ms, snapshot_of, status_of, step
+from aelastic.core.machine import (
+    beat_due_ms,
+    expiry_ms,
+    reuse_grace_ms,
+    snapshot_of,
+    status_of,
+    step,
+)
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Outcome, Reply, Request, RunState, Transition
+from aelastic.core.token import NO_STATE
 from aelastic.core.view import view_of
 
 A, B, C, D = (NodeDesc("10.0.0.1", 100 + i, 0) for i in range(4))
@@ -53,17 +61,35 @@ def test_min_nodes_starts_the_last_call_and_its_end_completes_the_round() -> Non
     assert (other.master_addr, other.master_port) == (A.addr, 1000 + A.pid)
 
 
-def test_max_nodes_completes_at_once_with_ranks_in_join_order() -> None:
+def test_max_nodes_completes_at_once_with_ranks_in_torchs_order() -> None:
+    """Ranks follow the sorted node descriptors (address, pid, local id), not join order."""
     s = RunState("e")
     for node in (C, A):
         ask(s, node, r=rules(3, 3))
     last = ask(s, B, r=rules(3, 3))
-    assert last.outcome is Outcome.FINISH and last.rank == 2
+    assert last.outcome is Outcome.FINISH and last.rank == 1
     assert {n: e.rank for n, e in ((e.node, e) for e in snapshot_of(s, T0).participants)} == {
-        C: 0,
-        A: 1,
-        B: 2,
+        A: 0,
+        B: 1,
+        C: 2,
     }
+    assert last.master_addr == A.addr and last.master_port == 1000 + A.pid
+
+
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        [NodeDesc("b", 1, 0), NodeDesc("a-b", 1, 0), NodeDesc("a", 1, 0), NodeDesc("a.b", 1, 0)],
+        [NodeDesc("h", 10, 0), NodeDesc("h", 9, 0), NodeDesc("h", 100, 1), NodeDesc("h", 100, 0)],
+        [NodeDesc("10.0.0.10", 1, 0), NodeDesc("10.0.0.9", 1, 0), NodeDesc("10.0.0.1", 2, 0)],
+    ],
+)
+def test_ranks_are_sorted_as_tuples(nodes: list[NodeDesc]) -> None:
+    s = RunState("e")
+    r = rules(len(nodes), len(nodes))
+    for node in nodes:
+        ask(s, node, r=r)
+    assert sorted(s.participants, key=s.participants.__getitem__) == sorted(nodes)
 
 
 def test_only_watched_fields_move_the_token() -> None:
@@ -200,3 +226,124 @@ def test_an_empty_state_answers_every_request(op: Op) -> None:
 def test_the_heartbeat_rule() -> None:
     assert beat_due_ms(T0, 5_000) == T0 + 5_000
     assert expiry_ms(T0, 15_000) == T0 + 15_000
+
+
+# -- one set of rules per run; a node acts only for itself ---------------------------------
+
+SECRET_A, SECRET_B, FORGED = "a" * 32, "b" * 32, "f" * 32
+
+
+def act(
+    s: RunState, node: NodeDesc, op: Op, secret: str, now: int = T0, r: Rules | None = None
+) -> Reply:
+    return step(s, Request(op, node, r or rules(2, 2), port=1, secret=secret), now)
+
+
+def test_the_first_join_fixes_the_rules_and_a_join_with_others_is_refused() -> None:
+    s = RunState("e")
+    assert act(s, A, Op.JOIN, SECRET_A).outcome is Outcome.WAIT
+    assert s.rules == rules(2, 2)
+    other = Rules(2, 2, last_call_ms=1_000, window_ms=15_000)
+    refused = act(s, B, Op.JOIN, SECRET_B, r=other)
+    assert refused.outcome is Outcome.ERROR_RULES and refused.run_rules == rules(2, 2)
+    assert not s.knows(B) and not refused.known
+    assert act(s, B, Op.JOIN, SECRET_B).outcome is Outcome.FINISH  # the run's rules: in
+
+
+def test_a_forged_window_prunes_nobody_the_runs_own_does() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    act(s, B, Op.JOIN, SECRET_B)
+    tiny = Rules(1, 1, last_call_ms=1, window_ms=1)
+    for op in Op:  # any request from a stranger, with a 1 ms window
+        reply = act(s, C, op, FORGED, now=T0 + 2_000, r=tiny)
+        assert reply.pruned == 0 and len(s.participants) == 2, op
+    reply = act(s, C, Op.STATUS, FORGED, now=T0 + 3_001, r=tiny)
+    assert reply.pruned == 2 and not s.participants  # silent past the run's own window
+
+
+def test_requests_for_a_node_need_its_secret() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    act(s, B, Op.JOIN, SECRET_B)
+    before = (dict(s.participants), dict(s.beats), s.closed, s.generation)
+    for op in (Op.JOIN, Op.LEAVE, Op.KEEP_ALIVE, Op.CLOSE):
+        reply = act(s, A, op, FORGED, now=T0 + 10)
+        assert reply.outcome is Outcome.ERROR_FORBIDDEN and not reply.known, op
+    assert (dict(s.participants), dict(s.beats), s.closed, s.generation) == before
+    assert act(s, A, Op.KEEP_ALIVE, SECRET_A, now=T0 + 20).known  # the node's own: yes
+
+
+def test_a_retried_join_with_the_same_secret_gets_the_same_answer() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    first = act(s, B, Op.JOIN, SECRET_B)
+    again = act(s, B, Op.JOIN, SECRET_B, now=T0 + 5)  # its reply was lost
+    assert first.outcome is again.outcome is Outcome.FINISH and first.rank == again.rank
+
+
+def test_a_node_dropped_from_the_run_may_come_back_under_a_new_secret() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    act(s, A, Op.LEAVE, SECRET_A)
+    assert act(s, A, Op.JOIN, SECRET_B).outcome is Outcome.WAIT and s.secrets[A] == SECRET_B
+
+
+def test_a_run_is_closed_by_a_member_or_its_operator_only() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    assert act(s, C, Op.CLOSE, FORGED).outcome is Outcome.ERROR_FORBIDDEN  # a stranger
+    assert not s.closed
+    closed = step(s, Request.operator_close(), T0)
+    assert closed.transition is Transition.MARK_CLOSED and s.closed
+    t = RunState("e")
+    act(t, A, Op.JOIN, SECRET_A)
+    assert act(t, A, Op.CLOSE, SECRET_A).transition is Transition.MARK_CLOSED
+    assert act(t, C, Op.CLOSE, FORGED).outcome is Outcome.FINISH  # closed already: no news
+
+
+@pytest.mark.parametrize("op", [Op.STATUS, Op.LEAVE, Op.KEEP_ALIVE, Op.CLOSE])
+def test_only_a_join_makes_a_run(op: Op) -> None:
+    s = RunState("e")
+    reply = act(s, A, op, SECRET_A)
+    assert not s.made and reply.status.token == NO_STATE and not reply.known
+    assert not step(s, Request.operator_close(), T0).status.closed
+
+
+# -- a job id used again ------------------------------------------------------------------
+
+
+def test_a_closed_run_is_reused_once_empty_for_two_windows() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    act(s, B, Op.JOIN, SECRET_B)  # round 0: A and B
+    act(s, A, Op.CLOSE, SECRET_A, now=T0 + 10)
+    act(s, A, Op.LEAVE, SECRET_A, now=T0 + 20)
+    late = act(s, C, Op.JOIN, FORGED, now=T0 + 30)
+    assert late.outcome is Outcome.ERROR_CLOSED and late.reopen_at_ms is None  # B is in it
+    act(s, B, Op.LEAVE, SECRET_B, now=T0 + 40)  # the last node leaves
+    grace = reuse_grace_ms(rules(2, 2))
+    assert grace == 2 * 3_000
+    late = act(s, C, Op.JOIN, FORGED, now=T0 + 40 + grace - 1)
+    assert late.outcome is Outcome.ERROR_CLOSED and late.reopen_at_ms == T0 + 40 + grace
+    other = Rules(1, 1, last_call_ms=1, window_ms=60_000)
+    before = s.round
+    fresh = act(s, C, Op.JOIN, FORGED, now=T0 + 40 + grace, r=other)
+    assert fresh.outcome is Outcome.FINISH and fresh.rank == 0  # a new run, the new rules
+    assert s.round == before + 1 and not s.closed and s.rules == other
+
+
+def test_a_join_to_a_closed_run_ends_the_nodes_part_in_it() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A, r=rules(1, 1))
+    act(s, B, Op.JOIN, SECRET_B, r=rules(1, 1))  # redundant
+    act(s, C, Op.JOIN, FORGED, r=rules(1, 1))  # redundant too
+    step(s, Request.operator_close(), T0 + 5)
+    assert act(s, B, Op.JOIN, SECRET_B, r=rules(1, 1)).outcome is Outcome.GRACEFUL_EXIT
+    assert not s.knows(B)
+    closed = act(s, A, Op.JOIN, SECRET_A, now=T0 + 6, r=rules(1, 1))
+    assert closed.outcome is Outcome.ERROR_CLOSED and not s.knows(A)
+    assert s.vacated_ms is None  # C is still in it
+    act(s, C, Op.KEEP_ALIVE, FORGED, now=T0 + 2_000, r=rules(1, 1))
+    pruned = act(s, A, Op.STATUS, SECRET_A, now=T0 + 10_000, r=rules(1, 1))
+    assert pruned.pruned == 1 and s.vacated_ms == T0 + 2_000 + 3_000  # when C expired

@@ -1,19 +1,25 @@
 """Properties of the state machine under random interleavings of many nodes (hypothesis).
 
-Nodes join, leave, close, beat and go silent in any order while the clock jumps; after every
-request the state must keep the rendezvous invariants, and the reply must agree with it.
+Nodes join, leave, close, beat and go silent in any order while the clock jumps, and other
+clients forge requests for them (another secret, another window, other bounds); after every
+request the state must keep the rendezvous invariants under the run's own rules, the reply
+must agree with it, a forged request must change nothing, and no secret is ever shown.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aelastic.core.machine import step
+from aelastic.core.machine import prune, snapshot_of, step
 from aelastic.core.params import Rules
 from aelastic.core.state import Op, Outcome, Request, RunState
-from aelastic.core.token import parse
-from tests._machine_steps import NODES, Step, scenarios
+from aelastic.core.token import NO_STATE, parse
+from aelastic.core.wire import reply_to_json, snapshot_to_json
+from tests._machine_steps import FORGED, NODES, SECRETS, Step, scenarios
 
 T0 = 1_000_000
 
@@ -21,22 +27,35 @@ T0 = 1_000_000
 class Checker:
     """The invariants, checked after each step against what came before."""
 
-    def __init__(self, rules: Rules) -> None:
-        self.rules = rules
+    def __init__(self) -> None:
+        self.rules: Rules | None = None
         self.groups: dict[int, dict[object, int]] = {}
         self.round = 0
         self.closed = False
         self.generation = 0
         self.signature: tuple[object, ...] | None = None
 
-    def check(self, s: RunState, now: int, step_: Step, outcome: Outcome, rank: int | None) -> None:
+    def check(
+        self, s: RunState, now: int, request: Request, outcome: Outcome, rank: int | None
+    ) -> None:
+        if not s.made:
+            assert not s.beats and not s.closed, "a state no join made holds nothing"
+            return
+        if self.closed and not s.closed:  # a closed run made again by a join
+            assert s.round > self.round and s.vacated_ms is None, "reused in a new round"
+            self.rules = None  # the joiner's
+        if self.rules is None:
+            self.rules = s.rules
+        assert s.rules is not None and s.rules == self.rules, "a run's rules never change"
         r = self.rules
         assert s.round >= self.round, "rounds never go back"
-        assert s.closed or not self.closed, "a closed rendezvous stays closed"
+        if s.closed and not s.beats:
+            assert s.vacated_ms is not None, "an empty closed run knows since when"
         self.round, self.closed = s.round, s.closed
         parts, waiting, redundant = set(s.participants), s.wait_list, s.redundancy_list
         assert not (parts & waiting) and not (parts & redundant) and not (waiting & redundant)
         assert set(s.beats) == parts | waiting | redundant, "exactly the listed nodes beat"
+        assert set(s.secrets) == set(s.beats), "exactly the listed nodes have a secret"
         assert all(b >= now - r.window_ms for b in s.beats.values()), "a dead node stayed"
         assert list(s.beats.values()) == sorted(s.beats.values()), "beats in time order"
         signature = (
@@ -53,6 +72,7 @@ class Checker:
             group = self.groups.get(s.round)
             if group is None:
                 assert sorted(ranks.values()) == list(range(len(ranks)))
+                assert sorted(ranks, key=ranks.__getitem__) == sorted(ranks), "torch's order"
                 assert r.min_nodes <= len(ranks) <= r.max_nodes, "world size out of bounds"
                 assert s.world == len(ranks)
                 self.groups[s.round] = ranks
@@ -62,20 +82,49 @@ class Checker:
         else:
             assert len(parts) <= r.max_nodes
             assert (s.deadline_ms is not None) == (len(parts) >= r.min_nodes)
-        if step_.op is Op.JOIN and outcome is Outcome.FINISH:
-            node = NODES[step_.node]
-            assert s.complete and rank == s.participants[node]
+        if request.op is Op.JOIN and outcome is Outcome.FINISH:
+            assert s.complete and rank == s.participants[request.node]
+
+
+def _membership(s: RunState) -> tuple[object, ...]:
+    """Everything of a state but its version (a prune may move it)."""
+    return (
+        s.rules, s.round, s.complete, s.closed, s.deadline_ms, s.seq, s.world, s.lost,
+        s.finished, list(s.lost_sample), s.master, list(s.participants.items()),
+        dict(s.ports), set(s.wait_list), set(s.redundancy_list), list(s.beats.items()),
+        dict(s.secrets),
+    )  # fmt: skip
 
 
 def run(rules: Rules, steps: list[Step]) -> None:
     s = RunState("feed")
-    checker = Checker(rules)
+    checker = Checker()
     now = T0
     for item in steps:
         now += item.advance_ms
-        reply = step(s, item.request(rules), now)
-        assert parse(reply.status.token) == ("feed", s.generation)
-        checker.check(s, now, item, reply.outcome, reply.rank)
+        request = item.request(rules)
+        pruned = copy.deepcopy(s)
+        prune(pruned, now)
+        held = pruned.secrets.get(request.node)
+        if not request.operator and held is not None and held != request.secret:
+            # A request for a listed node under another secret (forged) changes nothing
+            # but what the run's own window prunes anyway.
+            reply = step(s, request, now)
+            harmless = request.op is Op.STATUS or (request.op is Op.CLOSE and s.closed)
+            assert reply.outcome is Outcome.ERROR_FORBIDDEN or harmless, item
+            assert _membership(s) == _membership(pruned), item
+            assert not reply.known
+        else:
+            reply = step(s, request, now)
+        if reply.outcome is Outcome.ERROR_RULES:
+            assert reply.run_rules == s.rules != request.rules
+        text = json.dumps(reply_to_json(reply)) + json.dumps(snapshot_to_json(snapshot_of(s, now)))
+        assert not any(secret in text for secret in (*SECRETS, FORGED)), "a secret was shown"
+        if s.made:
+            assert parse(reply.status.token) == ("feed", s.generation)
+        else:
+            assert reply.status.token == NO_STATE
+        checker.check(s, now, request, reply.outcome, reply.rank)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -100,7 +149,7 @@ def test_live_nodes_that_keep_asking_form_one_group_and_agree(
     ranks: dict[int, int] = {}
     for _ in range(20):
         for i in range(count):
-            reply = step(s, Request(Op.JOIN, NODES[i], rules), now)
+            reply = step(s, Request(Op.JOIN, NODES[i], rules, secret=SECRETS[i]), now)
             if reply.outcome is Outcome.FINISH:
                 assert reply.rank is not None
                 ranks[i] = reply.rank

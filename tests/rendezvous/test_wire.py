@@ -27,6 +27,11 @@ from aelastic.core.wire import (
 
 RULES = Rules(1, 3, last_call_ms=100, window_ms=1_000)
 NODES = [NodeDesc("host_with_underscores.example", 4242, i) for i in range(3)]
+SECRET = "5ec2e7" * 6
+
+
+def _join() -> dict[str, Any]:
+    return request_to_json(Request(Op.JOIN, NODES[0], RULES, secret=SECRET))
 
 
 def _formed() -> RunState:
@@ -44,8 +49,24 @@ def test_round_trips() -> None:
     assert status_from_json(status_to_json(status)) == status
     snap = snapshot_of(s, 1_002)
     assert snapshot_from_json(json.loads(json.dumps(snapshot_to_json(snap)))) == snap
-    req = Request(Op.LEAVE, NODES[1], RULES, finished=True, port=9)
+    req = Request(Op.LEAVE, NODES[1], RULES, finished=True, port=9, secret=SECRET)
     assert request_from_json(request_to_json(req)) == req
+    other = NodeDesc("other", 1, 0)
+    refused = step(s, Request(Op.JOIN, other, Rules(2, 3, 100, 1_000), secret=SECRET), 1_003)
+    assert refused.run_rules == RULES
+    assert reply_from_json(json.loads(json.dumps(reply_to_json(refused)))) == refused
+
+
+def test_a_secret_is_never_shown() -> None:
+    """Not in a request's repr, nor in the message refusing a bad one."""
+    req = Request(Op.JOIN, NODES[0], RULES, secret=SECRET)
+    assert SECRET not in repr(req) and SECRET not in str(req)
+    bad = "!" + SECRET
+    with pytest.raises(WireError) as refused:
+        request_from_json({**_join(), "secret": bad})
+    assert bad not in str(refused.value) and "'secret'" in str(refused.value)
+    s = RunState("e", secrets={NODES[0]: SECRET})
+    assert SECRET not in repr(s)
 
 
 def test_node_names_keep_underscores_in_the_address() -> None:
@@ -68,12 +89,16 @@ def test_lua_shapes_are_accepted() -> None:
     ("doc", "why"),
     [
         ({"op": "join"}, "must be"),
-        ({**request_to_json(Request(Op.JOIN, NODES[0], RULES)), "op": "dance"}, "'op'"),
-        ({**request_to_json(Request(Op.JOIN, NODES[0], RULES)), "min": 5, "max": 2}, "min"),
-        ({**request_to_json(Request(Op.JOIN, NODES[0], RULES)), "port": 70000}, "port"),
-        ({**request_to_json(Request(Op.JOIN, NODES[0], RULES)), "node": "x"}, "node name"),
-        ({**request_to_json(Request(Op.JOIN, NODES[0], RULES)), "extra": 1}, "unknown"),
-        ({**request_to_json(Request(Op.JOIN, NODES[0], RULES)), "window": 0}, "'window'"),
+        ({**_join(), "op": "dance"}, "'op'"),
+        ({**_join(), "min": 5, "max": 2}, "min"),
+        ({**_join(), "port": 70000}, "port"),
+        ({**_join(), "node": "x"}, "node name"),
+        ({**_join(), "extra": 1}, "unknown"),
+        ({**_join(), "window": 0}, "'window'"),
+        ({**_join(), "secret": ""}, "'secret'"),
+        ({**_join(), "secret": "x" * 15}, "'secret'"),
+        ({**_join(), "operator": True}, "unknown"),
+        ({k: v for k, v in _join().items() if k != "secret"}, "'secret'"),
     ],
 )
 def test_bad_requests_are_wire_errors(doc: dict[str, Any], why: str) -> None:

@@ -29,6 +29,7 @@ from aelastic import RendezvousParameters
 from aelastic.backends import create_backend
 from aelastic.core.state import NodeDesc, Op, Request
 from aelastic.rendezvous import RendezvousSettings
+from tests._rendezvous_helpers import SECRET
 from tests.cli._proc import Cli
 
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -200,7 +201,7 @@ def _join(backend: str, endpoint: str, run_id: str, pid: int, **config: Any) -> 
         made = create_backend(params)
         try:
             rules = RendezvousSettings.from_parameters(params).rules
-            await made.apply(Request(Op.JOIN, NodeDesc("10.1.2.3", pid, 0), rules))
+            await made.apply(Request(Op.JOIN, NodeDesc("10.1.2.3", pid, 0), rules, secret=SECRET))
         finally:
             await made.aclose()
 

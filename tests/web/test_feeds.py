@@ -12,7 +12,7 @@ from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Request
 from aelastic.web.feeds import FeedHub
 from aelastic.web.sources import EngineSource
-from tests._rendezvous_helpers import PROMPT
+from tests._rendezvous_helpers import PROMPT, SECRET
 
 pytestmark = pytest.mark.anyio
 
@@ -22,7 +22,7 @@ A, B = NodeDesc("127.0.0.1", 1, 0), NodeDesc("127.0.0.1", 2, 0)
 
 async def test_a_run_feed_wakes_on_a_round_transition_not_on_a_heartbeat() -> None:
     engine = Engine()
-    engine.apply("job", Request(Op.JOIN, A, RULES), now_ms())
+    engine.apply("job", Request(Op.JOIN, A, RULES, secret=SECRET), now_ms())
     hub = FeedHub(EngineSource(engine), run_tick=60.0)  # the tick never fires here
     feed = hub.run("job")
     try:
@@ -34,10 +34,10 @@ async def test_a_run_feed_wakes_on_a_round_transition_not_on_a_heartbeat() -> No
             assert [m["node"] for m in view["participant_list"]] == [A.key]
             assert view["state"] == "forming" and view["deadline_ms"] is not None
             # Heartbeats move nothing a watcher acts on: the feed sleeps on.
-            engine.apply("job", Request(Op.KEEP_ALIVE, A, RULES), now_ms())
+            engine.apply("job", Request(Op.KEEP_ALIVE, A, RULES, secret=SECRET), now_ms())
             assert await feed.next(version, 0.5) is None
             # The second join completes the round (max nodes): the token moves, it wakes.
-            engine.apply("job", Request(Op.JOIN, B, RULES), now_ms())
+            engine.apply("job", Request(Op.JOIN, B, RULES, secret=SECRET), now_ms())
             with anyio.fail_after(PROMPT):
                 woken = await feed.next(version, PROMPT)
             assert woken is not None

@@ -15,7 +15,7 @@ from aelastic.core.state import NodeDesc, Op, Request
 from aelastic.rendezvous import RendezvousSettings
 from aelastic.web.pages import COOKIE, serve_pages
 from tests._http_server import serve_in_loop
-from tests._rendezvous_helpers import PROMPT
+from tests._rendezvous_helpers import PROMPT, SECRET
 
 pytestmark = pytest.mark.anyio
 
@@ -27,7 +27,7 @@ async def _join(url: str, run_id: str, token: str = "") -> None:
     backend = create_backend(params)
     try:
         rules = RendezvousSettings.from_parameters(params).rules
-        await backend.apply(Request(Op.JOIN, NodeDesc("127.0.0.1", 4242, 0), rules))
+        await backend.apply(Request(Op.JOIN, NodeDesc("127.0.0.1", 4242, 0), rules, secret=SECRET))
     finally:
         await backend.aclose()
 

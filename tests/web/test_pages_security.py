@@ -27,7 +27,7 @@ from aelastic.core.state import NodeDesc, Op, Request
 from aelastic.core.wire import request_to_json
 from aelastic.web.pages import COOKIE, MAX_STREAMS_PER_CLIENT
 from tests._http_server import HttpServer
-from tests._rendezvous_helpers import PROMPT
+from tests._rendezvous_helpers import PROMPT, SECRET
 
 TOKEN = "pages-t0ken"
 FORM = "application/x-www-form-urlencoded"
@@ -245,7 +245,7 @@ async def test_behind_a_trusted_tls_proxy_the_cookie_is_secure() -> None:
 
 def _join_body(pid: int) -> dict[str, Any]:
     rules = Rules(min_nodes=5, max_nodes=5, last_call_ms=600_000, window_ms=600_000)
-    return request_to_json(Request(Op.JOIN, NodeDesc("10.0.0.1", pid, 0), rules))
+    return request_to_json(Request(Op.JOIN, NodeDesc("10.0.0.1", pid, 0), rules, secret=SECRET))
 
 
 async def _open_stream(

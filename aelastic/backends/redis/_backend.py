@@ -27,7 +27,7 @@ from redis.exceptions import ResponseError
 
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
 from ...core.race import uncancellable
-from ...core.state import FORMAT_VERSION, Op, Reply, Request, Snapshot, Status
+from ...core.state import FORMAT_VERSION, Op, Reply, Request, Snapshot, Status, Transition
 from ...core.token import Token, new_epoch
 from ...core.wire import (
     WireError,
@@ -181,6 +181,8 @@ class RedisBackend(RedisCalls):
             self._ttl_ms,
             self._keys.channel,
             "1",  # a new epoch after a failover
+            request.secret,
+            "1" if request.operator else "0",
         ]
         raw = await self._script(
             request.op.value,
@@ -254,6 +256,12 @@ class RedisBackend(RedisCalls):
             return None if doc.get("absent") else status_from_json(doc)
         except (RendezvousStateError, WireError):
             return None
+
+    async def close_run(self) -> bool:
+        """Close the run as its operator (whoever holds this Redis' credentials is one);
+        whether it was open."""
+        reply = await self.apply(Request.operator_close())
+        return reply.transition is Transition.MARK_CLOSED
 
     async def reset(self) -> bool:
         """Delete every key of the run (state, store, records); whether there were any."""

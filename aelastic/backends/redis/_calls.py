@@ -66,7 +66,7 @@ T = TypeVar("T")
 #: add key and channel patterns for the key prefix (``~aelastic:* &aelastic:*``).
 NODE_ACL = (
     "+hello +ping +select +evalsha +eval +time +info +publish +subscribe +unsubscribe "
-    "+exists +wait +type +get +set +del +incrby +pexpire +pttl +hget +hmget +hset +hdel "
+    "+exists +wait +type +get +set +del +incrby +pexpire +pttl +hget +hmget +hset +hsetnx +hdel "
     "+sadd +srem +scard +sismember +smembers +zadd +zrem +zcard +zscore +zrange +zrangebyscore"
 )
 #: What ``aelastic status --list/--reset`` and ``aelastic dashboard`` need beyond a node's.
@@ -340,6 +340,12 @@ class RedisCalls:
                 raise RendezvousStateError(
                     f"A key of run '{self._run_id}' at {self.endpoint} holds a value of the "
                     f"wrong Redis type ({what}); it was left as it is."
+                ) from None
+            if "unauthenticated" in str(exc):  # a long command before any login
+                raise RendezvousConnectionError(
+                    f"Authentication to Redis at {self.endpoint} failed ({what}): it requires "
+                    "a login and refused a request without one. Check the username/password "
+                    "(config keys or AELASTIC_REDIS_* variables)."
                 ) from None
             raise RendezvousConnectionError(
                 f"Redis at {self.endpoint} failed {what}: {exc}"

@@ -4,12 +4,15 @@ How it works: every key of a run starts with ``<prefix>:{<run id>}:`` (the brace
 Redis Cluster hash tag, so a run lives on one slot and multi-key scripts stay legal):
 
 * ``...:state``: the header hash (round, complete, closed, last-call deadline, counters,
-  ``epoch`` and ``version``: the status token is ``"<epoch>.<version>"``; the epoch is drawn
-  when the state is created, so a state made again never repeats an old token, and drawn
-  again when the primary's replication id, ``replid``, changed: after a failover);
+  the run's rules ``min``, ``max``, ``last_call``, ``window``, fixed by the join that made
+  it, ``epoch`` and ``version``: the status token is ``"<epoch>.<version>"``; the epoch is
+  drawn when the state is created, so a state made again never repeats an old token, and
+  drawn again when the primary's replication id, ``replid``, changed: after a failover);
 * ``...:p`` participants (sorted set: join order, then rank), ``...:ports`` their bootstrap
   ports, ``...:w`` wait list and ``...:r`` redundancy list (sets), ``...:b`` heartbeats
-  (sorted set by time): see :mod:`._lua` for the scripts that change them;
+  (sorted set by time), ``...:s`` the nodes' secrets (hash), ``...:order`` (a sorted set
+  that lives only while a completing round's ranks are sorted): see :mod:`._lua` for the
+  scripts that change them;
 * ``...:kv:<key>``: one string per key of the members' store;
 * ``...:op:<id>``: the result of a ``kv_add``, kept a while so a retried add never counts twice;
 * ``...:changes``: the pub/sub channel. A status change publishes ``s<status JSON>`` (round
@@ -92,6 +95,8 @@ class RunKeys:
             f"{self.base}:w",
             f"{self.base}:r",
             f"{self.base}:b",
+            f"{self.base}:s",
+            f"{self.base}:order",
         )
 
     def __repr__(self) -> str:

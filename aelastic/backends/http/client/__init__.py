@@ -170,6 +170,21 @@ class HttpBackend:
         Raises:
             RendezvousConnectionError: The server refused the request or was unreachable.
         """
+        try:
+            return await self._apply(request, hold, seen)
+        except RendezvousConnectionError as exc:
+            if "unknown field(s): 'secret'" not in str(exc):
+                raise
+            raise self._older() from None
+
+    def _older(self) -> RendezvousStateError:
+        return RendezvousStateError(
+            f"The server at {self._endpoint} does not serve rendezvous state format "
+            f"{FORMAT_VERSION} (an older aelastic serve?): run the same aelastic version "
+            "on the server and the nodes."
+        )
+
+    async def _apply(self, request: Request, hold: float, seen: Token | None) -> Reply:
         conn, feed = self._open()
         hold = min(max(hold, 0.0), LONG_POLL)
         body = request_to_json(request)
@@ -189,11 +204,7 @@ class HttpBackend:
         else:
             status, conn.failing_since = 200, None  # the server answers (an outage is over)
         if status != 200:
-            raise RendezvousStateError(
-                f"The server at {self._endpoint} does not serve rendezvous state format "
-                f"{FORMAT_VERSION} (an older aelastic serve?): run the same aelastic version "
-                "on the server and the nodes."
-            )
+            raise self._older()
         try:
             reply = reply_from_json(doc)
         except WireError as exc:
@@ -260,6 +271,19 @@ class HttpBackend:
             except WireError as exc:
                 raise self._fits("a run list", exc) from None
         return found
+
+    async def close_run(self) -> bool:
+        """Close the run as its operator (``POST .../close``: the server's token, or its own
+        machine when it has none); whether it was open.
+
+        Raises:
+            RendezvousConnectionError: The server refused (403: no token and not on its
+                machine) or could not be reached.
+        """
+        conn, _ = self._open()
+        answer = await conn.call("POST", self._path + "/close", self._read_timeout, body={})
+        assert answer is not None
+        return answer[1].get("closed") is True
 
     async def reset(self) -> bool:
         """Delete the run's state and store on the server; whether there was anything."""

@@ -15,7 +15,10 @@ store values are base64 text; requests, replies, statuses and snapshots have the
 of :mod:`aelastic.core.wire`. ``{run}`` is the run id, URL-encoded (1..256 characters); keys
 have up to 1024 characters, and a request names 1..4096 of them. With a token configured
 (``AELASTIC_HTTP_TOKEN``) every request needs ``Authorization: Bearer <token>`` (compared
-in constant time), else ``401``.
+in constant time), else ``401``. A rendezvous request acts only for its node: it carries the
+node's secret, and one for a node listed under another secret changes nothing (the reply's
+outcome is ``error_forbidden``). Closing and deleting a run are the operator's: on a server
+without a token only from its own machine (loopback, not forwarded by a proxy), else ``403``.
 
 ==========================================  =============================================
 ``GET /v1/health``                          ``200 {"ok": true, "service": ..., "api": 2}``
@@ -29,6 +32,9 @@ in constant time), else ``401``.
                                             differs from ``T``, or after ``S`` s (0..300)
 ``GET /v1/runs/{run}``                      ``200`` the whole membership, ``404`` if none
 ``DELETE /v1/runs/{run}``                   forget the run: ``200 {"deleted": bool}``
+                                            (operator: see below)
+``POST /v1/runs/{run}/close``               ``{}`` -> ``200 {"closed": bool, "status"}``:
+                                            close the run for its operator
 ``POST /v1/runs/{run}/kv/set``              ``{"key", "value": b64}`` -> ``200 {}``
 ``POST /v1/runs/{run}/kv/get``              ``{"keys": [..]}`` -> ``200 {"values": [b64|null]}``
 ``POST /v1/runs/{run}/kv/add``              ``{"key", "amount": int}`` -> ``200 {"value": int}``,
@@ -92,6 +98,7 @@ from ._guard import (
     quiet_accept_errors,
     raise_open_file_limit,
 )
+from ._operator import is_loopback
 from ._quota import DEFAULT_MAX_NODES_PER_CLIENT
 from ._runs import PersistenceError
 from ._throttle import THROTTLE, AuthThrottle
@@ -128,14 +135,6 @@ def _url(host: str, port: int) -> str:
         if ipaddress.ip_address(host).version == 6:
             host = f"[{host}]"
     return f"http://{host}:{port}"
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) is this machine's loopback."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 async def serve(

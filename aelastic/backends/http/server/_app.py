@@ -31,6 +31,7 @@ from ._channel import add_channel
 from ._clients import CLIENTS, Clients
 from ._guard import DEFAULT_KEEPALIVE_TIMEOUT, DEFAULT_READ_TIMEOUT, RateLimitedLog
 from ._metrics import install as install_metrics
+from ._operator import HAS_TOKEN
 from ._quota import DEFAULT_MAX_NODES_PER_CLIENT, QUOTA, NodeQuota, NodeQuotaError
 from ._routes import BODY_TIMEOUT, REPLAYS, STORE, Replays, add_routes
 from ._runs import PersistenceError, RunLimitError, RunStore
@@ -230,6 +231,7 @@ def create_app(
     app[CLIENTS] = clients
     app[THROTTLE] = throttle
     app[QUOTA] = quota
+    app[HAS_TOKEN] = secret is not None
     app[REPLAYS] = Replays()
     app[BODY_TIMEOUT] = read_timeout
 

@@ -10,7 +10,8 @@ Long-polls (``status?token=&wait=``, ``kv/wait``) are held until the change, the
 or the server's shutdown (then ``503``, and clients retry against the restarted server).
 A request that may make a new run is first admitted by the store (``503`` past its limit
 of runs), a join that adds a node by its client's quota (``429``: :mod:`._quota`); a body
-must arrive within ``BODY_TIMEOUT`` (``408``).
+must arrive within ``BODY_TIMEOUT`` (``408``). The operator's routes (closing and deleting
+a run) are checked by :mod:`._operator`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ....core.state import FORMAT, FORMAT_VERSION
+from ....core.state import FORMAT, FORMAT_VERSION, Request, Transition
 from ....core.wire import (
     WireError,
     reply_to_json,
@@ -49,6 +50,7 @@ from ..wire import (
     require_token,
 )
 from ._answer import answer
+from ._operator import require_operator
 from ._quota import QUOTA
 from ._runs import RunStore
 
@@ -247,9 +249,24 @@ async def _list_runs(request: web.Request) -> web.Response:
     return web.json_response({"runs": body})
 
 
+async def _close_run(request: web.Request) -> web.Response:
+    run_id = _run_id(request)
+    _query(request, set())
+    require_operator(request)
+    engine = _store(request).engine
+
+    def apply() -> _Reply:
+        reply = engine.apply(run_id, Request.operator_close(), now_ms())
+        closed = reply.transition is Transition.MARK_CLOSED
+        return 200, {"closed": closed, "status": status_to_json(reply.status)}
+
+    return await _mutate(request, apply)
+
+
 async def _delete_run(request: web.Request) -> web.Response:
     run_id = _run_id(request)
     _query(request, set())
+    require_operator(request)
     store = _store(request)
     return await _mutate(request, lambda: (200, {"deleted": store.delete(run_id)}))
 
@@ -360,6 +377,7 @@ def add_routes(app: web.Application) -> None:
         ("GET", run + "/status", _status),
         ("GET", run, _snapshot),
         ("DELETE", run, _delete_run),
+        ("POST", run + "/close", _close_run),
         ("GET", run + "/state", _first_format_state),
         ("PUT", run + "/state", _first_format_state),
         ("POST", run + "/kv/set", _kv_set),

@@ -12,9 +12,10 @@ grew past twice its live size (runs serialized in small batches between which th
 serves requests). A temporary file left by a crash during a rewrite is removed at start.
 After a write failed (the journal may end in a cut line, or be gone) the next commit
 rewrites it whole instead of appending. Heartbeats are not saved: after a restart every
-listed node gets a fresh heartbeat window. A request that would add a run past ``max_runs``
-raises :class:`RunLimitError` (:meth:`RunStore.admit`); runs that hold nothing and that
-nobody waits on are dropped at each sweep.
+listed node gets a fresh heartbeat window. Each run's rules and its nodes' secrets are saved
+with it (the journal is made readable by its owner only). A request that would add a run
+past ``max_runs`` raises :class:`RunLimitError` (:meth:`RunStore.admit`); runs that hold
+nothing and that nobody waits on are dropped at each sweep.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 from ....core.state import NodeDesc, RunState
 from ....core.token import parse
+from ....core.wire import WireError, rules_from_json, rules_to_json
 from ..._engine import Engine, now_ms
 from ..wire import SchemaError, b64decode, b64encode, require_run_id
 
@@ -39,7 +41,8 @@ __all__ = ["PersistenceError", "RunLimitError", "RunStore"]
 log = logging.getLogger("aelastic.backends.http.server")
 
 _FILE_FORMAT = "aelastic.http.runs"
-_FILE_VERSION = 2
+#: Version 3: runs keep their rules and their nodes' secrets (state format 3).
+_FILE_VERSION = 3
 #: Runs serialized between two yields to the event loop while rewriting the journal.
 _BATCH = 200
 #: The journal is rewritten once it is this much larger than its live content.
@@ -56,7 +59,10 @@ class RunLimitError(RuntimeError):
 
 
 def _state_doc(state: RunState) -> dict[str, Any]:
+    assert state.rules is not None  # only a made run is kept
     return {
+        "rules": rules_to_json(state.rules),
+        "secrets": [[n.key, s] for n, s in state.secrets.items()],
         "epoch": state.epoch,
         "generation": state.generation,
         "round": state.round,
@@ -68,6 +74,7 @@ def _state_doc(state: RunState) -> dict[str, Any]:
         "lost": state.lost,
         "finished": state.finished,
         "lost_sample": list(state.lost_sample),
+        "vacated": state.vacated_ms,
         "master": None if state.master is None else list(state.master),
         "participants": [[n.key, v] for n, v in state.participants.items()],
         "ports": [[n.key, p] for n, p in state.ports.items()],
@@ -97,9 +104,20 @@ def _state_from(doc: Any, beat: int) -> RunState:
     epoch, generation = doc.get("epoch"), doc.get("generation")
     if not isinstance(epoch, str) or parse(f"{epoch}.{_int(generation, 'generation')}") is None:
         raise SchemaError("a state has an invalid epoch or generation")
-    deadline, master = doc.get("deadline"), doc.get("master")
+    deadline, master, vacated = doc.get("deadline"), doc.get("master"), doc.get("vacated")
+    try:
+        rules = rules_from_json(doc.get("rules"))
+    except WireError as exc:
+        raise SchemaError(f"a state's rules: {exc}") from None
+    if rules is None:
+        raise SchemaError("a state has no rules")
+    secrets = {_node(k): v for k, v in doc.get("secrets") or []}
+    if not all(isinstance(v, str) and v for v in secrets.values()):
+        raise SchemaError("a state's secrets must be non-empty strings")
     state = RunState(
         epoch,
+        rules=rules,
+        secrets=secrets,
         generation=_int(generation, "generation"),
         round=_int(doc.get("round"), "round"),
         complete=doc.get("complete") is True,
@@ -110,6 +128,7 @@ def _state_from(doc: Any, beat: int) -> RunState:
         lost=_int(doc.get("lost"), "lost"),
         finished=_int(doc.get("finished"), "finished"),
         lost_sample=[_node(k).key for k in doc.get("lost_sample") or []],
+        vacated_ms=None if vacated is None else _int(vacated, "vacated"),
         master=None if master is None else (str(master[0]), _int(master[1], "master port")),
         participants={_node(k): _int(v, "rank") for k, v in doc.get("participants") or []},
         ports={_node(k): _int(v, "port") for k, v in doc.get("ports") or []},
@@ -118,6 +137,8 @@ def _state_from(doc: Any, beat: int) -> RunState:
     )
     for node in (*state.participants, *state.wait_list, *state.redundancy_list):
         state.beats[node] = beat  # a fresh window after a restart
+    if set(state.beats) != set(state.secrets):
+        raise SchemaError("a state's secrets must name exactly its listed nodes")
     return state
 
 
@@ -326,8 +347,13 @@ class RunStore:
         self.engine.wake_everyone()
 
 
+def _private(path: str | os.PathLike[str], flags: int) -> int:
+    """Open ``path`` for writing, made readable by its owner only (it holds secrets)."""
+    return os.open(path, flags, 0o600)
+
+
 def _append(path: Path, lines: Iterable[bytes]) -> None:
-    with open(path, "ab") as f:
+    with open(path, "ab", opener=_private) as f:
         f.write(b"".join(lines))
         f.flush()
         os.fsync(f.fileno())
@@ -336,7 +362,7 @@ def _append(path: Path, lines: Iterable[bytes]) -> None:
 def _rewrite(path: Path, lines: Iterable[bytes]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", opener=_private) as f:
             f.write(b"".join(lines))
             f.flush()
             os.fsync(f.fileno())

@@ -1,0 +1,89 @@
+"""torch's semantics on every backend: ranks in the sorted order of node descriptors,
+``MASTER_ADDR``/``MASTER_PORT`` in the round's store, and a job id used again once the job
+that used it is over (a late node of that job still learns that it closed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import pytest
+
+from aelastic import RendezvousClosedError, RendezvousStoreInfo
+from aelastic.rendezvous import DynamicRendezvousHandler
+from tests._rendezvous_helpers import PROMPT, handler_group, join_all
+
+from .conftest import MakeParams
+
+pytestmark = pytest.mark.anyio
+
+#: Short heartbeats: a 0.4 s window, so a closed run is free again 0.8 s after it emptied.
+SHORT = {"keep_alive_interval": 0.2, "keep_alive_max_attempt": 2, "last_call_timeout": 0.1}
+
+
+async def test_ranks_follow_the_sorted_node_descriptors_not_the_join_order(
+    make_params: MakeParams,
+) -> None:
+    params = make_params(3, 3)
+    async with handler_group(
+        params.backend, params.endpoint, params.run_id, 3, 3, 3, **params.config
+    ) as group:
+        joins = []
+        for handler in reversed(group):  # the last made (highest local id) joins first
+            joins.append(asyncio.ensure_future(handler.next_rendezvous()))
+            await asyncio.sleep(0.05)
+        with anyio.fail_after(PROMPT):
+            infos = await asyncio.gather(*joins)
+        ranks = {h.node: i.rank for h, i in zip(reversed(group), infos, strict=True)}
+        assert [ranks[n] for n in sorted(ranks)] == [0, 1, 2]
+
+
+async def test_rank_0_publishes_master_addr_and_port_in_the_rounds_store(
+    make_params: MakeParams,
+) -> None:
+    params = make_params(2, 2)
+    async with handler_group(
+        params.backend, params.endpoint, params.run_id, 2, 2, 2, **params.config
+    ) as group:
+        infos = await join_all(group)
+        for info in infos:
+            with anyio.fail_after(PROMPT):
+                addr = await info.store.get(RendezvousStoreInfo.MASTER_ADDR_KEY)
+                port = await info.store.get(RendezvousStoreInfo.MASTER_PORT_KEY)
+            boot = info.bootstrap_store_info
+            assert boot is not None
+            assert (addr.decode(), int(port)) == (boot.master_addr, boot.master_port)
+            assert boot.master_port > 0
+
+
+async def _over(group: list[DynamicRendezvousHandler]) -> None:
+    """The job ends as torch's does: every node shuts the rendezvous down."""
+    for handler in group:
+        assert await handler.shutdown() is True
+
+
+async def test_a_job_id_is_used_again_once_the_job_is_over(make_params: MakeParams) -> None:
+    params = make_params(2, 2, **SHORT)
+    conf, where = params.config, (params.backend, params.endpoint, params.run_id)
+    async with (
+        handler_group(*where, 2, 2, 2, **conf) as old_job,
+        handler_group(*where, 1, 2, 2, **conf) as (late,),
+    ):
+        await join_all(old_job)
+        await _over(old_job)
+        # A late node of the old job: the run closed, and says when its id is free again.
+        with anyio.fail_after(PROMPT), pytest.raises(RendezvousClosedError) as closed:
+            await late.next_rendezvous()
+    reopens = closed.value.reopens_in
+    assert reopens is not None and 0 < reopens <= 0.8, reopens
+    assert "can use the id in 1 s" in str(closed.value), closed.value
+    assert "--reset" in str(closed.value) and "another --rdzv-id" in str(closed.value)
+    if params.backend != "memory":  # memory forgets a finished run once its handlers close
+        await anyio.sleep(reopens + 0.1)
+    # The next job (other node bounds: its own rules) forms a new run.
+    async with handler_group(*where, 2, 2, 3, **conf) as next_job:
+        infos = await join_all(next_job)
+        assert sorted(i.rank for i in infos) == [0, 1] and infos[0].world_size == 2
+        snapshot = await next_job[0].backend.snapshot()
+        assert snapshot is not None and not snapshot.status.closed
+        assert snapshot.rules is not None and snapshot.rules.max_nodes == 3
