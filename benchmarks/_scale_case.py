@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from typing import Any
 
 from benchmarks._scale_servers import ROOT, Counters, ServerUnderTest, cpu_seconds
 
-__all__ = ["Job", "measure"]
+__all__ = ["Job", "busy_loops", "measure"]
 
 _STARTUP_TIMEOUT = 300.0
 _STATS_TIMEOUT = 30.0
@@ -209,6 +210,26 @@ def _per_node(counters: Counters, n: int, seconds: float = 1.0) -> dict[str, flo
     }
 
 
+def _per_request(counters: Counters, seconds: float) -> dict[str, float | None]:
+    """What one request (while idle: one heartbeat) cost the server, and how busy it was."""
+    requests = counters.commands
+    calls, usec = counters.script_calls, counters.script_usec
+    return {
+        "server_busy": counters.cpu / seconds,
+        "server_cpu_us_per_request": counters.cpu / requests * 1e6 if requests > 0 else None,
+        "bytes_per_request": counters.bytes_out / requests if requests > 0 else None,
+        "script_calls": None if calls < 0 else calls,
+        "script_us_per_call": usec / calls if calls > 0 else None,
+    }
+
+
+def _memory_per_node(now: Counters, empty: Counters, n: int) -> float | None:
+    """The server's memory beyond what it used empty, per node (bytes)."""
+    if now.memory < 0 or empty.memory < 0:
+        return None
+    return (now.memory - empty.memory) / n
+
+
 class _Detections:
     """When each survivor's ``watch()`` first showed the killed node lost (from the kill)."""
 
@@ -274,6 +295,7 @@ async def measure(
         )
         spent = server.snapshot() - before
         formation = _per_node(spent, n)
+        formation["memory_per_node"] = _memory_per_node(spent, before, n)
         formation["nodes_cpu_s"] = job.cpu() - cpu0
         formation["formed"] = len(job.formed)
         if job.formed:
@@ -298,6 +320,8 @@ async def measure(
             wakeups1, counters1, t1 = await job.wakeups(), server.snapshot(), time.time()
             window = t1 - t0
             result["idle"] = _per_node(counters1 - counters0, n, window)
+            result["idle"].update(_per_request(counters1 - counters0, window))
+            result["idle"]["memory_per_node"] = _memory_per_node(counters1, before, n)
             result["idle"]["nodes_cpu_s"] = job.cpu() - cpu0
             result["idle"]["seconds"] = window
             woken = -1 if min(wakeups0, wakeups1) < 0 else wakeups1 - wakeups0
@@ -329,6 +353,21 @@ async def measure(
         result["load_average_after"] = os.getloadavg()
         await job.stop()
         result["log_issues"] = job.log_issues()
+
+
+@contextlib.contextmanager
+def busy_loops(count: int) -> Any:
+    """``count`` processes spinning on the CPU while the block runs (other work competing
+    for the cores, as on a shared machine)."""
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)
+    ]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 def node_command(spec: dict[str, Any]) -> Callable[[int], list[str]]:

@@ -90,6 +90,44 @@ _UNITS = (
 )
 
 
+_COST_HEADER = " | ".join(
+    [
+        f"{'N':>5}",
+        f"{'procs':>5}",
+        f"{'server busy':>11}",
+        f"{'CPU us/beat':>11}",
+        f"{'script us':>9}",
+        f"{'B/beat':>7}",
+        f"{'mem B/node':>10}",
+        f"{'load':>5}",
+    ]
+)
+_COST_UNITS = (
+    "while idle (every request a heartbeat): server busy: the server process's CPU per "
+    "second (1.0: one core); CPU us/beat: its CPU per request; script us: Redis' own time "
+    "per script call (commandstats usec_per_call); B/beat: bytes the server sent per request; "
+    "mem B/node: the server's memory (Redis used_memory, HTTP RSS) beyond its empty start, "
+    "per node, at the idle window's end; load: the machine's 1-min load average before"
+)
+
+
+def _cost_row(case: dict[str, Any]) -> str:
+    idle = case.get("idle", {})
+    busy = idle.get("server_busy")
+    load = case.get("load_average_before")
+    cells = [
+        f"{case['n']:>5}",
+        f"{case.get('processes', '-'):>5}",
+        f"{'-' if busy is None else f'{busy:.0%}':>11}",
+        f"{_num(idle.get('server_cpu_us_per_request'), ',.1f'):>11}",
+        f"{_num(idle.get('script_us_per_call'), ',.1f'):>9}",
+        f"{_num(idle.get('bytes_per_request'), ',.0f'):>7}",
+        f"{_num(idle.get('memory_per_node'), ',.0f'):>10}",
+        f"{'-' if not load else f'{load[0]:.1f}':>5}",
+    ]
+    return " | ".join(cells)
+
+
 def _ratio_line(cases: list[dict[str, Any]]) -> str | None:
     measured = [
         c
@@ -163,9 +201,14 @@ def format_report(results: dict[str, Any]) -> str:
         if ratio:
             out.append(ratio)
         out += _notes(cases)
+        if any(c.get("idle") for c in cases):
+            out.append(_COST_HEADER)
+            out.append("-" * len(_COST_HEADER))
+            out += [_cost_row(c) for c in cases if c.get("idle")]
         out.append("")
     if results["cases"]:
         out.append(_UNITS)
+        out.append(_COST_UNITS)
         out.append("")
     if results["torch"]:
         out.append("torch c10d (DynamicRendezvousHandler + C10dRendezvousBackend, TCPStore)")

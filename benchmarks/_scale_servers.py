@@ -42,10 +42,23 @@ __all__ = [
     "ServerUnderTest",
     "TorchStoreUnderTest",
     "cpu_seconds",
+    "rss_bytes",
 ]
 
 _TICK = 1.0 / os.sysconf("SC_CLK_TCK")
 _START_TIMEOUT = 30.0
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (``VmRSS``), in bytes; -1 if unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return -1
 
 
 def cpu_seconds(pid: int) -> float:
@@ -66,16 +79,27 @@ class Counters:
     #: Redis: every command the server ran, those inside scripts included (``commands`` are
     #: the ones clients sent); -1 where it is not counted.
     operations: int = -1
+    #: Redis: calls of aelastic's scripts (``EVALSHA``/``EVAL``) and the microseconds Redis
+    #: spent in them (``INFO commandstats``); -1 where not counted.
+    script_calls: int = -1
+    script_usec: int = -1
+    #: The server's memory (Redis: ``used_memory``; others: the process's RSS), in bytes. A
+    #: level, not a count: a difference keeps the later value.
+    memory: int = -1
 
     def __sub__(self, before: Counters) -> Counters:
-        commands = -1 if self.commands < 0 else self.commands - before.commands
-        operations = -1 if self.operations < 0 else self.operations - before.operations
+        def delta(now: int, then: int) -> int:
+            return -1 if now < 0 or then < 0 else now - then
+
         return Counters(
-            commands,
+            delta(self.commands, before.commands),
             self.bytes_out - before.bytes_out,
             self.connections - before.connections,
             self.cpu - before.cpu,
-            operations,
+            delta(self.operations, before.operations),
+            delta(self.script_calls, before.script_calls),
+            delta(self.script_usec, before.script_usec),
+            self.memory,
         )
 
 
@@ -151,18 +175,28 @@ class RedisUnderTest:
         stats, stats_bytes = self._info(b"commandstats")
         self._own_commands += 1
         self._own_bytes += stats_bytes
+        memory, memory_bytes = self._info(b"memory")
+        self._own_commands += 1
+        self._own_bytes += memory_bytes
         fields, reply_bytes = self._info()
-        sent = 0
+        sent = calls = usec = 0
         for name, value in stats.items():
             command = name.removeprefix("cmdstat_").split("|")[0]
+            counts = dict(part.split("=", 1) for part in value.split(","))
             if command in _CLIENT_COMMANDS:
-                sent += int(value.split(",")[0].removeprefix("calls="))
+                sent += int(counts["calls"])
+            if command in ("evalsha", "eval"):
+                calls += int(counts["calls"])
+                usec += int(counts["usec"])
         counters = Counters(
             sent,
             int(fields["total_net_output_bytes"]) - self._own_bytes,
             int(fields["total_connections_received"]) - 1,  # this socket
             cpu_seconds(self.pid),
             int(fields["total_commands_processed"]) - self._own_commands,
+            calls,
+            usec,
+            int(memory["used_memory"]),
         )
         self._own_commands += 1
         self._own_bytes += reply_bytes
@@ -193,7 +227,11 @@ class HttpUnderTest:
         with urllib.request.urlopen(url, timeout=_START_TIMEOUT) as answer:
             doc = json.load(answer)
         return Counters(
-            doc["requests"], doc["bytes_out"], doc["connections"], cpu_seconds(self.pid)
+            doc["requests"],
+            doc["bytes_out"],
+            doc["connections"],
+            cpu_seconds(self.pid),
+            memory=rss_bytes(self.pid),
         )
 
     def close(self) -> None:
@@ -220,7 +258,9 @@ class EtcdUnderTest:
                 received += float(line.rsplit(" ", 1)[1])
             elif line.startswith("etcd_network_client_grpc_sent_bytes_total"):
                 sent += float(line.rsplit(" ", 1)[1])
-        return Counters(int(received), int(sent), -1, cpu_seconds(self.pid))
+        return Counters(
+            int(received), int(sent), -1, cpu_seconds(self.pid), memory=rss_bytes(self.pid)
+        )
 
     def close(self) -> None:
         self._server.close()

@@ -51,7 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._scale_case import measure, node_command, torch_command
+from benchmarks._scale_case import busy_loops, measure, node_command, torch_command
 from benchmarks._scale_node import raise_fd_limit
 from benchmarks._scale_report import format_report, plot, save
 from benchmarks._scale_servers import (
@@ -222,6 +222,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "idle_s": args.idle,
             "timeout_s": args.timeout,
             "config": CONFIG,
+            "busy_loops": args.busy,
         },
         "cases": [],
         "torch": [],
@@ -308,6 +309,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spurious-procs", type=int, default=128, help="0 to skip the check")
     parser.add_argument("--spurious-idle", type=float, default=60.0)
     parser.add_argument("--quick", action="store_true", help="N = 64,256, 10 s idle windows")
+    parser.add_argument(
+        "--busy", type=int, default=0, help="processes spinning on the CPU during the run"
+    )
     parser.add_argument("--label", default="run", help="design measured (before, after, ...)")
     parser.add_argument("--json", type=Path, help="save the results here")
     parser.add_argument("--plot", type=Path, help="PNG of per-node formation bytes vs N")
@@ -336,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         plot(documents, args.plot)
         print(f"plot: {args.plot}")
         return 0
-    results = asyncio.run(run(args))
+    with busy_loops(args.busy):
+        results = asyncio.run(run(args))
     print(format_report(results))
     if args.json:
         save(results, args.json)
