@@ -17,9 +17,10 @@ import redis
 from hypothesis import HealthCheck, given, settings
 
 from aelastic.backends.redis import _lua, _scripts
-from aelastic.core.machine import snapshot_of, step
+from aelastic.core.brief import beat_key, brief_reply
+from aelastic.core.machine import snapshot_of, status_of, step
 from aelastic.core.params import Rules
-from aelastic.core.state import NodeDesc, Op, Request, RunState
+from aelastic.core.state import NodeDesc, Op, Reply, Request, RunState, Status
 from aelastic.core.wire import (
     reply_from_json,
     reply_to_json,
@@ -43,15 +44,25 @@ def client() -> Iterator[redis.Redis]:
             c.close()
 
 
-def _lua_step(c: redis.Redis, keys: _scripts.RunKeys, req: Request, now: int) -> Any:
+def _lua_step(
+    c: redis.Redis, keys: _scripts.RunKeys, req: Request, now: int, base: Status | None = None
+) -> Any:
     r = req.rules
     args = [
         req.op.value, req.node.key, r.min_nodes, r.max_nodes, r.last_call_ms,
         r.window_ms, "1" if req.expired else "0", "1" if req.finished else "0",
         req.port, now, "feed", 60_000, keys.channel, "0", req.secret,
-        "1" if req.operator else "0",
+        "1" if req.operator else "0", beat_key(base),
     ]  # fmt: skip
     return json.loads(c.eval(_lua.OP, len(keys.rendezvous), *keys.rendezvous, *args))
+
+
+def _lua_reply(doc: Any, base: Status | None) -> Reply:
+    """The whole reply of a Lua answer (a brief one made whole from ``base``)."""
+    if isinstance(doc, list):
+        assert base is not None
+        return brief_reply(doc, base)
+    return reply_from_json(doc)
 
 
 def _snapshot(c: redis.Redis, keys: _scripts.RunKeys, now: int) -> Any:
@@ -82,12 +93,19 @@ def run_both(client: redis.Redis, rules: Rules, steps: list[Step]) -> None:
     keys = _scripts.RunKeys("parity", f"run-{next(_runs)}")
     state = RunState("feed")
     now = T0
-    for item in steps:
+    previous: Status | None = None
+    for number, item in enumerate(steps):
         now += item.advance_ms
         request = item.request(rules)
-        expected = reply_to_json(step(state, request, now))
-        got = reply_to_json(reply_from_json(_lua_step(client, keys, request, now)))
+        # A keep-alive sends the beat key of a status: the current one (the short path
+        # answers when it can) or, every other time, the last reply's (maybe stale).
+        base = status_of(state, now) if state.made and number % 2 else previous
+        got_doc = _lua_step(client, keys, request, now, base)
+        reply = step(state, request, now)
+        expected = reply_to_json(reply)
+        got = reply_to_json(_lua_reply(got_doc, base))
         assert got == expected, item
+        previous = reply.status
         lua_snapshot = _snapshot(client, keys, now)
         if not state.made:  # nothing stored on either side
             assert lua_snapshot == {"absent": True}, item
@@ -168,3 +186,31 @@ def test_ranks_of_a_large_round_agree_and_sorting_them_is_quick(client: redis.Re
     assert lua_ranks == dict(state.participants)
     assert took < 2.0, f"completing a round of {len(nodes)} took {took:.3f} s"
     print(f"completion of {len(nodes)} nodes (sort included): {took * 1000:.1f} ms")
+
+
+def test_a_plain_heartbeat_is_answered_briefly_and_news_in_full(client: redis.Redis) -> None:
+    """A keep-alive with the current beat key gets ``[now, oldest]`` (the Python machine's
+    reply once made whole); with a stale key, or when a beat expired, the whole reply."""
+    rules = Rules(2, 3, last_call_ms=5, window_ms=2_000)
+    keys = _scripts.RunKeys("parity", f"run-{next(_runs)}")
+    state = RunState("feed")
+    nodes = [NodeDesc("host", 1, i) for i in range(3)]
+    for node in nodes:
+        request = Request(Op.JOIN, node, rules, secret="s" * 16)
+        step(state, request, T0)
+        _lua_step(client, keys, request, T0)
+    beat = Request(Op.KEEP_ALIVE, nodes[0], rules, secret="s" * 16)
+    base = status_of(state, T0 + 100)
+    doc = _lua_step(client, keys, beat, T0 + 100, base)
+    assert isinstance(doc, list) and len(json.dumps(doc)) < 40
+    assert reply_to_json(_lua_reply(doc, base)) == reply_to_json(step(state, beat, T0 + 100))
+    stale = Status(token=base.token + "0", complete=True)
+    assert isinstance(_lua_step(client, keys, beat, T0 + 200, stale), dict)
+    step(state, beat, T0 + 200)
+    other = Request(Op.KEEP_ALIVE, nodes[0], rules, secret="t" * 16)  # not its secret
+    assert isinstance(_lua_step(client, keys, other, T0 + 300, status_of(state, T0 + 300)), dict)
+    step(state, other, T0 + 300)
+    base = status_of(state, T0 + 2_150)  # nodes 1 and 2 beat last at T0: silent too long
+    doc = _lua_step(client, keys, beat, T0 + 2_150, base)
+    assert isinstance(doc, dict) and doc["pruned"] == 2
+    assert reply_to_json(_lua_reply(doc, base)) == reply_to_json(step(state, beat, T0 + 2_150))

@@ -25,6 +25,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from ...core.brief import beat_key, brief_reply
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
 from ...core.race import uncancellable
 from ...core.state import FORMAT_VERSION, Op, Reply, Request, Snapshot, Status, Transition
@@ -114,6 +115,9 @@ class RedisBackend(RedisCalls):
         )
         self._ttl_ms = str(max(1, round(key_ttl * 1000)))
         self._recheck = float(recheck_interval)
+        #: The status of this backend's last answer: a keep-alive sends its beat key, so
+        #: that the script may answer briefly when nothing else moved (``core/brief.py``).
+        self._last: Status | None = None
 
     def __repr__(self) -> str:
         return f"RedisBackend(run_id={self._run_id!r}, endpoint={self.endpoint!r})"
@@ -184,6 +188,10 @@ class RedisBackend(RedisCalls):
             request.secret,
             "1" if request.operator else "0",
         ]
+        base = self._last if request.op is Op.KEEP_ALIVE else None
+        key = beat_key(base)
+        if key:
+            args.append(key)
         raw = await self._script(
             request.op.value,
             lua.OP,
@@ -192,9 +200,13 @@ class RedisBackend(RedisCalls):
             durable=request.op in _DURABLE,
         )
         try:
-            reply = reply_from_json(self._decode(raw, request.op.value))
-        except WireError as exc:
+            if key and base is not None and raw[:1] in (b"[", "["):
+                reply = brief_reply(json.loads(raw), base)
+            else:
+                reply = reply_from_json(self._decode(raw, request.op.value))
+        except ValueError as exc:  # WireError included
             raise RendezvousStateError(f"Redis at {self.endpoint} answered {exc}") from None
+        self._last = reply.status
         watch.on_reply(reply.status, mark)
         return reply
 
@@ -217,7 +229,10 @@ class RedisBackend(RedisCalls):
             RendezvousConnectionError: Redis could not be reached within ``read_timeout``.
         """
         _, watch = await self._bind()
-        return await watch.wait_status(token, timeout, self._status_now, self._recheck)
+        status = await watch.wait_status(token, timeout, self._status_now, self._recheck)
+        if status is not None:
+            self._last = status
+        return status
 
     async def snapshot(self) -> Snapshot | None:
         """The run's whole membership, or ``None`` when it has no state."""

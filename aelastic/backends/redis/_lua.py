@@ -25,6 +25,7 @@ error object and left untouched.
 
 from __future__ import annotations
 
+from ._lua_beat import SHORT_BEAT
 from ._lua_read import HEADER as _HEADER
 from ._lua_read import SNAPSHOT, STATUS
 
@@ -33,9 +34,11 @@ __all__ = ["OP", "SNAPSHOT", "STATUS"]
 #: KEYS: header, participants, ports, wait list, redundancy list, beats, secrets.
 #: ARGV: op, node, min, max, last call ms, window ms, expired, finished, port, now ms or '',
 #: new epoch, ttl ms, channel, '1' to follow the primary's replication id, the node's
-#: secret, '1' for an operator's close. -> reply JSON | error JSON.
+#: secret, '1' for an operator's close, the beat key of a keep-alive ('' or absent: none;
+#: see :mod:`._lua_beat`). -> reply JSON | brief answer JSON | error JSON.
 OP = (
     _HEADER
+    + SHORT_BEAT
     + r"""
 local op, node = ARGV[1], ARGV[2]
 local asked = {min = tonumber(ARGV[3]), max = tonumber(ARGV[4]),
