@@ -189,6 +189,31 @@ class Engine:
                 run = self.run(run_id)
         return await self._wait(run.status_waiters, lambda: run.token != token, timeout)
 
+    def on_status_change(
+        self, run_id: str, token: str, callback: Callable[[], None]
+    ) -> Callable[[], None]:
+        """Call ``callback`` once (on the running loop) when the run's token differs from
+        ``token`` (at once if it does already), or the run is deleted or everyone woken;
+        returns a function that cancels it. Not a coroutine: one registration serves any
+        number of requests held on the run (the HTTP server's held heartbeats)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self.lock:
+            run = self.run(run_id)
+            waiter = _Waiter(loop, future, lambda: run.token != token)
+            if waiter.ready():
+                loop.call_soon(_resolve, future)
+            else:
+                run.status_waiters.add(waiter)
+        future.add_done_callback(lambda f: None if f.cancelled() else callback())
+
+        def cancel() -> None:
+            with self.lock:
+                run.status_waiters.discard(waiter)
+            future.cancel()
+
+        return cancel
+
     # -- store ----------------------------------------------------------------------------
 
     def kv_set(self, run_id: str, key: str, value: bytes) -> None:

@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
 
+from ....core.brief import beat_key, brief_reply
 from ....core.errors import RendezvousConnectionError, RendezvousStateError
 from ....core.params import RendezvousParameters
 from ....core.race import uncancellable
-from ....core.state import FORMAT_VERSION, Reply, Request, Snapshot, Status
+from ....core.state import FORMAT_VERSION, Op, Reply, Request, Snapshot, Status
 from ....core.token import Token
 from ....core.wire import (
     WireError,
@@ -99,6 +100,7 @@ class HttpBackend:
         key: Any = (str(self._base), self._token)
         self._share_key = ("http", key if share_connections else (key, next(_private)))
         self._channel = channel
+        self._last: Status | None = None  # of the last reply (a keep-alive's beat key)
         self._label = label
         self._conn: Connection | None = None
         self._feed: RunFeed | None = None
@@ -190,9 +192,12 @@ class HttpBackend:
         body = request_to_json(request)
         # On the connection's channel, a message on an open WebSocket (a held heartbeat a
         # beat per node, a held join); over HTTP when the channel cannot carry it.
-        doc = None
+        # A keep-alive sends the beat key of the last status: a plain beat is then answered
+        # briefly (``core/brief.py``), on the channel.
+        base = self._last if request.op is Op.KEEP_ALIVE else None
+        doc: dict[str, Any] | list[Any] | None = None
         if self._channel:
-            doc = await conn.channel.send(self._run_id, body, hold, seen)
+            doc = await conn.channel.send(self._run_id, body, hold, seen, beat_key(base))
         if doc is None:
             answer = await conn.call(
                 "POST", self._path + "/rendezvous", self._read_timeout,
@@ -206,9 +211,13 @@ class HttpBackend:
         if status != 200:
             raise self._older()
         try:
-            reply = reply_from_json(doc)
-        except WireError as exc:
-            raise self._fits("a reply", exc) from None
+            if isinstance(doc, list) and base is not None:
+                reply = brief_reply(doc, base)
+            else:
+                reply = reply_from_json(doc)
+        except ValueError as exc:  # WireError included
+            raise self._fits("a reply", WireError(str(exc))) from None
+        self._last = reply.status
         feed.watch.on_status(reply.status)
         return reply
 

@@ -74,9 +74,10 @@ class Channel:
         self._closed = False
 
     async def send(
-        self, run_id: str, request: dict[str, Any], hold: float, seen: str | None
-    ) -> dict[str, Any] | None:
-        """Send one rendezvous request; its reply's JSON, or ``None`` to send it over HTTP.
+        self, run_id: str, request: dict[str, Any], hold: float, seen: str | None, beat: str = ""
+    ) -> dict[str, Any] | list[Any] | None:
+        """Send one rendezvous request; its reply's JSON (a list: the brief answer to a
+        keep-alive sent with its beat key ``beat``), or ``None`` to send it over HTTP.
 
         Raises:
             RendezvousConnectionError: The server refused the request (4xx).
@@ -92,6 +93,8 @@ class Channel:
             message["hold"] = round(hold, 3)
             if seen is not None:
                 message["seen"] = seen
+        if beat:
+            message["beat"] = beat
         if socket.reader is None or socket.reader.done():
             return None  # closed meanwhile: nobody would hand the answer out
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -117,6 +120,9 @@ class Channel:
         reply = doc.get("reply")
         if isinstance(reply, dict):
             return reply
+        brief = doc.get("brief")
+        if beat and isinstance(brief, list):
+            return brief
         status, error = doc.get("status"), doc.get("error")
         if type(status) is int and 400 <= status < 500:
             raise RendezvousConnectionError(

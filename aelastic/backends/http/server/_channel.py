@@ -2,23 +2,26 @@
 
 How it works: ``GET /v1/channel`` upgrades to a WebSocket (behind the same token check as
 every route, once per connection). Each text message the client sends is one rendezvous
-request: ``{"id": <int>, "run": <run id>, "request": {...}, "hold": <s>, "seen": <token>}``
-(``hold`` and ``seen`` optional, as the query of ``POST .../rendezvous``); ``{"id": <int>,
-"cancel": true}`` withdraws a request still held (its node gave up on it, as a client
-closing its HTTP connection: a held join is never applied again). The server answers
-each request with ``{"id": <same>, "reply": {...}}``, or ``{"id": <same>, "status": <int>, "error":
-<text>}`` when it cannot (400 for a request that does not fit the schema, 503 at the limit
-of runs or when the journal cannot be written); answers may come in any order. The request
-is answered exactly as over HTTP (:func:`._answer.answer`): a held keep-alive waits until
-the status moves or the next beat is due, so one message per beat is both the node's
-heartbeat and its news. A message that is not a JSON object with a valid ``id``, or a
-binary one, closes the channel (code 1003 or 1007, the reason in the close frame). At most
-:data:`MAX_IN_FLIGHT` requests are held per channel (beyond: 503); a join that would add a
-node past its client's quota is answered 429 (:mod:`._quota`). A channel that carried
-nothing and holds no request for the server's keep-alive timeout (``aelastic serve
---keepalive-timeout``, as an idle connection between requests) is closed with code 1000
-and the reason ``idle`` (the client opens a new one when it needs it); at shutdown every
-channel is closed with code 1001 once its held answers are sent.
+request: ``{"id": <int>, "run": <run id>, "request": {...}, "hold": <s>, "seen": <token>,
+"beat": <key>}`` (``hold`` and ``seen`` optional, as the query of ``POST .../rendezvous``;
+``beat``, a keep-alive's beat key, ``core/brief.py``); ``{"id": <int>, "cancel": true}``
+withdraws a request still held (its node gave up on it, as a client closing its HTTP
+connection: a held join is never applied again). The server answers each request with
+``{"id": <same>, "reply": {...}}`` (a plain heartbeat whose beat key is the status's:
+``{"id": <same>, "brief": [<now>, <oldest beat>]}``), or ``{"id": <same>, "status": <int>,
+"error": <text>}`` when it cannot (400 for a request that does not fit the schema, 503 at
+the limit of runs or when the journal cannot be written); answers may come in any order. The
+request is answered exactly as over HTTP (:func:`._answer.answer`): a held keep-alive waits
+until the status moves or the next beat is due, so one message per beat is both the node's
+heartbeat and its news; it is held without a task of its own (:mod:`._held`). A message that
+is not a JSON object with a valid ``id``, or a binary one, closes the channel (code 1003 or
+1007, the reason in the close frame). At most :data:`MAX_IN_FLIGHT` requests are held per
+channel (beyond: 503); a join that would add a node past its client's quota is answered 429
+(:mod:`._quota`). A channel that carried nothing and holds no request for the server's
+keep-alive timeout (``aelastic serve --keepalive-timeout``, as an idle connection between
+requests) is closed with code 1000 and the reason ``idle`` (the client opens a new one when
+it needs it); at shutdown every channel is closed with code 1001 once its held answers are
+sent.
 
 Why: clients send their rendezvous requests here (a held heartbeat per node and interval,
 held joins). A held keep-alive as an HTTP request cost the server about 250 us of CPU and
@@ -40,7 +43,8 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from ....core.wire import WireError, reply_to_json, request_from_json
+from ....core.state import Op, Reply
+from ....core.wire import WireError, request_from_json
 from ..wire import (
     CHANNEL_PATH,
     MAX_BODY,
@@ -52,6 +56,7 @@ from ..wire import (
 )
 from ._answer import answer, failure
 from ._guard import DEFAULT_KEEPALIVE_TIMEOUT
+from ._held import Held, HeldBeats, encode, start
 from ._quota import QUOTA, NodeQuotaError
 from ._runs import RunStore
 
@@ -64,7 +69,8 @@ MAX_IN_FLIGHT = 4096
 _MAX_ID = 2**53
 #: Seconds the held answers get to go out at shutdown before the channels close.
 _SHUTDOWN_GRACE = 2.0
-_FIELDS = frozenset({"id", "run", "request", "hold", "seen"})
+_FIELDS = frozenset({"id", "run", "request", "hold", "seen", "beat"})
+_MAX_BEAT_KEY = 256
 
 #: Called with the status (200 or the error's) and the bytes of each answer sent on a
 #: channel (the metrics count them).
@@ -97,7 +103,12 @@ class _Channel:
     """One client's WebSocket: its held requests and its answers."""
 
     def __init__(
-        self, ws: web.WebSocketResponse, upgrade: web.Request, store: RunStore, idle: float
+        self,
+        ws: web.WebSocketResponse,
+        upgrade: web.Request,
+        store: RunStore,
+        idle: float,
+        held_beats: HeldBeats,
     ) -> None:
         self.ws = ws
         self.upgrade = upgrade  # the channel's HTTP request: who its client is
@@ -105,6 +116,8 @@ class _Channel:
         self.taps = upgrade.app[TAPS]
         self.idle_timeout = idle
         self.held: set[asyncio.Task[None]] = set()
+        self.beats: dict[int, Held] = {}  # keep-alives held without a task
+        self._held_beats = held_beats
         self._by_id: dict[int, asyncio.Task[None]] = {}  # requests being answered
         self._loop = asyncio.get_running_loop()
         # Idle: one timer a channel, pushed back lazily (a timeout on every receive cost
@@ -115,7 +128,7 @@ class _Channel:
 
     def _check_idle(self) -> None:
         due = self.last + self.idle_timeout
-        if self.held or self._loop.time() < due:
+        if self.held or self.beats or self._loop.time() < due:
             self._idle = self._loop.call_at(max(due, self._loop.time() + 1.0), self._check_idle)
             return
         self._closer = self._loop.create_task(self.ws.close(code=WSCloseCode.OK, message=b"idle"))
@@ -127,8 +140,11 @@ class _Channel:
             task = self._by_id.get(msg_id)
             if task is not None:
                 task.cancel()  # a held join is never applied again; no answer
+            beat = self.beats.get(msg_id)
+            if beat is not None:
+                self._held_beats.drop(beat)
             return
-        if len(self.held) >= MAX_IN_FLIGHT:
+        if len(self.held) + len(self.beats) >= MAX_IN_FLIGHT:
             self._later(self._error(msg_id, 503, f"more than {MAX_IN_FLIGHT} requests held"))
             return
         try:
@@ -138,6 +154,9 @@ class _Channel:
             run_id = require_run_id(doc.get("run"))
             hold = require_seconds(doc.get("hold", 0), "'hold'")
             seen = None if doc.get("seen") is None else require_token(doc["seen"], "'seen'")
+            key = doc.get("beat", "")
+            if not isinstance(key, str) or len(key) > _MAX_BEAT_KEY:
+                raise SchemaError(f"'beat' must be a string of at most {_MAX_BEAT_KEY} characters")
             try:
                 request = request_from_json(require_object(doc.get("request")))
             except WireError as exc:
@@ -149,7 +168,11 @@ class _Channel:
         except NodeQuotaError as exc:
             self._later(self._error(msg_id, 429, str(exc)))
             return
-        task = self._later(self._answer(msg_id, run_id, request, hold, seen))
+        if request.op is Op.KEEP_ALIVE and self._held_beats.take(
+            self, msg_id, run_id, request, hold, seen, key
+        ):
+            return
+        task = self._later(self._answer(msg_id, run_id, request, hold, seen, key))
         self._by_id[msg_id] = task
         task.add_done_callback(lambda _: self._by_id.pop(msg_id, None))
 
@@ -159,17 +182,51 @@ class _Channel:
         task.add_done_callback(self.held.discard)
         return task
 
-    async def _answer(self, msg_id: int, run_id: str, request: Any, hold: float, seen: Any) -> None:
+    @property
+    def closed(self) -> bool:
+        """Whether the socket is closed (nobody reads answers any more)."""
+        return self.ws.closed
+
+    def send_text(self, text: str, status: int) -> None:
+        """Send an answer now (finished in a task only if the socket's buffer is full)."""
+        if self.ws.closed:
+            return
+        self.last = self._loop.time()
+        for tap in self.taps:
+            tap(status, len(text))
+        start(self.ws.send_str(text), self.held)
+
+    def deliver(self, msg_id: int, reply: Reply, key: str) -> None:
+        """Answer request ``msg_id`` with ``reply`` once the changes are durable."""
+        if self.store.settled:
+            self.send_text(encode(msg_id, reply, key), 200)
+        else:
+            self._later(self._durable(msg_id, reply, key))
+
+    async def _durable(self, msg_id: int, reply: Reply, key: str) -> None:
+        try:
+            await self.store.durable()
+        except Exception as exc:  # told to the client, as over HTTP
+            await self._failed(msg_id, exc)
+            return
+        self.send_text(encode(msg_id, reply, key), 200)
+
+    async def _failed(self, msg_id: int, exc: Exception) -> None:
+        known = failure(exc)
+        if known is None:
+            log.exception("internal error answering a request on a channel")
+            known = 500, "internal server error"
+        await self._error(msg_id, *known)
+
+    async def _answer(
+        self, msg_id: int, run_id: str, request: Any, hold: float, seen: Any, key: str
+    ) -> None:
         try:
             reply = await answer(self.store, run_id, request, hold, seen, lambda: self.ws.closed)
         except Exception as exc:  # told to the client, as over HTTP
-            known = failure(exc)
-            if known is None:
-                log.exception("internal error answering a request on a channel")
-                known = 500, "internal server error"
-            await self._error(msg_id, *known)
+            await self._failed(msg_id, exc)
             return
-        await self._send({"id": msg_id, "reply": reply_to_json(reply)}, 200)
+        self.send_text(encode(msg_id, reply, key), 200)
 
     async def _error(self, msg_id: int, status: int, message: str) -> None:
         await self._send({"id": msg_id, "status": status, "error": message}, status)
@@ -187,6 +244,8 @@ class _Channel:
     async def finish(self) -> None:
         """Stop the held requests (the channel is closed: nobody reads their answers)."""
         self._idle.cancel()
+        for beat in list(self.beats.values()):
+            self._held_beats.drop(beat)
         for task in list(self.held):
             task.cancel()
         if self.held:
@@ -194,11 +253,16 @@ class _Channel:
 
 
 async def _serve(
-    request: web.Request, store: RunStore, max_msg: int, idle: float, channels: set[_Channel]
+    request: web.Request,
+    store: RunStore,
+    max_msg: int,
+    idle: float,
+    channels: set[_Channel],
+    held_beats: HeldBeats,
 ) -> web.StreamResponse:
     ws = web.WebSocketResponse(compress=False, max_msg_size=max_msg, timeout=1.0)
     await ws.prepare(request)
-    channel = _Channel(ws, request, store, idle)
+    channel = _Channel(ws, request, store, idle, held_beats)
     channels.add(channel)
     loop = asyncio.get_running_loop()
     try:
@@ -240,11 +304,13 @@ def add_channel(
     """
     app[TAPS] = []
     channels: set[_Channel] = set()
+    held_beats = HeldBeats(store)
 
     async def channel(request: web.Request) -> web.StreamResponse:
-        return await _serve(request, store, max_body, idle_timeout, channels)
+        return await _serve(request, store, max_body, idle_timeout, channels, held_beats)
 
     async def close_all(app: web.Application) -> None:
+        held_beats.flush()  # the held beats: answered now (the store is closing)
         held = set().union(*(c.held for c in channels))
         if held:  # answered at once now that the store is closing: let them go out
             await asyncio.wait(held, timeout=_SHUTDOWN_GRACE)

@@ -251,6 +251,12 @@ class RunStore:
             }
         return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
+    @property
+    def settled(self) -> bool:
+        """Whether every change made so far is durable (:meth:`durable` would return at
+        once): an answer may then go out without awaiting it."""
+        return self._path is None or not (self._dirty or (self._lock and self._lock.locked()))
+
     async def durable(self) -> None:
         """Return once every change made so far is on disk (at once without a journal).
 
