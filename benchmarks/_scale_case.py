@@ -359,9 +359,7 @@ async def measure(
 def busy_loops(count: int) -> Any:
     """``count`` processes spinning on the CPU while the block runs (other work competing
     for the cores, as on a shared machine)."""
-    spinners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)
-    ]
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
     try:
         yield
     finally:

@@ -10,7 +10,10 @@ same random interleavings through this script and through the Python machine and
 the same replies and states (``tests/backends/test_redis_machine.py``): change one, change
 both.
 
-The script answers with the reply's JSON (:mod:`aelastic.core.wire`), writes the header
+A plain heartbeat is answered before all this, by the short path of :mod:`._lua_beat` (a few
+commands, the brief answer of :mod:`aelastic.core.brief`); whatever it cannot answer falls
+through, unchanged, to the port. The script answers with the reply's JSON
+(:mod:`aelastic.core.wire`), writes the header
 back, refreshes the keys' expiry, and publishes ``s<status JSON>`` on the run's channel when
 the status's token changed. Time is the server's (``TIME``) unless a test passes its own.
 Beyond the Python machine, the script keeps the primary's replication id in the header:
