@@ -284,8 +284,10 @@ async def test_wrong_data_password_is_a_one_line_error(
 async def test_a_state_written_under_another_primary_takes_a_new_epoch(run_id: str) -> None:
     """What a promoted replica serves: the state it holds was written under the old
     primary's replication id (here the id is rewritten instead of promoting a replica). The
-    first request moves it to a new epoch, once, and publishes it: who waits on a token of
-    the old epoch wakes and re-reads; the round itself is kept."""
+    first request down the script's whole path moves it to a new epoch, once, and publishes
+    it: who waits on a token of the old epoch wakes and re-reads; the round itself is kept.
+    A plain heartbeat's short path does not read the id (it writes nothing that names a
+    version, and a beat lost in the failover sends it down the whole path)."""
     with RedisServer() as server:
         async with handler_group("redis", server.url, run_id, 2, 2, 2, **QUIET) as handlers:
             assert_one_group(await join_all(handlers, 3 * PROMPT), 2)
@@ -298,7 +300,10 @@ async def test_a_state_written_under_another_primary_takes_a_new_epoch(run_id: s
             waiting = asyncio.ensure_future(backend.wait_for_change(before.status.token, 60))
             await asyncio.sleep(0)
             node = handlers[1]
-            await node.keep_alive(0.0)
+            assert (await node.keep_alive(0.0)).status.token == before.status.token
+            unmoved = await backend.snapshot()
+            assert unmoved is not None and unmoved.status.token == before.status.token
+            await node.num_nodes_waiting()  # a status read: the whole path
             with anyio.fail_after(PROMPT):
                 moved = await waiting
             assert moved is not None
