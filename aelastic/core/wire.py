@@ -56,8 +56,9 @@ def _require(ok: bool, what: str) -> None:
 
 
 def _obj(doc: Any, what: str) -> dict[str, Any]:
-    _require(type(doc) is dict, f"{what} must be a JSON object")
-    return doc  # type: ignore[no-any-return]
+    if type(doc) is not dict:
+        raise WireError(f"{what} must be a JSON object")
+    return doc
 
 
 def _int(doc: dict[str, Any], key: str, *, optional: bool = False, low: int = 0) -> Any:
@@ -66,13 +67,16 @@ def _int(doc: dict[str, Any], key: str, *, optional: bool = False, low: int = 0)
         return None
     if type(value) is float and value.is_integer():  # Lua's JSON may write 3.0
         value = int(value)
-    _require(type(value) is int and low <= value <= _MAX_INT, f"'{key}' must be an integer")
+    # (The message is made only when needed: these run for every field of every request.)
+    if type(value) is not int or not low <= value <= _MAX_INT:
+        raise WireError(f"'{key}' must be an integer")
     return value
 
 
 def _bool(doc: dict[str, Any], key: str, default: bool | None = None) -> bool:
     value = doc.get(key, default)
-    _require(type(value) is bool, f"'{key}' must be a boolean")
+    if type(value) is not bool:
+        raise WireError(f"'{key}' must be a boolean")
     return bool(value)
 
 
@@ -80,7 +84,8 @@ def _str(doc: dict[str, Any], key: str, *, optional: bool = False) -> Any:
     value = doc.get(key)
     if value is None and optional:
         return None
-    _require(type(value) is str, f"'{key}' must be a string")
+    if type(value) is not str:
+        raise WireError(f"'{key}' must be a string")
     return value
 
 
@@ -204,7 +209,8 @@ def request_from_json(doc: Any) -> Request:
     """
     d = _obj(doc, "a request")
     unknown = set(d) - _REQUEST_FIELDS
-    _require(not unknown, f"unknown field(s): {', '.join(sorted(map(repr, unknown)))}")
+    if unknown:
+        raise WireError(f"unknown field(s): {', '.join(sorted(map(repr, unknown)))}")
     try:
         op = Op(d.get("op"))
     except ValueError:
