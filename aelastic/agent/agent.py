@@ -5,8 +5,14 @@ How it works (one attempt per loop turn)::
     rendezvous -> publish record, multi_get all records -> ranks, MASTER_ADDR/PORT
         -> start workers (group rank 0 keeps the master port bound until the spawn)
         -> wait for the FIRST of: a worker exit, a change of the rendezvous group
+        -> a failure that broke in a collective: a member lost within the heartbeat window
+           explains it (a rescale, no restart spent)
         -> after a failure, the job's health (root cause, budget, quarantine: ._heal)
         -> policy.decide(observation, restarts_left) -> finish | restart | rescale | fail | ...
+
+A rescale keeps workers that recover in place (every local worker alive and opted in:
+:mod:`._inplace`): they are told the group changes, the agent re-rendezvouses and sends them
+their new ranks instead of restarting them.
 
 Nothing polls: worker exits are awaited (pidfds), group changes come from
 ``handler.watch()``, which the backend wakes. On success the node marks itself done in the
@@ -43,12 +49,14 @@ from ..core.health import JobHealth
 from ._aio import quietly, uncancellable
 from ._forks import ForkServer, fork_server_for
 from ._heal import JobHealthKeeper
+from ._inplace import InPlaceChannel
 from ._publish import AgentPublisher
 from ._services import agent_services, last_word
 from ._signals import forwarding, free_signals, raise_for, sigint_interrupts, signals_to_handle
 from ._supervise import supervise
 from ._unkillable import WorkersUnkillable
 from .api import DEFAULT_ROLE, ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
+from .env import worker_env
 from .errors import format_failures, kept_failures, logs_disposable
 from .events import (
     AgentMetrics,
@@ -59,11 +67,12 @@ from .events import (
     RendezvousCompleted,
     Restart,
     StandbysReady,
+    WorkersRecovered,
     WorkersStarted,
 )
 from .logs import run_log_dir
 from .membership import GroupChanged, RoundGroup
-from .policy import Action, Decision, decide
+from .policy import Action, Decision, Trigger, decide
 from .ranks import AgentRecord, ReservedPort, exchange_ranks
 from .standby import StandbyPool
 from .workers import WorkerSet
@@ -104,6 +113,8 @@ class ElasticAgent:
         self._stop_signal: int = signal.SIGTERM
         self._heal = JobHealthKeeper(spec, self._events)
         self._forks: ForkServer | None = None
+        self._inplace = InPlaceChannel()
+        self._held = False  # the workers are kept through a re-rendezvous (in place)
 
     def __repr__(self) -> str:
         return f"ElasticAgent(role={self._spec.role!r}, group={self._group!r})"
@@ -234,6 +245,8 @@ class ElasticAgent:
         )
         failures: dict[int, ProcessFailure] = {}
         stopped_at: float | None = None
+        await self._inplace.start()
+        self._standbys.schedule()  # a spare's workers are warm before it has a rank
         while True:
             try:
                 await self._heal.before_rendezvous(self._round)
@@ -246,15 +259,30 @@ class ElasticAgent:
                     return self._failed(failures, f"no restart ({typed(exc)})")
                 raise
             except GroupChanged as changed:
-                await self._act_on_membership(changed.decision)
-                stopped_at = time.monotonic()
+                await self._act_on_membership(changed.decision, keep=True)
+                stopped_at = stopped_at if self._held else time.monotonic()
                 continue
             failures = {}
-            await self._start_workers(stopped_at)
+            if not (self._held and self._resume_in_place(stopped_at)):
+                await self._stop_workers(WorkerState.STOPPED)  # held ones that cannot resume
+                await self._start_workers(stopped_at)
+            self._held = False
             assert self._round is not None and self._workers is not None
             observation, failures = await supervise(
-                self._workers, self._group, self._round, self._events, self._restarts_left
+                self._workers,
+                self._group,
+                self._round,
+                self._events,
+                self._restarts_left,
+                self._inplace,
+                self._peer_grace(),
+                self._spec.recovery_timeout,
             )
+            if failures and self._peer_may_explain(failures):
+                explained = await self._round.loss_within(self._peer_grace())
+                if explained is not None:  # a peer was lost: its loss broke our collective
+                    log.info("workers broke in a collective as a peer was lost: no restart")
+                    observation, failures = explained, {}
             observation = await self._heal.observe(observation, failures, self._group)
             decision = decide(observation, self._restarts_left)
             stopped_at = time.monotonic()
@@ -281,17 +309,67 @@ class ElasticAgent:
                     Restart, reason=decision.reason, spent=True, restarts_left=self._restarts_left
                 )
                 continue
-            await self._act_on_membership(decision)
+            keep = observation.trigger is Trigger.MEMBERSHIP_CHANGED
+            await self._act_on_membership(decision, keep=keep)
 
-    async def _act_on_membership(self, decision: Decision) -> None:
-        await self._stop_workers(WorkerState.STOPPED)
+    async def _act_on_membership(self, decision: Decision, keep: bool = False) -> None:
+        workers = self._workers
+        if keep and decision.action is Action.RESCALE and workers is not None:
+            self._held = self._inplace.opted_in(workers.processes)
+        else:
+            self._held = False
+        if self._held:
+            assert workers is not None
+            self._inplace.hold(workers.processes)  # they leave their group at once
+        else:
+            await self._stop_workers(WorkerState.STOPPED)
         if decision.action is Action.ABORT:
             await self._heal.tell()
             raise RendezvousClosedError(f"stopping the workers: {decision.reason}")
-        log.info("re-rendezvous without spending a restart: %s", decision.reason)
+        kept = " (workers kept: in-place recovery)" if self._held else ""
+        log.info("re-rendezvous without spending a restart%s: %s", kept, decision.reason)
         self._events.publish(
             Restart, reason=decision.reason, spent=False, restarts_left=self._restarts_left
         )
+
+    def _peer_grace(self) -> float:
+        """How long a broken collective may wait for the rendezvous to say a peer was lost:
+        the heartbeat window, a beat, a second."""
+        settings = self._handler.settings
+        return settings.heartbeat_window + settings.keep_alive_interval + 1.0
+
+    def _peer_may_explain(self, failures: Mapping[int, ProcessFailure]) -> bool:
+        """Whether a peer's loss may explain ``failures``: each broke in a collective (and
+        no worker was already told that no peer was lost)."""
+        return all(f.secondary for f in failures.values()) and not self._inplace.told_fail
+
+    def _resume_in_place(self, stopped_at: float | None) -> bool:
+        """Send the kept workers the ranks of the new round; whether they could be."""
+        workers = self._workers
+        assert workers is not None
+        procs = sorted(workers.processes, key=lambda p: p.local_rank)
+        if not self._inplace.opted_in(procs):
+            log.info("a worker kept for in-place recovery exited: starting the workers again")
+            return False
+        self._port.release()  # group rank 0's workers bind it now
+        envs = {}
+        for worker, proc in zip(self._group.workers, procs, strict=True):
+            worker.id = proc.pid
+            envs[proc.pid] = worker_env(
+                self._group,
+                worker,
+                restart_count=self.restart_count,
+                run_id=self._handler.get_run_id(),
+                error_file="",
+            )
+        self._inplace.resume(envs)
+        self._events.set_state(WorkerState.HEALTHY)
+        self._events.publish(
+            WorkersRecovered,
+            pids=MappingProxyType({p.local_rank: p.pid for p in procs}),
+            recovery=None if stopped_at is None else time.monotonic() - stopped_at,
+        )
+        return True
 
     def _failed(self, failures: dict[int, ProcessFailure], reason: str) -> RunResult:
         result = RunResult(WorkerState.FAILED, failures=self._kept(failures))
@@ -347,7 +425,9 @@ class ElasticAgent:
             self.restart_count,
             self._handler.get_run_id(),
             self._forks,
+            self._inplace.env(),
         )
+        self._inplace.forget()
         started = time.monotonic()
         standbys = await self._standbys.take()
         try:
@@ -415,6 +495,7 @@ class ElasticAgent:
         """Stop and reap every worker, leave the rendezvous, release what the run made."""
         try:
             await self._standbys.aclose()
+            await self._inplace.aclose()
             with suppress(WorkersUnkillable):  # told already; leave all the same
                 await self._stop_workers(WorkerState.STOPPED)
             self._port.release()
