@@ -16,6 +16,10 @@ from aelastic.rendezvous import RendezvousParameters, create_handler
 
 
 def main() -> int:
+    if os.environ.get("TRAIN_VERBOSE"):
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format=f"%(created).3f {os.getpid()} %(message)s")
     endpoint, run_id, mode, *conf = sys.argv[1:]
     config = dict(item.split("=", 1) for item in conf)
     params = RendezvousParameters(
