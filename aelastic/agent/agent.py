@@ -32,7 +32,6 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
-from dataclasses import replace
 from types import MappingProxyType
 
 import anyio
@@ -41,7 +40,6 @@ from ..core.errors import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
-    reason,
     typed,
 )
 from ..core.events import Event
@@ -49,31 +47,28 @@ from ..core.health import JobHealth
 from ._aio import quietly, uncancellable
 from ._forks import ForkServer, fork_server_for
 from ._heal import JobHealthKeeper
-from ._inplace import InPlaceChannel
 from ._publish import AgentPublisher
+from ._recover import PeerLoss
+from ._round import exit_barrier, form_round
 from ._services import agent_services, last_word
 from ._signals import forwarding, free_signals, raise_for, sigint_interrupts, signals_to_handle
 from ._supervise import supervise
 from ._unkillable import WorkersUnkillable
 from .api import DEFAULT_ROLE, ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
-from .env import worker_env
 from .errors import format_failures, kept_failures, logs_disposable
 from .events import (
     AgentMetrics,
     EventKind,
     EventStream,
-    ExitBarrier,
     Finished,
-    RendezvousCompleted,
     Restart,
     StandbysReady,
-    WorkersRecovered,
     WorkersStarted,
 )
 from .logs import run_log_dir
 from .membership import GroupChanged, RoundGroup
 from .policy import Action, Decision, Trigger, decide
-from .ranks import AgentRecord, ReservedPort, exchange_ranks
+from .ranks import ReservedPort
 from .standby import StandbyPool
 from .workers import WorkerSet
 
@@ -113,8 +108,7 @@ class ElasticAgent:
         self._stop_signal: int = signal.SIGTERM
         self._heal = JobHealthKeeper(spec, self._events)
         self._forks: ForkServer | None = None
-        self._inplace = InPlaceChannel()
-        self._held = False  # the workers are kept through a re-rendezvous (in place)
+        self._peer = PeerLoss(self._handler)  # a peer's loss: no restart, workers kept
 
     def __repr__(self) -> str:
         return f"ElasticAgent(role={self._spec.role!r}, group={self._group!r})"
@@ -245,7 +239,7 @@ class ElasticAgent:
         )
         failures: dict[int, ProcessFailure] = {}
         stopped_at: float | None = None
-        await self._inplace.start()
+        await self._peer.channel.start()
         self._standbys.schedule()  # a spare's workers are warm before it has a rank
         while True:
             try:
@@ -260,13 +254,12 @@ class ElasticAgent:
                 raise
             except GroupChanged as changed:
                 await self._act_on_membership(changed.decision, keep=True)
-                stopped_at = stopped_at if self._held else time.monotonic()
+                stopped_at = stopped_at if self._peer.held else time.monotonic()
                 continue
             failures = {}
-            if not (self._held and self._resume_in_place(stopped_at)):
+            if not (self._peer.held and self._resume(stopped_at)):
                 await self._stop_workers(WorkerState.STOPPED)  # held ones that cannot resume
                 await self._start_workers(stopped_at)
-            self._held = False
             assert self._round is not None and self._workers is not None
             observation, failures = await supervise(
                 self._workers,
@@ -274,15 +267,12 @@ class ElasticAgent:
                 self._round,
                 self._events,
                 self._restarts_left,
-                self._inplace,
-                self._peer_grace(),
+                self._peer.channel,
+                self._peer.grace,
                 self._spec.recovery_timeout,
             )
-            if failures and self._peer_may_explain(failures):
-                explained = await self._round.loss_within(self._peer_grace())
-                if explained is not None:  # a peer was lost: its loss broke our collective
-                    log.info("workers broke in a collective as a peer was lost: no restart")
-                    observation, failures = explained, {}
+            if (explained := await self._peer.explain(failures, self._round)) is not None:
+                observation, failures = explained, {}  # a peer's loss broke our collective
             observation = await self._heal.observe(observation, failures, self._group)
             decision = decide(observation, self._restarts_left)
             stopped_at = time.monotonic()
@@ -313,63 +303,28 @@ class ElasticAgent:
             await self._act_on_membership(decision, keep=keep)
 
     async def _act_on_membership(self, decision: Decision, keep: bool = False) -> None:
-        workers = self._workers
-        if keep and decision.action is Action.RESCALE and workers is not None:
-            self._held = self._inplace.opted_in(workers.processes)
-        else:
-            self._held = False
-        if self._held:
-            assert workers is not None
-            self._inplace.hold(workers.processes)  # they leave their group at once
-        else:
+        if not (keep and self._peer.hold(decision, self._workers)):
+            self._peer.held = False
             await self._stop_workers(WorkerState.STOPPED)
         if decision.action is Action.ABORT:
             await self._heal.tell()
             raise RendezvousClosedError(f"stopping the workers: {decision.reason}")
-        kept = " (workers kept: in-place recovery)" if self._held else ""
+        kept = " (workers kept: in-place recovery)" if self._peer.held else ""
         log.info("re-rendezvous without spending a restart%s: %s", kept, decision.reason)
         self._events.publish(
             Restart, reason=decision.reason, spent=False, restarts_left=self._restarts_left
         )
 
-    def _peer_grace(self) -> float:
-        """How long a broken collective may wait for the rendezvous to say a peer was lost:
-        the heartbeat window, a beat, a second."""
-        settings = self._handler.settings
-        return settings.heartbeat_window + settings.keep_alive_interval + 1.0
-
-    def _peer_may_explain(self, failures: Mapping[int, ProcessFailure]) -> bool:
-        """Whether a peer's loss may explain ``failures``: each broke in a collective (and
-        no worker was already told that no peer was lost)."""
-        return all(f.secondary for f in failures.values()) and not self._inplace.told_fail
-
-    def _resume_in_place(self, stopped_at: float | None) -> bool:
-        """Send the kept workers the ranks of the new round; whether they could be."""
-        workers = self._workers
-        assert workers is not None
-        procs = sorted(workers.processes, key=lambda p: p.local_rank)
-        if not self._inplace.opted_in(procs):
-            log.info("a worker kept for in-place recovery exited: starting the workers again")
-            return False
-        self._port.release()  # group rank 0's workers bind it now
-        envs = {}
-        for worker, proc in zip(self._group.workers, procs, strict=True):
-            worker.id = proc.pid
-            envs[proc.pid] = worker_env(
-                self._group,
-                worker,
-                restart_count=self.restart_count,
-                run_id=self._handler.get_run_id(),
-                error_file="",
-            )
-        self._inplace.resume(envs)
-        self._events.set_state(WorkerState.HEALTHY)
-        self._events.publish(
-            WorkersRecovered,
-            pids=MappingProxyType({p.local_rank: p.pid for p in procs}),
-            recovery=None if stopped_at is None else time.monotonic() - stopped_at,
+    def _resume(self, stopped_at: float | None) -> bool:
+        assert self._workers is not None
+        return self._peer.resume(
+            self._group,
+            self._workers,
+            self._events,
+            self.restart_count,
+            stopped_at,
+            before_send=self._port.release,  # group rank 0's workers bind it now
         )
-        return True
 
     def _failed(self, failures: dict[int, ProcessFailure], reason: str) -> RunResult:
         result = RunResult(WorkerState.FAILED, failures=self._kept(failures))
@@ -380,36 +335,12 @@ class ElasticAgent:
     # -- rendezvous and ranks -------------------------------------------------------------
 
     async def _rendezvous(self) -> None:
-        spec, group = self._spec, self._group
         self._events.set_state(WorkerState.INIT)
         started = time.monotonic()
         info = await self._handler.next_rendezvous()
         self._joined = True
-        store, group_rank = info.store, info.rank
-        mine = AgentRecord(spec.role, spec.local_world_size, self._handler.node)
-        if group_rank == 0:
-            addr = spec.master_addr or spec.local_addr or self._handler.node.addr
-            port = spec.master_port or self._port.reserve()
-            mine = replace(mine, master_addr=addr, master_port=port)
-        self._round = RoundGroup(self._handler, store)
-        timeout = self._handler.settings.join_timeout
-        exchange = exchange_ranks(store, group_rank, info.world_size, mine, timeout)
-        mine_assigned = await self._round.unless_changed(exchange, self._restarts_left)
-        group.store = store
-        group.group_rank = group_rank
-        group.group_world_size = info.world_size
-        group.master_addr = mine_assigned.master_addr
-        group.master_port = mine_assigned.master_port
-        group.workers = mine_assigned.workers()
-        group.round = self._handler.round
-        duration = time.monotonic() - started
-        log.info("rendezvous round %s complete in %.3f s: %r", group.round, duration, group)
-        self._events.publish(
-            RendezvousCompleted,
-            group_rank=group_rank,
-            group_world_size=info.world_size,
-            world_size=group.workers[0].world_size,
-            duration=duration,
+        self._round = await form_round(
+            self._handler, info, self._group, self._port, self._events, self._restarts_left, started
         )
 
     # -- workers --------------------------------------------------------------------------
@@ -425,9 +356,9 @@ class ElasticAgent:
             self.restart_count,
             self._handler.get_run_id(),
             self._forks,
-            self._inplace.env(),
+            self._peer.channel.env(),
         )
-        self._inplace.forget()
+        self._peer.channel.forget()
         started = time.monotonic()
         standbys = await self._standbys.take()
         try:
@@ -465,37 +396,20 @@ class ElasticAgent:
         assert self._workers is not None
         values = self._workers.return_values()
         await self._stop_workers(WorkerState.SUCCEEDED)  # reaped already; sweeps leftovers
-        complete = await self._exit_barrier()
+        complete = await exit_barrier(
+            self._handler, self._group, self._round, self._events, self._spec.exit_barrier_timeout
+        )
         if complete:
             with anyio.move_on_after(last_word(self._handler)), suppress(RendezvousError):
                 await self._handler.set_closed()
         log.info("workers of role '%s' succeeded", self._spec.role)
         return RunResult(WorkerState.SUCCEEDED, return_values=values)
 
-    async def _exit_barrier(self) -> bool:
-        """Wait at the exit barrier; whether every member of the round succeeded."""
-        group, round_group = self._group, self._round
-        assert round_group is not None and group.group_rank is not None
-        assert group.group_world_size is not None
-        started = time.monotonic()
-        complete = False
-        try:
-            complete = await round_group.exit_barrier(
-                self._handler.node, group.group_world_size, self._spec.exit_barrier_timeout
-            )
-        except RendezvousError as exc:
-            log.warning("exit barrier failed: %s", reason(exc))
-        duration = time.monotonic() - started
-        if not complete:
-            log.warning("exit barrier incomplete after %.3f s; leaving anyway", duration)
-        self._events.publish(ExitBarrier, duration=duration, complete=complete)
-        return complete
-
     async def _shutdown(self, result: RunResult | None) -> None:
         """Stop and reap every worker, leave the rendezvous, release what the run made."""
         try:
             await self._standbys.aclose()
-            await self._inplace.aclose()
+            await self._peer.channel.aclose()
             with suppress(WorkersUnkillable):  # told already; leave all the same
                 await self._stop_workers(WorkerState.STOPPED)
             self._port.release()

@@ -72,8 +72,14 @@ def in_place() -> None:
         while state["step"] < STEPS:
             loss = one_step(model, optimizer, True)
             state["step"] += 1
-            report(event="step", step=state["step"], rank=round.rank, world=round.world_size,
-                   loss=loss, gen=round.number)
+            report(
+                event="step",
+                step=state["step"],
+                rank=round.rank,
+                world=round.world_size,
+                loss=loss,
+                gen=round.number,
+            )
             time.sleep(PAUSE)
 
     aelastic.worker.InPlace(state, backend="gloo", timeout=30).run(train)
@@ -96,8 +102,10 @@ def plain() -> None:
         loss = one_step(model, optimizer, True)
         step += 1
         path = os.path.join(directory, f"{rank}.pt")
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "step": step}, path + ".tmp")
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+            path + ".tmp",
+        )
         os.replace(path + ".tmp", path)
         report(event="step", step=step, rank=rank, world=world, loss=loss, gen=0)
         time.sleep(PAUSE)

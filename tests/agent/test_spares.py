@@ -60,7 +60,9 @@ class Reports:
 
 
 @contextmanager
-def three_nodes(mode: str, tmp_path: Path) -> Iterator[tuple[list[subprocess.Popen[bytes]], Reports]]:
+def three_nodes(
+    mode: str, tmp_path: Path
+) -> Iterator[tuple[list[subprocess.Popen[bytes]], Reports]]:
     reports = Reports()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAIN_ADDR": reports.addr}
     env.update(TRAIN_DIR=str(tmp_path), TRAIN_STEPS=str(STEPS), TRAIN_LOGS=str(tmp_path / "logs"))
@@ -84,15 +86,23 @@ def _lose_a_member(
     """Once both members trained a few steps, SIGKILL the agent of global rank 0 (the
     round's store is on its host); the killed node, the last report per rank, the time."""
     last: dict[int, dict[str, Any]] = {}
-    reports.until(lambda r: r["event"] == "step" and last.update({r["rank"]: r}) is None
-                  and len(last) == 2 and min(s["step"] for s in last.values()) >= 5)
+    reports.until(
+        lambda r: (
+            r["event"] == "step"
+            and last.update({r["rank"]: r}) is None
+            and len(last) == 2
+            and min(s["step"] for s in last.values()) >= 5
+        )
+    )
     [victim] = [n for n in nodes if n.pid == last[0]["agent"]]
     killed = time.time()
     victim.send_signal(signal.SIGKILL)
     return victim, last, killed
 
 
-def _finish(nodes: list[subprocess.Popen[bytes]], victim: subprocess.Popen[bytes], reports: Reports) -> list[dict[str, Any]]:
+def _finish(
+    nodes: list[subprocess.Popen[bytes]], victim: subprocess.Popen[bytes], reports: Reports
+) -> list[dict[str, Any]]:
     done: list[dict[str, Any]] = []
     reports.until(lambda r: r["event"] == "done" and done.append(r) is None and len(done) == 2)
     for node in nodes:
