@@ -95,8 +95,8 @@ class InPlaceChannel:
                     self._workers[pid] = _Worker(writer)
                 elif (worker := self._workers.get(pid)) is None:
                     continue
-                elif op == "broken":
-                    worker.broken = str(message.get("error", ""))
+                elif op == "broken" and int(message.get("gen", self.gen)) >= self.gen:
+                    worker.broken = str(message.get("error", ""))  # else: a round came since
                     self.broken.set()
                 elif op == "joined":
                     worker.joined = int(message.get("gen", 0))
@@ -132,7 +132,10 @@ class InPlaceChannel:
         """Send each worker (pid -> its full environment) the ranks of its new group."""
         self.gen += 1
         self.told_fail = False
+        self.broken.clear()
         for pid, env in envs.items():
+            if (worker := self._workers.get(pid)) is not None:
+                worker.broken = None  # the new round explains why its group broke
             round_env = {k: env[k] for k in ROUND_KEYS if k in env}
             self._send(pid, op="round", gen=self.gen, env=round_env)
 

@@ -304,7 +304,7 @@ class InPlace:
 
     def _leave(self, exc: BaseException) -> None:
         assert self._channel is not None
-        self._channel.send(op="broken", pid=os.getpid(), error=str(exc)[:500])
+        self._channel.send(op="broken", pid=os.getpid(), error=str(exc)[:500], gen=self._number)
         import torch.distributed as dist
 
         if dist.is_initialized():
