@@ -1,24 +1,27 @@
 """The node-loss case of ``recovery_latency.py``: a member node is lost -> every rank of the
 re-formed job finished its next training step.
 
-Three launchers on this machine run one job of ``--nnodes 2:2`` (one worker each,
-``_train_worker.py``): two train, the third waits as a spare (torch's redundancy list). Once
+aelastic: three launchers on this machine run one job of ``--nnodes 2:2`` (one worker each,
+``_train_worker.py``): two train, the third waits as a spare (the redundancy list). Once
 both members trained a few steps, one member is SIGKILLed with its worker (a node that loses
-power): never the first launcher, which hosts torchrun's c10d store (its loss ends a torch
-job). The time is from the kill to the last rank's first step in the new group (worker
+power). The time is from the kill to the last rank's first step in the new group (worker
 clocks: the same machine). Variants, all with the same heartbeat window (``CONF``):
 
-* ``torch``: ``torchrun`` on c10d; the survivor's worker fails, torchrun restarts it (a
-  restart spent) and a replacement node joins; both load the newest checkpoint. torch cannot
-  keep a spare: with a third node standing by (its redundancy list) the members' workers were
-  stopped and started again every 1 to 8 s, before any failure (torch 2.13, measured here), so
-  torch's third launcher starts at the moment of the kill (a best case: a replacement that
-  takes no time to provision).
-* ``restart``: aelastic, warm standbys off: the same restart from a checkpoint, cold.
+* ``restart``: aelastic, warm standbys off: the survivor's worker fails, is started again
+  cold and loads the newest checkpoint, as the spare's does.
 * ``spare``: aelastic with warm standbys that imported torch ahead (a hot spare); still a
   restart from the checkpoint.
 * ``inplace``: aelastic with a hot spare, and the worker uses ``aelastic.worker.InPlace``:
   the survivor's worker stays, the spare's gets the state from it.
+* ``torch``: ``torchrun`` on c10d cannot keep a spare: with a third node standing by (its
+  redundancy list) the members' workers were stopped and started again every 1 to 8 s
+  before any failure (torch 2.13, measured here). So torch runs two launchers and a third
+  is started at the moment of the kill (a replacement that takes no time to provision); the
+  survivor's worker fails, torchrun restarts it (a restart spent) and both load the newest
+  checkpoint. The first launcher hosts the c10d store: it is never the one killed.
+
+A variant whose ranks make no step within ``AFTER_KILL`` seconds of the kill counts as
+``inf`` (did not resume).
 
 ``python _node_loss.py node ENDPOINT RUN_ID VARIANT`` runs one aelastic node (HTTP
 rendezvous).
@@ -27,6 +30,7 @@ rendezvous).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -46,6 +50,8 @@ CONF = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2", "last_call_ti
 VARIANTS = ("torch", "restart", "spare", "inplace")
 #: Steps each member trains before the kill.
 WARMUP_STEPS = 5
+#: Seconds after the kill within which every rank must have made a step.
+AFTER_KILL = 90.0
 
 
 def node(argv: Sequence[str]) -> int:
@@ -160,10 +166,14 @@ def _lose_a_member(
     _kill_tree(victim)
     if replace is not None:
         replace()
+    deadline = time.monotonic() + AFTER_KILL
     old = {(pid, gen) for _, pid, gen in before.values()}
     after: dict[int, float] = {}
     while len(after) < 2:
-        _, rank, _step, t, pid, gen = report()
+        try:
+            _, rank, _step, t, pid, gen = report()
+        except TimeoutError:
+            return math.inf
         if float(t) > killed and (pid, gen) not in old:
             after.setdefault(int(rank), float(t))
     return max(after.values()) - killed

@@ -56,7 +56,7 @@ def checkpointed() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     model, optimizer = make()
     step = 0
-    saved = [torch.load(p) for p in glob.glob(os.path.join(directory, "*.pt"))]
+    saved = [torch.load(p) for p in glob.glob(os.path.join(directory, "*.pt"))]  # each rank's
     if saved:
         newest = max(saved, key=lambda s: s["step"])
         model.load_state_dict(newest["model"])
@@ -68,8 +68,8 @@ def checkpointed() -> None:
         one_step(model, optimizer)
         step += 1
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        torch.save(state, f"{path}.{os.getpid()}")  # a rank's old and new worker may overlap
+        os.replace(f"{path}.{os.getpid()}", path)
         report(rank, step, 0)
         time.sleep(PAUSE)
 

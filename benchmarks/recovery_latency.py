@@ -26,6 +26,7 @@ torch beside aelastic's variants; needs matplotlib).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -141,7 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         loss = node_loss(args.repeat)
         rows = [(f"node lost: {v}", loss["torch"], loss[v], "s") for v in NODE_LOSS]
         print(table(f"{title}: node lost -> every rank finished its next step", rows[1:]))
-        series = {NODE_LOSS[v]: [loss[v]] for v in NODE_LOSS}
+        bound = _node_loss.AFTER_KILL
+        if loss["torch"] == math.inf:
+            print(f"torchrun: no step within {bound:g} s of the kill (plotted at {bound:g} s)")
+        series = {
+            NODE_LOSS[v] + (f": no step in {bound:g} s" if loss[v] == math.inf else ""): [
+                min(loss[v], bound)
+            ]
+            for v in NODE_LOSS
+        }
         group = ["3 nodes, --nnodes 2:2\n(one a spare; gloo, CPU)"]
         panels.append(("a node is lost -> every rank's next step", "seconds", group, series))
     if "crash" in cases:
