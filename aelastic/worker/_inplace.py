@@ -114,7 +114,11 @@ class _Channel:
 
     def __init__(self, path: str) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(path)
+        try:
+            self._sock.connect(path)
+        except OSError:
+            self._sock.close()
+            raise
         self._lock = threading.Lock()
         self.rounds: queue.Queue[dict[str, Any]] = queue.Queue()
         #: The newest generation the agent said is changing (-1: none).
