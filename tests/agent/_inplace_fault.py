@@ -3,10 +3,11 @@
 
 * ``broken-alone``: its collective "breaks" (a ``RuntimeError`` naming a closed connection)
   while no peer is lost: its agent must tell it to fail, and it exits with that error.
-* ``stuck-handover MARKER``: in its first group of two, says so (the file
-  ``MARKER.<pid>``) and waits for the group to change; the first survivor that hands its state
-  over (no file ``MARKER`` yet) makes the file and hangs in the hand-over: its agent's
-  ``recovery_timeout`` must restart it the old way. Alone, it exits 0.
+* ``stuck-handover MARKER``: in a group of two, says so (the file ``MARKER.<pid>``) and waits
+  for the group to change; alone, waits for a second node too until the file ``MARKER``
+  exists, then exits 0. A survivor left alone in its new group (no file ``MARKER`` yet) makes
+  the file and hangs in the hand-over: its agent's ``recovery_timeout`` must restart it the
+  old way.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def broken_alone() -> None:
 
 def stuck_handover(marker: str) -> None:
     def handover(round: aelastic.worker.Round) -> None:
-        if round.recovered and not os.path.exists(marker):
+        if round.recovered and round.world_size == 1 and not os.path.exists(marker):
             open(marker, "w").close()
             time.sleep(3600)  # stuck: the agent's recovery_timeout ends it
 
@@ -36,7 +37,7 @@ def stuck_handover(marker: str) -> None:
     def train(round: aelastic.worker.Round) -> None:
         if round.world_size == 2:
             open(f"{marker}.{os.getpid()}", "w").close()
-        while round.world_size == 2:
+        while round.world_size == 2 or not os.path.exists(marker):
             recovery.check()  # until the group changes
             time.sleep(0.05)
 

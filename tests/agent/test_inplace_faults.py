@@ -85,6 +85,8 @@ async def test_workers_that_do_not_join_in_time_restart_the_old_way_spending_non
     kinds = [e.kind for e in seen]
     recovered = kinds.index(EventKind.WORKERS_RECOVERED)  # kept once, in place
     reasons = [getattr(e, "reason", "") for e in seen[recovered:]]
-    assert "workers did not recover in place in time: restarting" in reasons
+    assert "workers did not recover in place in time: restarting" in reasons, [
+        (e.kind.value, getattr(e, "reason", ""), getattr(e, "pids", "")) for e in seen
+    ]
     assert EventKind.WORKERS_STARTED in kinds[recovered:]  # then started the old way
     assert survivor.restart_count == 0
