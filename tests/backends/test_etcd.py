@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -25,9 +27,11 @@ from aelastic.backends.etcd import (
     create_backend,
     parse_endpoint,
 )
+from aelastic.core.params import Rules
 from aelastic.core.redact import redact
+from aelastic.core.state import NodeDesc, Op, Outcome, Request
 from aelastic.rendezvous import DynamicRendezvousHandler
-from tests._etcd_server import EtcdCluster, EtcdServer
+from tests._etcd_server import EtcdCluster, EtcdServer, b64
 from tests._ports import free_port
 from tests._redis_server import RedisServer
 from tests._rendezvous_helpers import PROMPT, assert_one_group, handler_group, join_all
@@ -227,6 +231,30 @@ async def test_a_heartbeat_wakes_nobody_and_costs_one_request(server: EtcdServer
             w.cancel()
         beats = [h.stats.requests - b for h, b in zip(handlers, before, strict=True)]
         assert all(3 <= n <= 8 for n in beats), beats  # one request per beat, ~6 each
+
+
+async def test_a_nodes_lease_lives_the_runs_window_not_its_requests(server: EtcdServer) -> None:
+    """A node whose first join carried a 1 ms window is refused (the run's is 6 s); joined
+    with the run's rules, its key lives on a lease of the run's window, and the key's value
+    (which holds the node's secret) is in no snapshot."""
+    rules = Rules(2, 2, last_call_ms=100, window_ms=6_000)
+    first, second = NodeDesc("10.0.0.1", 1, 0), NodeDesc("10.0.0.2", 1, 0)
+    async with (
+        backend(server.endpoint, "lease-window") as a,
+        backend(server.endpoint, "lease-window") as b,
+    ):
+        await a.apply(Request(Op.JOIN, first, rules, port=1, secret="a" * 32))
+        tiny = dataclasses.replace(rules, window_ms=1)
+        refused = await b.apply(Request(Op.JOIN, second, tiny, port=2, secret="b" * 32))
+        assert refused.outcome is Outcome.ERROR_RULES and refused.run_rules == rules
+        joined = await b.apply(Request(Op.JOIN, second, rules, port=2, secret="b" * 32))
+        assert joined.outcome is Outcome.FINISH and joined.rank == 1
+        raw = server.call("/v3/kv/range", {"key": b64(b.keys.member("p", second))})["kvs"][0]
+        lease = server.call("/v3/lease/timetolive", {"ID": raw["lease"]})
+        assert int(lease["grantedTTL"]) == 6
+        snapshot = await b.snapshot()
+    assert snapshot is not None and snapshot.rules == rules
+    assert "b" * 32 not in repr(snapshot) and "b" * 32 in base64.b64decode(raw["value"]).decode()
 
 
 # -- a 3-member cluster ---------------------------------------------------------------------
