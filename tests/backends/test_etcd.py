@@ -6,6 +6,8 @@ import asyncio
 import base64
 import dataclasses
 import json
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -27,6 +29,7 @@ from aelastic.backends.etcd import (
     create_backend,
     parse_endpoint,
 )
+from aelastic.backends.etcd._client import SLOW, EtcdClient
 from aelastic.core.params import Rules
 from aelastic.core.redact import redact
 from aelastic.core.state import NodeDesc, Op, Outcome, Request
@@ -255,6 +258,32 @@ async def test_a_nodes_lease_lives_the_runs_window_not_its_requests(server: Etcd
         snapshot = await b.snapshot()
     assert snapshot is not None and snapshot.rules == rules
     assert "b" * 32 not in repr(snapshot) and "b" * 32 in base64.b64decode(raw["value"]).decode()
+
+
+async def test_a_busy_member_is_waited_for_and_never_sent_a_request_twice(
+    server: EtcdServer,
+) -> None:
+    """The only member stops answering for longer than a request's patience and its status
+    probe's (SIGSTOP): the write is waited for, not sent again (a busy etcd must not be
+    given twice the work): one request and one status probe."""
+    client = EtcdClient(parse_endpoint(server.endpoint, {}), read_timeout=30)
+    key = b64("/busy/k")
+    try:
+        await client.call("/v3/kv/put", {"key": key, "value": b64("0")}, "put")
+        assert server.process is not None
+        sent = client.requests
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            body = {"key": key, "value": b64("1")}
+            put = asyncio.ensure_future(client.call("/v3/kv/put", body, "put"))
+            await asyncio.sleep(2 * SLOW + 0.5)  # the probe of the member timed out meanwhile
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        await asyncio.wait_for(put, PROMPT)
+        assert client.requests - sent == 2
+    finally:
+        await client.aclose()
+    assert server.call("/v3/kv/range", {"key": key})["kvs"][0]["version"] == "2"
 
 
 # -- a 3-member cluster ---------------------------------------------------------------------
