@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -284,6 +285,24 @@ async def test_a_busy_member_is_waited_for_and_never_sent_a_request_twice(
     finally:
         await client.aclose()
     assert server.call("/v3/kv/range", {"key": key})["kvs"][0]["version"] == "2"
+
+
+async def test_an_only_member_slow_to_accept_is_given_the_calls_time() -> None:
+    """The only member's accept queue is full (it drops new connections' SYNs, as a busy
+    etcd does): the call waits within its budget instead of connecting again every 2 s
+    (each try would add to that backlog); it then fails naming the endpoint."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):  # fills the queue
+            client = EtcdClient(parse_endpoint(f"127.0.0.1:{port}", {}), read_timeout=4.5)
+            try:
+                with pytest.raises(RendezvousConnectionError, match="could not be reached"):
+                    await client.call("/v3/kv/range", {"key": b64("k")}, "read")
+                assert client.requests == 2  # the call and one status probe
+            finally:
+                await client.aclose()
 
 
 # -- a 3-member cluster ---------------------------------------------------------------------

@@ -56,7 +56,10 @@ __all__ = [
 SLOW = 1.5
 #: Seconds the one attempt of a call made after the outage's budget ran out may take.
 LAST_ATTEMPT = 2.0
-#: Connecting to a member: a member that does not answer in this time is passed over.
+#: Connecting to a member: a member that does not answer in this time is passed over when
+#: there are others (the only member is given the attempt's whole time: a busy etcd takes
+#: long to accept a connection, and trying again only adds to its backlog; measured, 1,024
+#: nodes connecting at once to one member on 2 cores had their watches time out 424 times).
 CONNECT_TIMEOUT = 2.0
 
 #: gRPC codes (grpc-gateway puts them in the error body).
@@ -171,6 +174,10 @@ class EtcdClient:
 
     # -- one request ----------------------------------------------------------------------
 
+    def _connect_within(self, timeout: float) -> float:
+        """How long connecting to a member may take (see :data:`CONNECT_TIMEOUT`)."""
+        return min(timeout, CONNECT_TIMEOUT) if len(self._urls) > 1 else timeout
+
     def _headers(self) -> dict[str, str] | None:
         return {"Authorization": self._token} if self._token else None
 
@@ -224,7 +231,7 @@ class EtcdClient:
     async def _send(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         session = self._session_now()
         self.requests += 1
-        limits = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, CONNECT_TIMEOUT))
+        limits = aiohttp.ClientTimeout(total=timeout, sock_connect=self._connect_within(timeout))
         try:
             async with session.post(
                 url, json=body, headers=self._headers(), timeout=limits
@@ -369,7 +376,9 @@ class EtcdClient:
         url = self._urls[self._current]
         if self.endpoint.username and self._token is None:
             await self._login(url, self.read_timeout)
-        limits = aiohttp.ClientTimeout(total=timeout, sock_connect=CONNECT_TIMEOUT)
+        limits = aiohttp.ClientTimeout(
+            total=timeout, sock_connect=self._connect_within(timeout or self.read_timeout)
+        )
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.requests += 1
         try:
