@@ -23,8 +23,9 @@ from ...core.errors import RendezvousConnectionError
 from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Transition
 from ...core.token import new_epoch
 from ._client import LeaseNotFound, b64
+from ._decide import decide
 from ._layout import Header, decode_header, encode_header, member_value, prefix_end, rules_tag
-from ._port import LISTS, Plan, View, decide, needs_names, status_of
+from ._port import LISTS, Plan, View, needs_names, status_of
 from ._reads import RunReads, members_of, range_of, range_op
 
 __all__ = ["RunPort"]
