@@ -174,3 +174,41 @@ def test_the_pages_static_files_are_package_data() -> None:
     static = sorted(p.name for p in (_PACKAGE / "web" / "static").iterdir())
     assert "web/static/*" in patterns and static
     assert {"app.js", "style.css", "page.html", "login.html", "message.html"} <= set(static)
+
+
+def _sibling_imports(path: Path) -> set[str]:
+    """The private modules of ``path``'s own folder that it imports (anywhere in the file)."""
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(alias.name for alias in node.names)
+    return {name for name in found if (path.parent / f"{name}.py").exists()} - {"__init__"}
+
+
+def _reaches(graph: dict[str, set[str]], start: str, goal: str, seen: set[str]) -> bool:
+    for nxt in graph.get(start, set()) - seen:
+        if nxt == goal or _reaches(graph, nxt, goal, seen | {nxt}):
+            return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "folder",
+    sorted(p.name for p in (_PACKAGE / "backends").iterdir() if (p / "__init__.py").exists()),
+)
+def test_a_backends_modules_import_each_other_one_way(folder: str) -> None:
+    """The modules of a backend's folder form layers too: no two of them import each other,
+    directly or through others, so each can be read on top of what it imports."""
+    root = _PACKAGE / "backends" / folder
+    for directory in sorted({p.parent for p in root.rglob("*.py")}):
+        graph = {
+            p.stem: _sibling_imports(p) for p in directory.glob("*.py") if p.stem != "__init__"
+        }
+
+        cycles = sorted(m for m in graph if _reaches(graph, m, m, set()))
+        assert not cycles, f"{directory.relative_to(_PACKAGE)}: a cycle through {cycles}"

@@ -168,6 +168,8 @@ async def test_idle_connections_neither_lock_out_clients_nor_stay(
     with HttpServer(extra_args=("--read-timeout", str(read_timeout))) as server:
         opened = time.monotonic()
         idle = open_idle(server.port, IDLE)
+        # On a loaded machine the opening may outlast the timeout: the first ones are gone.
+        all_open = time.monotonic() - opened < read_timeout - 1.0
         try:
             held = server_fds(server)
             took = await real_client_round_trip(server.endpoint, run_id)
@@ -178,7 +180,8 @@ async def test_idle_connections_neither_lock_out_clients_nor_stay(
         finally:
             for sock in idle:
                 sock.close()
-        assert held >= IDLE, f"the server held {held} descriptors, not {IDLE} connections"
+        if all_open:
+            assert held >= IDLE, f"the server held {held} descriptors, not {IDLE} connections"
         assert received == {}, "an idle connection was answered (refused?)"
         assert closed_after >= read_timeout - 1.0
         # Still serving afterwards, and no traceback (only a line about the slow clients).
@@ -199,7 +202,11 @@ async def test_the_open_file_limit_is_raised_and_fits_the_connections(
     def low_limits() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 
-    cmd = [sys.executable, "-m", "aelastic", "serve", "--port", str(port), "--read-timeout", "2"]
+    # Long enough for the idle ones to be opened before the first of them times out, on a
+    # loaded machine too: the limit must be reached while they are all there.
+    read_timeout = 8
+    cmd = [sys.executable, "-m", "aelastic", "serve", "--port", str(port)]
+    cmd += ["--read-timeout", str(read_timeout)]
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before the loop is busy
             cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file, text=True,
@@ -211,8 +218,8 @@ async def test_the_open_file_limit_is_raised_and_fits_the_connections(
             idle = open_idle(port, 1100)
             try:
                 took = await real_client_round_trip(f"127.0.0.1:{port}", run_id)
-                assert took < 2 + PROMPT
-                received = await asyncio.to_thread(wait_closed, idle, 2 + 3 * PROMPT)
+                assert took < read_timeout + PROMPT
+                received = await asyncio.to_thread(wait_closed, idle, read_timeout + 3 * PROMPT)
             finally:
                 for sock in idle:
                     sock.close()

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from aelastic.backends.http import HttpBackend
 from aelastic.backends.http.server import _throttle
 from aelastic.backends.http.server._throttle import BURST
 from aelastic.core.params import Rules
@@ -146,6 +147,26 @@ async def test_token_guesses_are_limited_per_client_counted_and_logged(
     assert f"{BURST - 1} failed token check(s) (bearer {BURST - 1})" in lines[1], lines
     assert f"{30 - BURST + 3 + 1} request(s) refused" in lines[1], lines
     assert len(_client_lines(caplog, "127.0.0.3")) == 1
+
+
+async def test_a_node_throttled_for_a_neighbours_guesses_waits_and_goes_on(
+    monkeypatch: pytest.MonkeyPatch, run_id: str
+) -> None:
+    """Wrong tokens from this node's address (a neighbour behind the same NAT) make the
+    server answer 429 with Retry-After: the node's client waits it out within its budget
+    instead of failing the job at once."""
+    monkeypatch.setattr(_throttle, "REFILL", 1.0)
+    async with serve_in_loop(token=TOKEN) as url:
+        for i in range(BURST + 2):
+            await call("127.0.0.1", "GET", url + "/v1/health", token=f"guess-{i}")
+        assert (await call("127.0.0.1", "GET", url + "/v1/health", token=TOKEN))[0] == 429
+        client = HttpBackend(run_id, url, token=TOKEN, read_timeout=60.0)
+        try:
+            started = time.monotonic()
+            await client.snapshot()
+            assert time.monotonic() - started >= 0.5  # it waited (Retry-After: 1 s)
+        finally:
+            await client.aclose()
 
 
 def _client_lines(caplog: pytest.LogCaptureFixture, address: str) -> list[str]:

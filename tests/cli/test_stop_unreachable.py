@@ -71,7 +71,7 @@ def _stopped(node: Cli, sig: signal.Signals) -> None:
     after = lines[received + 1 :]
     assert not [x for x in after if "retrying" in x or "unreachable" in x], node.output
     assert f"stopped by {sig.name}" in node.output, node.output
-    assert "Traceback" not in node.output
+    assert "Traceback" not in node.output, node.output
 
 
 @pytest.mark.parametrize(

@@ -23,11 +23,12 @@ from typing import Any, NamedTuple
 
 from ...core.race import cancel_and_wait
 from .._watch import RunWatch
-from ._endpoint import RedisEndpoint
+from ._cluster import Cluster
+from ._endpoint import CLUSTER, SENTINEL, RedisEndpoint
 from ._listener import Listener
-from ._servers import CONNECT_TIMEOUT, Batch, make_server
+from ._servers import CONNECT_TIMEOUT, Batch, SentinelPrimary, Standalone
 
-__all__ = ["CONNECT_TIMEOUT", "RedisClient"]
+__all__ = ["CONNECT_TIMEOUT", "RedisClient", "make_server"]
 
 log = logging.getLogger("aelastic.backends.redis")
 
@@ -288,3 +289,12 @@ class _Slots:
 def _time_out(future: asyncio.Future[Any]) -> None:
     if not future.done():
         future.set_exception(asyncio.TimeoutError())
+
+
+def make_server(endpoint: RedisEndpoint, max_connections: int) -> Standalone:
+    """The server object of ``endpoint``'s kind (:mod:`._servers`, :mod:`._cluster`)."""
+    if endpoint.kind == SENTINEL:
+        return SentinelPrimary(endpoint, max_connections)
+    if endpoint.kind == CLUSTER:
+        return Cluster(endpoint, max_connections)
+    return Standalone(endpoint, max_connections)

@@ -1,7 +1,7 @@
 """Where a run's keys live: a standalone server, a primary found by Sentinel, or a Cluster.
 
-How it works: :func:`make_server` gives :class:`~._client.RedisClient` one object per
-endpoint kind, all with the same small surface (discovery and routing are redis-py's):
+How it works: :class:`~._client.RedisClient` makes one object per endpoint kind, all with
+the same small surface (discovery and routing are redis-py's):
 
 * :class:`Standalone`: lean connections of our own (:mod:`._resp`): the listener's, which
   subscribes on the server itself and, on RESP3, carries every batch that does not wait for
@@ -38,11 +38,11 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from ._endpoint import CLUSTER, SENTINEL, RedisEndpoint
+from ._endpoint import RedisEndpoint
 from ._options import connection_kwargs, sentinel_kwargs
 from ._resp import CONNECT_TIMEOUT, Dialer, RespConnection, pack
 
-__all__ = ["CONNECT_TIMEOUT", "Batch", "SentinelPrimary", "Standalone", "make_server"]
+__all__ = ["CONNECT_TIMEOUT", "Batch", "SentinelPrimary", "Standalone", "acked"]
 
 
 class Batch(NamedTuple):
@@ -327,17 +327,6 @@ class SentinelPrimary(Standalone):
     async def aclose(self) -> None:
         await super().aclose()
         await self.sentinel.aclose()
-
-
-def make_server(endpoint: RedisEndpoint, max_connections: int) -> Standalone:
-    """The server object of ``endpoint``'s kind."""
-    if endpoint.kind == SENTINEL:
-        return SentinelPrimary(endpoint, max_connections)
-    if endpoint.kind == CLUSTER:
-        from ._cluster import Cluster  # (it builds on Standalone)
-
-        return Cluster(endpoint, max_connections)
-    return Standalone(endpoint, max_connections)
 
 
 def acked(reply: Any) -> int:

@@ -13,7 +13,9 @@ first: a call made while the server has been failing for a while gets what is le
 budget (at least one attempt), so the countdown of "retrying for N s more" never starts
 again while nothing answers (heartbeats, a watch and the leave of a stopping node are so
 many calls), and the answers other calls get never renew it. A ``401`` is never retried: it
-raises at once, saying the server refused the token.
+raises at once, saying the server refused the token. A ``429`` with ``Retry-After`` (the
+server throttles token checks from this client's address, which a neighbour sending wrong
+tokens may have caused) is waited out, within the same budget.
 """
 
 from __future__ import annotations
@@ -121,12 +123,14 @@ class Connection:
                     method, url, json=body, headers=headers, timeout=timeout
                 ) as response:
                     status = response.status
-                    if status not in _RETRY_STATUSES:
+                    wait = _retry_after(response) if status == 429 else None
+                    if status not in _RETRY_STATUSES and wait is None:
                         self.failing_since = None
                         return status, await self._answer(response, method, accept)
                     problem = f"it answered {status} ({await _error_text(response)})"
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 problem = _describe(exc)
+                wait = None
             if answered is None and problem.startswith("it answered"):
                 answered = problem
             if self.failing_since is None:
@@ -152,10 +156,11 @@ class Connection:
                     retry_for=retry_for,
                 )
             )
-            delay = min(backoff, first_failure + read_timeout - now)
+            delay = backoff * random.uniform(0.5, 1.0) if wait is None else wait
+            delay = min(delay, first_failure + read_timeout - now)
             if give_up_at is not None:
                 delay = min(delay, max(give_up_at - now, 0.0))
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            await asyncio.sleep(delay)
             backoff = min(backoff * 2, _MAX_BACKOFF)
 
     async def _answer(
@@ -211,6 +216,16 @@ async def _error_text(response: aiohttp.ClientResponse) -> str:
     except (ValueError, aiohttp.ClientError):
         pass
     return response.reason or "no reason given"
+
+
+def _retry_after(response: aiohttp.ClientResponse) -> float | None:
+    """Seconds a ``429`` asks to wait (``Retry-After`` in seconds), or ``None`` if it does not
+    say: a 429 without it (a client past its limit of nodes) is a refusal, not a wait."""
+    try:
+        seconds = float(response.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < 3600 else None
 
 
 def _describe(exc: BaseException) -> str:
