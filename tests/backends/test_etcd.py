@@ -261,6 +261,25 @@ async def test_a_nodes_lease_lives_the_runs_window_not_its_requests(server: Etcd
     assert "b" * 32 not in repr(snapshot) and "b" * 32 in base64.b64decode(raw["value"]).decode()
 
 
+async def test_a_forged_request_through_the_nodes_own_backend_changes_nothing(
+    server: EtcdServer,
+) -> None:
+    """A keep-alive and a join naming a member with another secret (any text, not only hex)
+    sent through the backend that holds the member's lease: refused, the round as it was."""
+    async with group(server.endpoint, "forged-own", 2, 2, 2) as handlers:
+        await join_all(handlers)
+        member, backend = handlers[0], handlers[0].backend
+        before = await backend.snapshot()
+        rules = member.settings.rules
+        for op in (Op.KEEP_ALIVE, Op.JOIN, Op.LEAVE):
+            reply = await backend.apply(Request(op, member.node, rules, secret="nœud"))
+            assert reply.outcome is Outcome.ERROR_FORBIDDEN and not reply.known, op
+        after = await backend.snapshot()
+        assert before is not None and after is not None
+        assert after.ranks() == before.ranks() and not after.status.closed
+        assert (await member.keep_alive(0.0)).known  # the member's own: still listed
+
+
 async def test_a_busy_member_is_waited_for_and_never_sent_a_request_twice(
     server: EtcdServer,
 ) -> None:

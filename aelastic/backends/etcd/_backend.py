@@ -198,7 +198,9 @@ class EtcdBackend:
         if known is None or latest is None or not stream.watch.live or known[0] is None:
             return None
         where, token, wake_at, secret = known
-        if latest.token != token or not hmac.compare_digest(secret, request.secret):
+        if latest.token != token or not hmac.compare_digest(
+            secret.encode(), request.secret.encode()
+        ):
             return None  # news, or another client's request: carried out in full
         if op is Op.JOIN:
             if request.expired or latest.closed:
