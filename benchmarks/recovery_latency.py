@@ -12,14 +12,21 @@ repeated and the median printed, with the ratio torch / aelastic (higher is bett
 aelastic is measured with its warm standbys (the default: the next attempt's interpreters
 are started ahead of time) and without them (cold start, like torchrun).
 
+The case ``node-loss`` (:mod:`benchmarks._node_loss`): 3 nodes of a ``--nnodes 2:2`` job (a
+spare), a real gloo training loop, one member SIGKILLed -> every rank of the re-formed job
+finished its next training step: torchrun (c10d, restart from a checkpoint), aelastic
+restarting from the checkpoint (warm standbys off), aelastic with a hot spare (standbys with
+torch imported), aelastic with a hot spare and in-place recovery.
+
 Run: ``python benchmarks/recovery_latency.py [--repeat 5] [--backend http|redis]
-[--plot docs/recovery.png]`` (``--plot``: the medians as bars, torch beside aelastic with and
-without warm standbys; needs matplotlib).
+[--cases crash,node-loss] [--plot docs/recovery.png]`` (``--plot``: the medians as bars,
+torch beside aelastic's variants; needs matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -29,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import _plots
+from benchmarks import _node_loss, _plots
 from benchmarks._agent_bench import (
     LOOPBACK,
     Reports,
@@ -97,13 +104,71 @@ def run_case(commands: Commands, workers: int, repeat: int, name: str, warm: boo
     return median(times)
 
 
+NODE_LOSS = {
+    "torch": "torchrun (c10d), restart from checkpoint",
+    "restart": "aelastic, restart from checkpoint",
+    "spare": "aelastic, hot spare",
+    "inplace": "aelastic, hot spare + in-place",
+}
+
+
+def node_loss(repeat: int) -> dict[str, float]:
+    """The median of each variant of the node-loss case, measured in turns."""
+    times: dict[str, list[float]] = {variant: [] for variant in NODE_LOSS}
+    for _ in range(repeat):
+        for variant in NODE_LOSS:
+            run_id = f"bench-{uuid.uuid4().hex[:8]}"
+            if variant == "torch":
+                seconds = _node_loss.measure(variant, f"{LOOPBACK}:{free_port()}", run_id)
+            else:
+                with server_endpoint("http") as endpoint:
+                    seconds = _node_loss.measure(variant, endpoint, run_id)
+            times[variant].append(seconds)
+            print(f"  node loss, {NODE_LOSS[variant]}: {seconds:.3f} s", file=sys.stderr)
+    return {variant: median(values) for variant, values in times.items()}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs per case (median)")
     parser.add_argument("--backend", choices=("http", "redis"), default="http")
     parser.add_argument("--plot", type=Path, help="write the medians as a PNG bar chart here")
+    parser.add_argument("--cases", default="crash,node-loss", help="crash, node-loss or both")
     args = parser.parse_args(argv)
+    cases = set(args.cases.split(","))
+    panels = []
+    title = f"Recovery latency, median of {args.repeat} (lower is better)"
+    if "node-loss" in cases:
+        loss = node_loss(args.repeat)
+        rows = [(f"node lost: {v}", loss["torch"], loss[v], "s") for v in NODE_LOSS]
+        print(table(f"{title}: node lost -> every rank finished its next step", rows[1:]))
+        bound = _node_loss.AFTER_KILL
+        if loss["torch"] == math.inf:
+            print(f"torchrun: no step within {bound:g} s of the kill (plotted at {bound:g} s)")
+        series = {
+            NODE_LOSS[v] + (f": no step in {bound:g} s" if loss[v] == math.inf else ""): [
+                min(loss[v], bound)
+            ]
+            for v in NODE_LOSS
+        }
+        group = ["3 nodes, --nnodes 2:2\n(one a spare; gloo, CPU)"]
+        panels.append(("a node is lost -> every rank's next step", "seconds", group, series))
+    if "crash" in cases:
+        panels.insert(0, crashes(args))
+    if args.plot is not None:
+        _plots.bars(
+            panels,
+            args.plot,
+            title=title,
+            note=_plots.footnote("torch and aelastic measured in the same run"),
+            log=True,
+        )
+        print(f"wrote {args.plot}")
+    return 0
 
+
+def crashes(args: argparse.Namespace) -> tuple[str, str, list[str], dict[str, list[float]]]:
+    """The worker-crash cases (printed); their plot panel."""
     rows = []
     t = run_case(torch_1x2, 2, args.repeat, "torch 1x2")
     a = run_case(aelastic_1x2, 2, args.repeat, "aelastic 1x2")
@@ -125,25 +190,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows.append((f"2 nodes x 1 worker (c10d / {args.backend})", t, a, "s"))
     rows.append(("  same, warm standby off", t, cold, "s"))
     print(table(f"Recovery latency, median of {args.repeat} (lower is better)", rows))
-    if args.plot is not None:
-        groups = [
-            "1 node x 2 workers\n(standalone)",
-            f"2 nodes x 1 worker\n(c10d / {args.backend})",
-        ]
-        series = {
-            "torchrun": [rows[0][1], rows[2][1]],
-            "aelastic": [rows[0][2], rows[2][2]],
-            "aelastic, warm standby off": [rows[1][2], rows[3][2]],
-        }
-        _plots.bars(
-            [("a worker crashes -> next attempt runs", "seconds (log scale)", groups, series)],
-            args.plot,
-            title=f"Recovery latency, median of {args.repeat} (lower is better)",
-            note=_plots.footnote("torch and aelastic measured in the same run"),
-            log=True,
-        )
-        print(f"wrote {args.plot}")
-    return 0
+    groups = [
+        "1 node x 2 workers\n(standalone)",
+        f"2 nodes x 1 worker\n(c10d / {args.backend})",
+    ]
+    series = {
+        "torchrun": [rows[0][1], rows[2][1]],
+        "aelastic": [rows[0][2], rows[2][2]],
+        "aelastic, warm standby off": [rows[1][2], rows[3][2]],
+    }
+    return ("a worker crashes -> next attempt runs", "seconds (log scale)", groups, series)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from .events import (
     StateChanged,
     UnkillableWorkers,
     WorkerExited,
+    WorkersRecovered,
     WorkersStarted,
     WorkerStalled,
 )
@@ -69,5 +70,6 @@ __all__ = [
     "WorkerSpec",
     "WorkerStalled",
     "WorkerState",
+    "WorkersRecovered",
     "WorkersStarted",
 ]

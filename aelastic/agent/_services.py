@@ -96,7 +96,7 @@ class _Liveness:
             self._reason = f"rank {data['global_rank']} stalled at {data.get('where') or '?'}"
         elif event.kind is EventKind.UNKILLABLE:
             self._reason, self._final = "workers outlived SIGKILL", True
-        elif event.kind is EventKind.WORKERS_STARTED:
+        elif event.kind in (EventKind.WORKERS_STARTED, EventKind.WORKERS_RECOVERED):
             self._reason = None
 
     def fields(self) -> dict[str, object]:

@@ -3,7 +3,9 @@
 How it works: the agent runs ``python [flags] .../aelastic/agent/_standby.py FD`` as a
 script, so that ``ps`` shows one short line and nothing of the ``aelastic`` package gets
 imported (the worker must find the interpreter as a cold start leaves it). The standby takes
-its own directory off ``sys.path`` and blocks on the Unix socket ``FD`` until the agent
+its own directory off ``sys.path``, imports the modules listed in its optional second
+argument (``torch``: a spare's workers are ready but for their ranks; an import that fails
+is left for the script to fail), and blocks on the Unix socket ``FD`` until the agent
 sends one message: the worker's full environment, its argv, and descriptors for stdout and
 stderr (SCM_RIGHTS). It applies them, empties ``__main__`` and runs the script there as
 ``python script.py`` would (``sys.path[0]``, ``__file__``, ``sys.argv``), or the module as
@@ -24,6 +26,11 @@ def _serve() -> None:
     if not safe_path:
         del sys.path[0]  # this file's directory: the worker's own entry comes at release
     ctl = socket.socket(fileno=int(sys.argv[1]))
+    for name in filter(None, (sys.argv[2] if len(sys.argv) > 2 else "").split(",")):
+        try:  # noqa: SIM105 - nothing more imported than the preload itself
+            __import__(name)
+        except Exception:  # the script's own import of it shows the error
+            pass
     try:
         msg, fds, _flags, _addr = socket.recv_fds(ctl, 1 << 22, 2)
     except OSError:

@@ -6,8 +6,12 @@ at first). One awaits the workers' exits (pidfds, nothing polls) until a worker 
 succeeded; the other awaits the changes of the group (the backend wakes the handler) and asks
 the policy what each means, publishing every change, until one calls for action. With a
 stall timeout, a third one watches the workers' progress (:mod:`._stall`): it stops a
-stalled worker, whose exit then ends the attempt as a failure. The attempt's outcome is
-what the policy needs next: an observation and the failures.
+stalled worker, whose exit then ends the attempt as a failure. Workers that recover in
+place (:mod:`._inplace`) add two: a worker that says its collective broke waits for the
+group change that explains it (``grace``: the heartbeat window and a little more), else it
+is told to fail (its exit is then a failure like any other); and workers resumed in a new
+group must say they joined it within ``recovery_timeout``, else they are restarted the old
+way. The attempt's outcome is what the policy needs next: an observation and the failures.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import anyio
 
 from ..core.race import first_of
 from ..core.view import MembershipView
+from ._inplace import InPlaceChannel
 from ._publish import AgentPublisher
 from ._stall import Stall, watch_stalls
 from ._unkillable import WorkersUnkillable
@@ -42,6 +47,9 @@ async def supervise(
     round_group: RoundGroup,
     events: AgentPublisher,
     restarts_left: int,
+    inplace: InPlaceChannel | None = None,
+    grace: float = 0.0,
+    recovery_timeout: float = 60.0,
 ) -> Outcome:
     """Wait for the first thing that calls for action in the attempt of ``workers``.
 
@@ -90,7 +98,32 @@ async def supervise(
             raise
         raise AssertionError("watch_stalls returned")  # pragma: no cover
 
-    _, outcome = await first_of(exits, group_change, stalls)
+    async def broken() -> Outcome:
+        if inplace is None:
+            await anyio.sleep_forever()
+        assert inplace is not None
+        while True:
+            await inplace.broken.wait()
+            if not inplace.broken_workers(workers.processes):
+                inplace.broken.clear()  # those that said so joined their group since
+                continue
+            await anyio.sleep(grace)  # a peer's loss ends the supervision first
+            failing = inplace.broken_workers(workers.processes)
+            log.warning("no peer was lost: workers %s fail with their own error", failing)
+            inplace.fail(failing)  # their exits are failures
+            inplace.told_fail = True
+            inplace.broken.clear()
+
+    async def recovery() -> Outcome:
+        if inplace is None or inplace.gen == 0:
+            await anyio.sleep_forever()
+        assert inplace is not None
+        with anyio.move_on_after(recovery_timeout):
+            await inplace.all_joined([p.pid for p in workers.processes])
+            await anyio.sleep_forever()
+        return Observation(Trigger.RECOVERY_TIMED_OUT), {}
+
+    _, outcome = await first_of(exits, group_change, stalls, broken, recovery)
     result: Outcome = outcome
     return result
 

@@ -5,8 +5,14 @@ How it works (one attempt per loop turn)::
     rendezvous -> publish record, multi_get all records -> ranks, MASTER_ADDR/PORT
         -> start workers (group rank 0 keeps the master port bound until the spawn)
         -> wait for the FIRST of: a worker exit, a change of the rendezvous group
+        -> a failure that broke in a collective: a member lost within the heartbeat window
+           explains it (a rescale, no restart spent)
         -> after a failure, the job's health (root cause, budget, quarantine: ._heal)
         -> policy.decide(observation, restarts_left) -> finish | restart | rescale | fail | ...
+
+A rescale keeps workers that recover in place (every local worker alive and opted in:
+:mod:`._inplace`): they are told the group changes, the agent re-rendezvouses and sends them
+their new ranks instead of restarting them.
 
 Nothing polls: worker exits are awaited (pidfds), group changes come from
 ``handler.watch()``, which the backend wakes. On success the node marks itself done in the
@@ -26,7 +32,6 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
-from dataclasses import replace
 from types import MappingProxyType
 
 import anyio
@@ -35,7 +40,6 @@ from ..core.errors import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
-    reason,
     typed,
 )
 from ..core.events import Event
@@ -44,6 +48,8 @@ from ._aio import quietly, uncancellable
 from ._forks import ForkServer, fork_server_for
 from ._heal import JobHealthKeeper
 from ._publish import AgentPublisher
+from ._recover import PeerLoss
+from ._round import exit_barrier, form_round
 from ._services import agent_services, last_word
 from ._signals import forwarding, free_signals, raise_for, sigint_interrupts, signals_to_handle
 from ._supervise import supervise
@@ -54,17 +60,15 @@ from .events import (
     AgentMetrics,
     EventKind,
     EventStream,
-    ExitBarrier,
     Finished,
-    RendezvousCompleted,
     Restart,
     StandbysReady,
     WorkersStarted,
 )
 from .logs import run_log_dir
 from .membership import GroupChanged, RoundGroup
-from .policy import Action, Decision, decide
-from .ranks import AgentRecord, ReservedPort, exchange_ranks
+from .policy import Action, Decision, Trigger, decide
+from .ranks import ReservedPort
 from .standby import StandbyPool
 from .workers import WorkerSet
 
@@ -104,6 +108,7 @@ class ElasticAgent:
         self._stop_signal: int = signal.SIGTERM
         self._heal = JobHealthKeeper(spec, self._events)
         self._forks: ForkServer | None = None
+        self._peer = PeerLoss(self._handler)  # a peer's loss: no restart, workers kept
 
     def __repr__(self) -> str:
         return f"ElasticAgent(role={self._spec.role!r}, group={self._group!r})"
@@ -234,6 +239,8 @@ class ElasticAgent:
         )
         failures: dict[int, ProcessFailure] = {}
         stopped_at: float | None = None
+        await self._peer.channel.start()
+        self._standbys.schedule()  # a spare's workers are warm before it has a rank
         while True:
             try:
                 await self._heal.before_rendezvous(self._round)
@@ -246,15 +253,26 @@ class ElasticAgent:
                     return self._failed(failures, f"no restart ({typed(exc)})")
                 raise
             except GroupChanged as changed:
-                await self._act_on_membership(changed.decision)
-                stopped_at = time.monotonic()
+                await self._act_on_membership(changed.decision, keep=True)
+                stopped_at = stopped_at if self._peer.held else time.monotonic()
                 continue
             failures = {}
-            await self._start_workers(stopped_at)
+            if not (self._peer.held and self._resume(stopped_at)):
+                await self._stop_workers(WorkerState.STOPPED)  # held ones that cannot resume
+                await self._start_workers(stopped_at)
             assert self._round is not None and self._workers is not None
             observation, failures = await supervise(
-                self._workers, self._group, self._round, self._events, self._restarts_left
+                self._workers,
+                self._group,
+                self._round,
+                self._events,
+                self._restarts_left,
+                self._peer.channel,
+                self._peer.grace,
+                self._spec.recovery_timeout,
             )
+            if (explained := await self._peer.explain(failures, self._round)) is not None:
+                observation, failures = explained, {}  # a peer's loss broke our collective
             observation = await self._heal.observe(observation, failures, self._group)
             decision = decide(observation, self._restarts_left)
             stopped_at = time.monotonic()
@@ -281,16 +299,31 @@ class ElasticAgent:
                     Restart, reason=decision.reason, spent=True, restarts_left=self._restarts_left
                 )
                 continue
-            await self._act_on_membership(decision)
+            keep = observation.trigger is Trigger.MEMBERSHIP_CHANGED
+            await self._act_on_membership(decision, keep=keep)
 
-    async def _act_on_membership(self, decision: Decision) -> None:
-        await self._stop_workers(WorkerState.STOPPED)
+    async def _act_on_membership(self, decision: Decision, keep: bool = False) -> None:
+        if not (keep and self._peer.hold(decision, self._workers)):
+            self._peer.held = False
+            await self._stop_workers(WorkerState.STOPPED)
         if decision.action is Action.ABORT:
             await self._heal.tell()
             raise RendezvousClosedError(f"stopping the workers: {decision.reason}")
-        log.info("re-rendezvous without spending a restart: %s", decision.reason)
+        kept = " (workers kept: in-place recovery)" if self._peer.held else ""
+        log.info("re-rendezvous without spending a restart%s: %s", kept, decision.reason)
         self._events.publish(
             Restart, reason=decision.reason, spent=False, restarts_left=self._restarts_left
+        )
+
+    def _resume(self, stopped_at: float | None) -> bool:
+        assert self._workers is not None
+        return self._peer.resume(
+            self._group,
+            self._workers,
+            self._events,
+            self.restart_count,
+            stopped_at,
+            before_send=self._port.release,  # group rank 0's workers bind it now
         )
 
     def _failed(self, failures: dict[int, ProcessFailure], reason: str) -> RunResult:
@@ -302,36 +335,12 @@ class ElasticAgent:
     # -- rendezvous and ranks -------------------------------------------------------------
 
     async def _rendezvous(self) -> None:
-        spec, group = self._spec, self._group
         self._events.set_state(WorkerState.INIT)
         started = time.monotonic()
         info = await self._handler.next_rendezvous()
         self._joined = True
-        store, group_rank = info.store, info.rank
-        mine = AgentRecord(spec.role, spec.local_world_size, self._handler.node)
-        if group_rank == 0:
-            addr = spec.master_addr or spec.local_addr or self._handler.node.addr
-            port = spec.master_port or self._port.reserve()
-            mine = replace(mine, master_addr=addr, master_port=port)
-        self._round = RoundGroup(self._handler, store)
-        timeout = self._handler.settings.join_timeout
-        exchange = exchange_ranks(store, group_rank, info.world_size, mine, timeout)
-        mine_assigned = await self._round.unless_changed(exchange, self._restarts_left)
-        group.store = store
-        group.group_rank = group_rank
-        group.group_world_size = info.world_size
-        group.master_addr = mine_assigned.master_addr
-        group.master_port = mine_assigned.master_port
-        group.workers = mine_assigned.workers()
-        group.round = self._handler.round
-        duration = time.monotonic() - started
-        log.info("rendezvous round %s complete in %.3f s: %r", group.round, duration, group)
-        self._events.publish(
-            RendezvousCompleted,
-            group_rank=group_rank,
-            group_world_size=info.world_size,
-            world_size=group.workers[0].world_size,
-            duration=duration,
+        self._round = await form_round(
+            self._handler, info, self._group, self._port, self._events, self._restarts_left, started
         )
 
     # -- workers --------------------------------------------------------------------------
@@ -347,7 +356,9 @@ class ElasticAgent:
             self.restart_count,
             self._handler.get_run_id(),
             self._forks,
+            self._peer.channel.env(),
         )
+        self._peer.channel.forget()
         started = time.monotonic()
         standbys = await self._standbys.take()
         try:
@@ -385,36 +396,20 @@ class ElasticAgent:
         assert self._workers is not None
         values = self._workers.return_values()
         await self._stop_workers(WorkerState.SUCCEEDED)  # reaped already; sweeps leftovers
-        complete = await self._exit_barrier()
+        complete = await exit_barrier(
+            self._handler, self._group, self._round, self._events, self._spec.exit_barrier_timeout
+        )
         if complete:
             with anyio.move_on_after(last_word(self._handler)), suppress(RendezvousError):
                 await self._handler.set_closed()
         log.info("workers of role '%s' succeeded", self._spec.role)
         return RunResult(WorkerState.SUCCEEDED, return_values=values)
 
-    async def _exit_barrier(self) -> bool:
-        """Wait at the exit barrier; whether every member of the round succeeded."""
-        group, round_group = self._group, self._round
-        assert round_group is not None and group.group_rank is not None
-        assert group.group_world_size is not None
-        started = time.monotonic()
-        complete = False
-        try:
-            complete = await round_group.exit_barrier(
-                self._handler.node, group.group_world_size, self._spec.exit_barrier_timeout
-            )
-        except RendezvousError as exc:
-            log.warning("exit barrier failed: %s", reason(exc))
-        duration = time.monotonic() - started
-        if not complete:
-            log.warning("exit barrier incomplete after %.3f s; leaving anyway", duration)
-        self._events.publish(ExitBarrier, duration=duration, complete=complete)
-        return complete
-
     async def _shutdown(self, result: RunResult | None) -> None:
         """Stop and reap every worker, leave the rendezvous, release what the run made."""
         try:
             await self._standbys.aclose()
+            await self._peer.channel.aclose()
             with suppress(WorkersUnkillable):  # told already; leave all the same
                 await self._stop_workers(WorkerState.STOPPED)
             self._port.release()

@@ -140,6 +140,11 @@ class WorkerSpec:
         quarantine_after: A host that was the job's root cause this many times in a row,
             or was lost this many times, leaves the job (:class:`NodeQuarantined`);
             ``None``: never.
+        recovery_timeout: Seconds workers kept for in-place recovery
+            (:class:`aelastic.worker.InPlace`) have to join their new group once its ranks
+            are known; then they are stopped and started again the old way.
+        standby_preload: Modules each warm standby imports ahead of time (``("torch",)``):
+            a spare node's workers, or a restart's, then skip that import too.
         start_method: How a callable's workers start (torch's ``start_method``): ``spawn``
             (a fresh interpreter; what multiprocessing passes to a spawned process passes,
             ``mp.Queue`` included), ``forkserver`` (the same), or ``fork`` (forked from the
@@ -175,6 +180,8 @@ class WorkerSpec:
     job_max_restarts: int | None = None
     quarantine_after: int | None = None
     start_method: str = "spawn"
+    recovery_timeout: float = 60.0
+    standby_preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.local_world_size <= 0:
@@ -203,6 +210,12 @@ class WorkerSpec:
             raise ValueError(
                 f"start_method must be one of {', '.join(START_METHODS)}, not {self.start_method!r}"
             )
+        if not self.recovery_timeout > 0:
+            raise ValueError(f"recovery_timeout must be positive, got {self.recovery_timeout}")
+        self.standby_preload = tuple(self.standby_preload)
+        for name in self.standby_preload:
+            if not all(part.isidentifier() for part in name.split(".")):
+                raise ValueError(f"standby_preload names modules, not {name!r}")
         self.args = tuple(self.args)
         self.duplicate_stdout_filters = tuple(self.duplicate_stdout_filters or ())
         self.duplicate_stderr_filters = tuple(self.duplicate_stderr_filters or ())

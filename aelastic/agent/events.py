@@ -40,6 +40,7 @@ __all__ = [
     "UnkillableWorkers",
     "WorkerExited",
     "WorkerStalled",
+    "WorkersRecovered",
     "WorkersStarted",
 ]
 
@@ -87,6 +88,18 @@ class WorkersStarted(AgentEvent):
 
     pids: Mapping[int, int] = field(default_factory=lambda: _NO_PIDS)
     duration: float = 0.0
+    recovery: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkersRecovered(AgentEvent):
+    """The workers were kept and sent the ranks of a new group (in-place recovery, no
+    restart): ``pids`` by local rank (unchanged), ``recovery`` seconds since the event that
+    interrupted them."""
+
+    kind: ClassVar[EventKind] = EventKind.WORKERS_RECOVERED
+
+    pids: Mapping[int, int] = field(default_factory=lambda: _NO_PIDS)
     recovery: float | None = None
 
 

@@ -113,6 +113,27 @@ class RoundGroup:
             lost_hosts=tuple(sorted(set(gone))),
         )
 
+    async def loss_within(self, grace: float) -> Observation | None:
+        """The first change of the group within ``grace`` seconds that explains a broken
+        collective (a member lost, this node removed, the run closed), or ``None``.
+
+        A worker whose collective broke when a peer was lost fails before the rendezvous
+        has declared the peer lost (its heartbeat window): waiting for that tells a peer's
+        loss from this node's own failure.
+        """
+
+        async def explained() -> Observation:
+            since: MembershipView | None = None
+            while True:
+                since = await self.next_change(since)
+                observation = await self.observe(since)
+                if observation.lost or observation.removed or observation.closed:
+                    return observation
+
+        with anyio.move_on_after(grace):
+            return await explained()
+        return None
+
     async def mark_leaving(self, node: NodeDesc) -> None:
         """Say that ``node`` leaves the round to restart or rescale (it is not lost)."""
         await self.store.set(_leaving_key(node), b"1")

@@ -8,6 +8,8 @@ the restarts left, to a :class:`Decision`. The agent only carries the decision o
 * A worker failed (or stalled, and was stopped) -> QUARANTINE when this node's host is to
   be set aside (:mod:`aelastic.core.health`), FAIL when the job spent its job-wide budget,
   else RESTART (spends one restart) while restarts remain, else FAIL.
+* Workers kept for in-place recovery did not join their new group in time -> RESCALE
+  (they are stopped and started again the old way; no restart spent).
 * The group changed:
   - the run was closed by another node -> ABORT (the job is over for everybody);
   - this node was removed from its round, or a member is lost (left, or silent past the
@@ -31,6 +33,7 @@ class Trigger(enum.Enum):
     WORKERS_SUCCEEDED = "workers_succeeded"
     WORKER_FAILED = "worker_failed"
     MEMBERSHIP_CHANGED = "membership_changed"
+    RECOVERY_TIMED_OUT = "recovery_timed_out"
 
 
 class Action(enum.Enum):
@@ -105,6 +108,8 @@ def decide(observation: Observation, restarts_left: int) -> Decision:
         if restarts_left > 0:
             return Decision(Action.RESTART, f"a worker failed ({restarts_left} restarts left)")
         return Decision(Action.FAIL, "a worker failed and no restarts are left")
+    if trigger is Trigger.RECOVERY_TIMED_OUT:
+        return Decision(Action.RESCALE, "workers did not recover in place in time: restarting")
     return _membership(observation)
 
 

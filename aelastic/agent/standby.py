@@ -101,6 +101,7 @@ class Standby:
         local_rank: The local rank it will serve.
         grace: The workers' grace period (the guardian's, should the agent die).
         binding: The CPUs of the local rank's worker (``numa_binding``), applied at start.
+        preload: Modules it imports before it waits (``WorkerSpec.standby_preload``).
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class Standby:
         local_rank: int,
         grace: float = DEFAULT_GRACE,
         binding: Binding | None = None,
+        preload: tuple[str, ...] = (),
     ) -> None:
         self.launch = launch
         self.base_env = dict(base_env)
@@ -117,6 +119,8 @@ class Standby:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             argv = [launch.executable, *launch.flags, _STANDBY_SCRIPT, str(theirs.fileno())]
+            if preload:
+                argv.append(",".join(preload))
             self.process = WorkerProcess.start(
                 argv if binding is None else binding.command(argv),
                 self.base_env,
@@ -210,7 +214,8 @@ class StandbyPool:
             try:
                 grace = self._spec.stop_grace_period
                 binding = worker_binding(self._spec, rank)
-                self._ready[rank] = Standby(launch, env, rank, grace, binding)
+                preload = self._spec.standby_preload
+                self._ready[rank] = Standby(launch, env, rank, grace, binding, preload)
             except (OSError, NumaBindingError) as exc:
                 log.warning("could not start a warm standby: %s", reason(exc))
                 return

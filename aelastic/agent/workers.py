@@ -61,6 +61,7 @@ class WorkerSet:
         restart_count: Restarts spent so far.
         run_id: The rendezvous run id.
         forks: The fork server of a callable under the ``fork`` start method.
+        extra_env: Variables of aelastic's own for every worker (in-place recovery's socket).
     """
 
     def __init__(
@@ -72,8 +73,10 @@ class WorkerSet:
         restart_count: int,
         run_id: str,
         forks: ForkServer | None = None,
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self._group = group
+        self._extra_env = dict(extra_env or {})
         self._forks = forks
         self._attempt = attempt
         self._scratch = scratch
@@ -124,6 +127,7 @@ class WorkerSet:
                     run_id=self._run_id,
                     error_file=self._logs.error_file(rank),
                 )
+                env.update(self._extra_env)
                 if self._watchdog is not None:
                     env[FILE_VAR] = self._watchdog.path
                 if self.progress is not None:

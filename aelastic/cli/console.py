@@ -178,6 +178,13 @@ class Console:
             if data.get("recovery") is not None:
                 text += f"; back to work {_ms(data['recovery'])} after the interruption"
             return text
+        if kind is EventKind.WORKERS_RECOVERED:
+            pids = data.get("pids") or {}
+            shown = ", ".join(str(p) for _, p in sorted(dict(pids).items()))
+            text = f"kept {_plural(len(pids), 'worker')} (pid {shown}): they join the new group"
+            if data.get("recovery") is not None:
+                text += f" {_ms(data['recovery'])} after the interruption"
+            return text
         if kind is EventKind.WORKER_EXITED:
             code = int(data.get("exitcode", 0))
             status = "finished" if code == 0 else f"failed ({describe_exit(code)})"

@@ -1,4 +1,5 @@
-"""``aelastic run``'s flags for a job that heals itself: hangs, a job-wide budget, quarantine.
+"""``aelastic run``'s flags for a job that heals itself: hangs, a job-wide budget, quarantine,
+hot spares and in-place recovery.
 
 How it works: :func:`add_heal_flags` declares ``--stall-timeout``, ``--job-max-restarts`` and
 ``--quarantine-after`` (each with its ``PET_*`` variable, like torchrun's flags) and
@@ -6,6 +7,8 @@ How it works: :func:`add_heal_flags` declares ``--stall-timeout``, ``--job-max-r
 the :class:`~aelastic.agent.WorkerSpec`. All three are off unless given: a stall timeout
 would call a long evaluation or checkpoint without an optimizer step a hang (see
 ``aelastic.worker.progress()``), and torch's per-agent ``--max-restarts`` stays the budget.
+``--standby-preload`` and ``--recovery-timeout`` tune warm standbys (a spare's workers) and
+in-place recovery.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class HealOptions:
     stall_timeout: float | None = None
     job_max_restarts: int | None = None
     quarantine_after: int | None = None
+    standby_preload: tuple[str, ...] = ()
+    recovery_timeout: float = 60.0
 
 
 def add_heal_flags(parser: argparse.ArgumentParser, add: Callable[..., None]) -> None:
@@ -50,13 +55,29 @@ def add_heal_flags(parser: argparse.ArgumentParser, add: Callable[..., None]) ->
         help="A host that was the job's root cause N times in a row, or was lost N times, "
         "leaves the job with exit code 3 (aelastic; off).",
     )
+    add(
+        parser,
+        ["--standby-preload"],
+        default="",
+        help="Modules (comma-separated, e.g. torch) each warm standby imports ahead of time, "
+        "so that a spare's or a restart's workers skip that import (aelastic; none).",
+    )
+    add(
+        parser,
+        ["--recovery-timeout"],
+        default=60.0,
+        kind=float,
+        help="Seconds workers kept for in-place recovery (aelastic.worker.InPlace) have to "
+        "join their new group; then they are restarted the old way (aelastic; 60).",
+    )
 
 
 def heal_options(args: Any) -> HealOptions:
     """The validated options of ``args``.
 
     Raises:
-        UsageError: A negative timeout or budget, or ``--quarantine-after`` below 1.
+        UsageError: A negative timeout or budget, ``--quarantine-after`` below 1, a
+            preload that is no module name, a recovery timeout that is not positive.
     """
     from .rules import UsageError
 
@@ -69,4 +90,11 @@ def heal_options(args: Any) -> HealOptions:
     after = None if args.quarantine_after is None else int(args.quarantine_after)
     if after is not None and after < 1:
         raise UsageError(f"--quarantine-after must be >= 1, not {after}")
-    return HealOptions(stall or None, budget, after)
+    preload = tuple(filter(None, (m.strip() for m in str(args.standby_preload).split(","))))
+    for name in preload:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise UsageError(f"--standby-preload names modules, not {name!r}")
+    recovery = float(args.recovery_timeout)
+    if not recovery > 0:
+        raise UsageError(f"--recovery-timeout must be > 0, not {args.recovery_timeout}")
+    return HealOptions(stall or None, budget, after, preload, recovery)

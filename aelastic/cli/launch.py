@@ -184,6 +184,8 @@ def launch_config(config: LaunchConfig) -> tuple[launcher.LaunchConfig, str, tup
             stall_timeout=config.heal.stall_timeout,
             job_max_restarts=config.heal.job_max_restarts,
             quarantine_after=config.heal.quarantine_after,
+            standby_preload=config.heal.standby_preload,
+            recovery_timeout=config.heal.recovery_timeout,
         ),
         config.entrypoint,
         config.args,

@@ -67,6 +67,8 @@ class EventKind(str, enum.Enum):
     RENDEZVOUS = "rendezvous"
     #: An agent's workers of an attempt are running.
     WORKERS_STARTED = "workers_started"
+    #: An agent's workers were kept and joined a new group in place (no restart).
+    WORKERS_RECOVERED = "workers_recovered"
     #: A worker exited by itself.
     WORKER_EXITED = "worker_exited"
     #: An agent's worker group changed state.

@@ -80,6 +80,9 @@ class LaunchConfig:
         env: Extra environment variables for the workers.
         stall_timeout, job_max_restarts, quarantine_after: A job that heals itself (hangs,
             a job-wide budget, quarantine; see :class:`~aelastic.agent.WorkerSpec`).
+        standby_preload, recovery_timeout: Modules warm standbys import ahead of time (a
+            spare's workers), and the time workers kept for in-place recovery have to join
+            their new group (:class:`~aelastic.agent.WorkerSpec`).
     """
 
     min_nodes: int
@@ -114,6 +117,8 @@ class LaunchConfig:
     stall_timeout: float | None = None
     job_max_restarts: int | None = None
     quarantine_after: int | None = None
+    standby_preload: tuple[str, ...] = ()
+    recovery_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.rdzv_timeout != -1:
@@ -233,4 +238,6 @@ def worker_spec(
         stall_timeout=config.stall_timeout,
         job_max_restarts=config.job_max_restarts,
         quarantine_after=config.quarantine_after,
+        standby_preload=tuple(config.standby_preload),
+        recovery_timeout=config.recovery_timeout,
     )

@@ -17,7 +17,13 @@ checkpoint written in one call) can be left unwatched::
     with aelastic.worker.paused():
         torch.save(state, path)
 
-It costs well under a microsecond (two integers written to shared memory), needs no torch,
+A script can also survive a peer's loss without a process restart (in-place recovery, see
+:class:`InPlace`)::
+
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    aelastic.worker.InPlace(state, backend="gloo").run(train)   # train(round) uses state
+
+Progress costs well under a microsecond (two integers written to shared memory), needs no torch,
 and does nothing outside an aelastic worker or when the agent does not watch for stalls.
 The interpreter's exit is never watched.
 """
@@ -29,7 +35,9 @@ import sys
 from collections.abc import Iterator
 from types import ModuleType
 
-__all__ = ["paused", "progress", "reporting"]
+from ._inplace import GroupChanged, InPlace, Round
+
+__all__ = ["GroupChanged", "InPlace", "Round", "paused", "progress", "reporting"]
 
 
 def _runtime() -> ModuleType:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
 import json
+import os
+import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -25,9 +30,12 @@ from aelastic.backends.etcd import (
     create_backend,
     parse_endpoint,
 )
+from aelastic.backends.etcd._client import SLOW, EtcdClient
+from aelastic.core.params import Rules
 from aelastic.core.redact import redact
+from aelastic.core.state import NodeDesc, Op, Outcome, Request
 from aelastic.rendezvous import DynamicRendezvousHandler
-from tests._etcd_server import EtcdCluster, EtcdServer
+from tests._etcd_server import EtcdCluster, EtcdServer, b64
 from tests._ports import free_port
 from tests._redis_server import RedisServer
 from tests._rendezvous_helpers import PROMPT, assert_one_group, handler_group, join_all
@@ -227,6 +235,93 @@ async def test_a_heartbeat_wakes_nobody_and_costs_one_request(server: EtcdServer
             w.cancel()
         beats = [h.stats.requests - b for h, b in zip(handlers, before, strict=True)]
         assert all(3 <= n <= 8 for n in beats), beats  # one request per beat, ~6 each
+
+
+async def test_a_nodes_lease_lives_the_runs_window_not_its_requests(server: EtcdServer) -> None:
+    """A node whose first join carried a 1 ms window is refused (the run's is 6 s); joined
+    with the run's rules, its key lives on a lease of the run's window, and the key's value
+    (which holds the node's secret) is in no snapshot."""
+    rules = Rules(2, 2, last_call_ms=100, window_ms=6_000)
+    first, second = NodeDesc("10.0.0.1", 1, 0), NodeDesc("10.0.0.2", 1, 0)
+    async with (
+        backend(server.endpoint, "lease-window") as a,
+        backend(server.endpoint, "lease-window") as b,
+    ):
+        await a.apply(Request(Op.JOIN, first, rules, port=1, secret="a" * 32))
+        tiny = dataclasses.replace(rules, window_ms=1)
+        refused = await b.apply(Request(Op.JOIN, second, tiny, port=2, secret="b" * 32))
+        assert refused.outcome is Outcome.ERROR_RULES and refused.run_rules == rules
+        joined = await b.apply(Request(Op.JOIN, second, rules, port=2, secret="b" * 32))
+        assert joined.outcome is Outcome.FINISH and joined.rank == 1
+        raw = server.call("/v3/kv/range", {"key": b64(b.keys.member("p", second))})["kvs"][0]
+        lease = server.call("/v3/lease/timetolive", {"ID": raw["lease"]})
+        assert int(lease["grantedTTL"]) == 6
+        snapshot = await b.snapshot()
+    assert snapshot is not None and snapshot.rules == rules
+    assert "b" * 32 not in repr(snapshot) and "b" * 32 in base64.b64decode(raw["value"]).decode()
+
+
+async def test_a_forged_request_through_the_nodes_own_backend_changes_nothing(
+    server: EtcdServer,
+) -> None:
+    """A keep-alive and a join naming a member with another secret (any text, not only hex)
+    sent through the backend that holds the member's lease: refused, the round as it was."""
+    async with group(server.endpoint, "forged-own", 2, 2, 2) as handlers:
+        await join_all(handlers)
+        member, backend = handlers[0], handlers[0].backend
+        before = await backend.snapshot()
+        rules = member.settings.rules
+        for op in (Op.KEEP_ALIVE, Op.JOIN, Op.LEAVE):
+            reply = await backend.apply(Request(op, member.node, rules, secret="nœud"))
+            assert reply.outcome is Outcome.ERROR_FORBIDDEN and not reply.known, op
+        after = await backend.snapshot()
+        assert before is not None and after is not None
+        assert after.ranks() == before.ranks() and not after.status.closed
+        assert (await member.keep_alive(0.0)).known  # the member's own: still listed
+
+
+async def test_a_busy_member_is_waited_for_and_never_sent_a_request_twice(
+    server: EtcdServer,
+) -> None:
+    """The only member stops answering for longer than a request's patience and its status
+    probe's (SIGSTOP): the write is waited for, not sent again (a busy etcd must not be
+    given twice the work): one request and one status probe."""
+    client = EtcdClient(parse_endpoint(server.endpoint, {}), read_timeout=30)
+    key = b64("/busy/k")
+    try:
+        await client.call("/v3/kv/put", {"key": key, "value": b64("0")}, "put")
+        assert server.process is not None
+        sent = client.requests
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            body = {"key": key, "value": b64("1")}
+            put = asyncio.ensure_future(client.call("/v3/kv/put", body, "put"))
+            await asyncio.sleep(2 * SLOW + 0.5)  # the probe of the member timed out meanwhile
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        await asyncio.wait_for(put, PROMPT)
+        assert client.requests - sent == 2
+    finally:
+        await client.aclose()
+    assert server.call("/v3/kv/range", {"key": key})["kvs"][0]["version"] == "2"
+
+
+async def test_an_only_member_slow_to_accept_is_given_the_calls_time() -> None:
+    """The only member's accept queue is full (it drops new connections' SYNs, as a busy
+    etcd does): the call waits within its budget instead of connecting again every 2 s
+    (each try would add to that backlog); it then fails naming the endpoint."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):  # fills the queue
+            client = EtcdClient(parse_endpoint(f"127.0.0.1:{port}", {}), read_timeout=4.5)
+            try:
+                with pytest.raises(RendezvousConnectionError, match="could not be reached"):
+                    await client.call("/v3/kv/range", {"key": b64("k")}, "read")
+                assert client.requests == 2  # the call and one status probe
+            finally:
+                await client.aclose()
 
 
 # -- a 3-member cluster ---------------------------------------------------------------------

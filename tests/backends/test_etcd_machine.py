@@ -9,7 +9,9 @@ revoked, in the machine's order, and the port must then do what the machine's pr
 Left out of the comparison, by design: heartbeat times (etcd keeps leases, not beat times:
 ``oldest_beat_ms`` and a snapshot's ``beat_ms``), and how many nodes a request pruned (etcd
 removed them before the request; ``pruned``, and ``PRUNE`` for a request that did nothing
-else).
+else). For the same reason, when etcd drops the last nodes of a closed run, the port dates
+the run's vacancy by the request that finds it empty (the machine: by the last node's
+expiry, earlier): the machine is given that date here (:func:`_found_empty`).
 """
 
 from __future__ import annotations
@@ -101,6 +103,18 @@ def _snapshot(snap: Snapshot | None) -> Any:
     return json.loads(json.dumps(doc))
 
 
+def _found_empty(state: RunState, now: int) -> None:
+    """The machine's pruning of a closed run's last nodes, its vacancy dated ``now`` (as the
+    port, which cannot know when their leases expired, dates it). The request that follows
+    changes nothing the status shows (a closed, empty run is reused two windows later), so
+    the generation moves at most once, as in one request."""
+    before = machine._signature(state)
+    machine.prune(state, now)
+    state.vacated_ms = now
+    if machine._signature(state) != before:
+        state.generation += 1
+
+
 async def run_both(client: EtcdClient, rules: Rules, steps: list[Step]) -> None:
     keys = RunKeys("/parity", f"run-{next(_runs)}")
     leases = Leases(client, ttl=3600)
@@ -110,19 +124,21 @@ async def run_both(client: EtcdClient, rules: Rules, steps: list[Step]) -> None:
     try:
         for item in steps:
             now += item.advance_ms
-            expired = now - rules.window_ms
+            expired = now - (state.rules or rules).window_ms  # the run's own window
             dead = sorted((b, n.key, n) for n, b in state.beats.items() if b < expired)
             for _, _, node in dead:
                 lease = leases.of(node)
                 assert lease is not None, node
                 await client.call("/v3/lease/revoke", {"ID": lease}, "revoke")
                 leases.forget(node)
+            if dead and state.closed and len(dead) == len(state.beats):
+                _found_empty(state, now)
             request = item.request(rules)
             expected = _reply(step(state, request, now))
             got = _reply(await port.apply(request, now, epoch="feed"))
             assert got == expected, item
             mine = _snapshot(await port.snapshot(now))
-            theirs = _snapshot(snapshot_of(state, now))
+            theirs = _snapshot(snapshot_of(state, now) if state.made else None)
             assert mine == theirs, item
     finally:
         await leases.revoke_all()
@@ -156,3 +172,27 @@ def test_many_losses_of_a_complete_round_agree(
     ]
     loop.run_until_complete(run_both(client, Rules(2, 6, last_call_ms=5, window_ms=2_000),
                                      join + losses))  # fmt: skip
+
+
+def test_a_closed_run_used_again_agrees(
+    client: EtcdClient, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Closed, left by its nodes, refused to a late node for two windows, then made again by
+    a join with other rules (rare at random)."""
+    steps = [Step(i, Op.JOIN, 1) for i in range(3)] + [
+        Step(0, Op.CLOSE, 5),
+        Step(1, Op.JOIN, 5),  # a member asks again: closed, and out
+        Step(0, Op.LEAVE, 5),
+        Step(5, Op.JOIN, 5),  # a late node: closed, nodes still in it
+        Step(2, Op.KEEP_ALIVE, 100),
+        Step(3, Op.STATUS, 2_500),  # the last one dropped by etcd: empty from now
+        Step(6, Op.JOIN, 1_000),  # a late node: closed, free again later
+        Step(7, Op.JOIN, 3_000, variant=1),  # two windows later: a new run, its rules
+        Step(4, Op.JOIN, 10),  # the old rules: refused
+        Step(0, Op.LEAVE, 10, forged=True),  # another client's: nothing
+        Step(7, Op.CLOSE, 10),  # the new run's member closes it
+        Step(7, Op.LEAVE, 10),  # and leaves: empty at once
+        Step(2, Op.JOIN, 2),  # the new run's window (1 ms) twice later: made again
+    ]
+    loop.run_until_complete(run_both(client, Rules(2, 5, last_call_ms=5, window_ms=2_000),
+                                     steps))  # fmt: skip

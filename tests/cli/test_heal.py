@@ -76,6 +76,25 @@ def test_the_self_healing_flags_and_their_pet_forms(monkeypatch: pytest.MonkeyPa
         parse_config(["x.py"])
 
 
+def test_the_spare_and_in_place_flags_reach_the_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aelastic.cli.launch import build_spec
+
+    plain = parse_config(["x.py"]).heal
+    assert (plain.standby_preload, plain.recovery_timeout) == ((), 60.0)
+    config = parse_config(["--standby-preload", "torch, numpy", "--recovery-timeout=5", "x.py"])
+    assert (config.heal.standby_preload, config.heal.recovery_timeout) == (("torch", "numpy"), 5)
+    spec = build_spec(config)
+    assert (spec.standby_preload, spec.recovery_timeout) == (("torch", "numpy"), 5.0)
+    monkeypatch.setenv("PET_STANDBY_PRELOAD", "torch.distributed")
+    assert parse_config(["x.py"]).heal.standby_preload == ("torch.distributed",)
+    for bad, message in (
+        (["--standby-preload", "torch;rm"], "--standby-preload names modules, not 'torch;rm'"),
+        (["--recovery-timeout", "0"], "--recovery-timeout must be > 0"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            parse_config([*bad, "x.py"])
+
+
 def test_a_bad_flag_value_is_a_usage_error_at_the_command_line(tmp_path: Path) -> None:
     code, output = run_cli(["run", "--quarantine-after", "0", "x.py"], tmp_path)
     assert code == 2 and "--quarantine-after must be >= 1, not 0" in output

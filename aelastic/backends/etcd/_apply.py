@@ -23,8 +23,9 @@ from ...core.errors import RendezvousConnectionError
 from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Transition
 from ...core.token import new_epoch
 from ._client import LeaseNotFound, b64
-from ._layout import Header, decode_header, encode_header, prefix_end
-from ._port import LISTS, Plan, View, decide, needs_names, status_of
+from ._decide import decide
+from ._layout import Header, decode_header, encode_header, member_value, prefix_end, rules_tag
+from ._port import LISTS, Plan, View, needs_names, status_of
 from ._reads import RunReads, members_of, range_of, range_op
 
 __all__ = ["RunPort"]
@@ -118,7 +119,8 @@ class RunPort(RunReads):
         and ``f``) if there is none, or joins round 0 while the run is as its creator left
         it (``f`` there, the header never rewritten): the case of every node of a new job
         starting at once. Otherwise the transaction's failure branch is the read, and the
-        join goes on as any request (the view is returned)."""
+        join goes on as any request (the view is returned): so does a join with other rules
+        than the run's (``f`` holds them), or for a name already listed."""
         k, node, rules = self._keys, request.node, request.rules
         fresh = Header(epoch=epoch, rules=rules)
 
@@ -132,7 +134,8 @@ class RunPort(RunReads):
                 }
                 for w in LISTS
             ]
-            mine = {"key": b64(k.member("p", node)), "value": b64(str(request.port))}
+            value = member_value(request.port, request.secret)
+            mine = {"key": b64(k.member("p", node)), "value": b64(value)}
             me = {"request_put": {**mine, "lease": lease}}
             counts = [
                 range_op(p, prefix_end(p), count_only=True)
@@ -145,13 +148,13 @@ class RunPort(RunReads):
                 ],
                 "success": [
                     {"request_put": {"key": b64(k.header), "value": b64(encode_header(fresh))}},
-                    {"request_put": {"key": b64(k.fresh), "value": ""}},
+                    {"request_put": {"key": b64(k.fresh), "value": b64(rules_tag(rules))}},
                     me, range_op(k.header), *counts,
                 ],
                 "failure": [{"request_txn": {
                     "compare": [
-                        {"key": b64(k.fresh), "target": "CREATE", "result": "GREATER",
-                         "create_revision": 0},
+                        {"key": b64(k.fresh), "target": "VALUE", "result": "EQUAL",
+                         "value": b64(rules_tag(rules))},
                         {"key": b64(k.header), "target": "VERSION", "result": "EQUAL",
                          "version": 1},
                         *absent,
@@ -204,7 +207,7 @@ class RunPort(RunReads):
             RendezvousConnectionError: etcd could not be reached within ``read_timeout``.
             RendezvousStateError: The run's keys hold values aelastic did not write.
         """
-        node, window = request.node, request.rules.window_ms
+        node = request.node
         hint = None if self._cut_hint is None else self._cut_hint()
         epoch = epoch or new_epoch()
         first = request.op is Op.JOIN and not request.expired and self._leases.of(node) is None
@@ -226,12 +229,12 @@ class RunPort(RunReads):
             writes = plan.header is not None or plan.put or plan.delete or plan.mark_cut
             if not writes:
                 break
-            ok, responses, revision = await self._write(view, plan, node, window)
+            ok, responses, revision = await self._write(view, plan, node, plan.rules.window_ms)
             if ok:
                 header = plan.header
                 if header is not None and header.deadline is not None:
                     self._deadlines.saw(header.epoch, header.deadline[0], header.deadline[1]
-                                        - request.rules.last_call_ms)  # fmt: skip
+                                        - plan.rules.last_call_ms)  # fmt: skip
                 if plan.rank and plan.mark_cut:
                     rank = int(range_of(responses[-1]).get("count", 0))
                     view = View(**{**view.__dict__, "cut": revision})
@@ -246,14 +249,15 @@ class RunPort(RunReads):
             )
         if plan.beat:
             try:
-                alive = await self._leases.renew(node, window)
+                alive = await self._leases.renew(node)
             except LeaseNotFound:
                 alive = False
             if not alive and request.op is Op.KEEP_ALIVE:
                 plan.known = False
         if plan.rank and not plan.mark_cut and (rank is None or view.cut != hint):
             rank = await self._rank(node, view.cut)
-        self._where_of[node] = plan.where if plan.known else None
+        if plan.outcome is not Outcome.ERROR_FORBIDDEN:  # another client's: not this one's
+            self._where_of[node] = plan.where if plan.known else None
         return self._reply(request, plan, rank)
 
     async def _follow_up(
@@ -266,7 +270,7 @@ class RunPort(RunReads):
             return
         count_index = len(responses) - 1
         count = int(range_of(responses[count_index]).get("count", 0))
-        rules = request.rules
+        rules = plan.rules
         if count == rules.min_nodes or count >= rules.max_nodes:
             status = Request(Op.STATUS, request.node, rules)
             await self.apply(status, now, epoch)
@@ -284,4 +288,6 @@ class RunPort(RunReads):
             wake_at_ms=plan.wake_at_ms,
             restart_deadline=plan.restart,
             known=plan.known,
+            run_rules=plan.run_rules,
+            reopen_at_ms=plan.reopen_at_ms,
         )

@@ -12,6 +12,7 @@ no more than that either: an idle member costs etcd one keep-alive per interval.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -113,8 +114,9 @@ class EtcdBackend:
         self._store: KeyValue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        #: Where each node of this backend is (``p``, ``w``, ``r``), and the token then.
-        self._where: dict[NodeDesc, tuple[str | None, Token, int | None]] = {}
+        #: Where each node of this backend is (``p``, ``w``, ``r``), the token then, when
+        #: it asks again by itself, and the secret it is listed under.
+        self._where: dict[NodeDesc, tuple[str | None, Token, int | None, str]] = {}
 
     def __repr__(self) -> str:
         return f"EtcdBackend(run_id={self._run_id!r}, endpoint={self.endpoint!r})"
@@ -171,8 +173,10 @@ class EtcdBackend:
     def _after(self, request: Request, reply: Reply, stream: RunStream) -> None:
         """Remember where the node is; a member of ranks 0..2 watches for lost members."""
         node = request.node
+        if request.operator or reply.outcome is Outcome.ERROR_FORBIDDEN:
+            return  # acts for no node of this backend
         where = None if self._port is None else self._port.where_of(node)
-        self._where[node] = (where, reply.status.token, reply.wake_at_ms)
+        self._where[node] = (where, reply.status.token, reply.wake_at_ms, request.secret)
         if request.op is Op.JOIN and reply.outcome is Outcome.FINISH:
             sentinel = reply.rank is not None and reply.rank < SENTINELS
             stream.sentinel(self, self._ask(node, request) if sentinel else None)
@@ -193,9 +197,11 @@ class EtcdBackend:
         latest = stream.watch.latest
         if known is None or latest is None or not stream.watch.live or known[0] is None:
             return None
-        where, token, wake_at = known
-        if latest.token != token:
-            return None
+        where, token, wake_at, secret = known
+        if latest.token != token or not hmac.compare_digest(
+            secret.encode(), request.secret.encode()
+        ):
+            return None  # news, or another client's request: carried out in full
         if op is Op.JOIN:
             if request.expired or latest.closed:
                 return None
@@ -207,7 +213,7 @@ class EtcdBackend:
             return None
         assert self._leases is not None
         try:
-            alive = await self._leases.renew(node, request.rules.window_ms)
+            alive = await self._leases.renew(node)
         except LeaseNotFound:
             alive = False
         if not alive:
@@ -240,6 +246,16 @@ class EtcdBackend:
         """The run's whole membership, or ``None`` when it has no state."""
         port, _ = await self._bind()
         return await port.snapshot(now_ms())
+
+    async def close_run(self) -> bool:
+        """Close the run as its operator (whoever holds the etcd credentials the nodes use
+        is one); whether it was open.
+
+        Raises:
+            RendezvousConnectionError: etcd could not be reached within ``read_timeout``.
+        """
+        reply = await self.apply(Request.operator_close())
+        return reply.transition is Transition.MARK_CLOSED
 
     async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
         """The runs under this backend's prefix and their statuses, sorted by id, at most

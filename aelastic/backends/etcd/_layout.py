@@ -19,7 +19,9 @@ percent-encoded, so a ``/`` in it stays inside the run's folder):
   revision at which ``p/`` holds exactly the round's members (ranks are read there);
 * ``f``: written with a header created by a first join, deleted by the header's next write:
   while it is there, the run is round 0 forming, with no last call, and a first join needs
-  no read (:meth:`._apply.RunPort.first_join`);
+  no read (:meth:`._apply.RunPort.first_join`); its value is the run's rules
+  (:func:`rules_tag`), so a first join with other rules falls back to a full request (and is
+  refused there, naming both);
 * ``kv/<key>``: the members' key-value store; ``op/<id>``: the result of an ``add``, kept a
   while so that a retried add never counts twice.
 
@@ -46,13 +48,17 @@ __all__ = [
     "RunKeys",
     "decode_header",
     "encode_header",
+    "member_parts",
+    "member_value",
     "node_of",
     "prefix_end",
+    "rules_tag",
     "sort_key",
 ]
 
-#: Version of the etcd layout (inside format version 2 of the state).
-LAYOUT = 1
+#: Version of the etcd layout (inside format version 3 of the state). Layout 1 had no node
+#: secrets and no vacancy time.
+LAYOUT = 2
 _SEP = "\x00"  # below every printable character: "a" sorts before "a-b" as it should
 
 
@@ -71,6 +77,26 @@ def node_of(suffix: str) -> NodeDesc:
     if not addr or not pid.isdigit() or not local_id.isdigit():
         raise ValueError(f"{suffix!r} is not a node's key")
     return NodeDesc(addr, int(pid), int(local_id))
+
+
+def member_value(port: int, secret: str) -> bytes:
+    """The value of a node's key: its bootstrap port (participants; 0 elsewhere) and its
+    secret."""
+    return f"{port}:{secret}".encode()
+
+
+def member_parts(value: bytes) -> tuple[int, bytes]:
+    """The port and the secret in a node's key's value (a value aelastic did not write
+    gives port 0 and a secret no request matches)."""
+    port, sep, secret = value.partition(b":")
+    if not sep or not port.isdigit():
+        return 0, b"\x00"
+    return int(port), secret
+
+
+def rules_tag(rules: Rules) -> str:
+    """The run's rules as the ``f`` key's value (compared by a first join)."""
+    return f"{rules.min_nodes},{rules.max_nodes},{rules.last_call_ms},{rules.window_ms}"
 
 
 def prefix_end(prefix: str | bytes) -> bytes:
@@ -140,6 +166,7 @@ class Header:
         deadline: ``(id, setter's time)`` of the last call, or ``None``. Its id is the
             generation that set it; readers time the last call from when they first saw
             that id, never from another machine's clock (:mod:`._port`).
+        vacated: When a closed run's last node left (the writer's clock), or ``None``.
     """
 
     epoch: str
@@ -154,6 +181,7 @@ class Header:
     accounted: int = 0
     master: tuple[str, int] | None = None
     rules: Rules | None = None
+    vacated: int | None = None
     counts: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
     flags: tuple[bool, bool, bool] = (False, False, False)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -184,6 +212,7 @@ def encode_header(header: Header) -> str:
         "rules": None
         if rules is None
         else [rules.min_nodes, rules.max_nodes, rules.last_call_ms, rules.window_ms],
+        "vacated": header.vacated,
         "counts": list(header.counts),
         "flags": list(header.flags),
     }
@@ -224,6 +253,7 @@ def decode_header(raw: bytes, where: str) -> Header:
         deadline = doc["deadline"]
         master = doc["master"]
         rules = doc["rules"]
+        vacated = doc["vacated"]
         c, f = doc["counts"], doc["flags"]
         if len(c) != 5 or len(f) != 3:
             raise ValueError("counts")
@@ -242,6 +272,7 @@ def decode_header(raw: bytes, where: str) -> Header:
             accounted=int(doc["accounted"]),
             master=None if master is None else (str(master[0]), int(master[1])),
             rules=None if rules is None else Rules(*(int(r) for r in rules)),
+            vacated=None if vacated is None else int(vacated),
             counts=counts,
             flags=flags,
         )

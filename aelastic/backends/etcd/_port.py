@@ -1,6 +1,6 @@
 """The state machine ported onto the etcd layout: what one request decides, pure.
 
-How it works: :func:`decide` is :func:`aelastic.core.machine.step` written for what one
+How it works: :func:`._decide.decide` is :func:`aelastic.core.machine.step` written for what one
 read of etcd shows (a :class:`View`: the header, this node's own keys, the counts of the
 lists, the first participant): it returns a :class:`Plan`, the reply and the writes (this
 node's keys, the header when a round transition changed it) that the executor
@@ -11,11 +11,12 @@ change one, change both.
 
 What etcd does differently, and why it is still the machine's rule:
 
-* **Silence** is measured by etcd: every node has a lease whose time to live is the
-  heartbeat window (``keep_alive_interval x keep_alive_max_attempt``, in etcd's whole
-  seconds) and its keys are attached to it; a keep-alive renews the lease, and etcd deletes
-  the keys of a node silent for the window. So the one clock that judges silence is the
-  etcd leader's: the clocks of different machines are never compared. What the machine does
+* **Silence** is measured by etcd: every node has a lease whose time to live is the run's
+  heartbeat window (the stored rules' ``keep_alive_interval x keep_alive_max_attempt``, in
+  etcd's whole seconds, never the requester's) and its keys are attached to it; a
+  keep-alive renews the lease, and etcd deletes the keys of a node silent for the window.
+  So the one clock that judges silence is the etcd leader's: the clocks of different
+  machines are never compared (but for a closed run's vacancy, below). What the machine does
   when it prunes a node (the last call ends if too few participants are left, a complete
   round counts a lost member and names it, the next round opens when nobody is left, the
   waiting flag may fall) follows from the counts; the next request that reads the run
@@ -27,19 +28,42 @@ What etcd does differently, and why it is still the machine's rule:
 * **The last call** is timed by each process from when it first saw the header that started
   it (the setter: from its own request), never from another machine's time: so no process
   ends it early, and a late observer only ends it later.
+* **A closed run's vacancy** (its last node left: the run can be used again two heartbeat
+  windows later, :func:`aelastic.core.machine.reuse_grace_ms`) is dated by the request that
+  made it empty, in the header (``vacated``). When etcd dropped the last nodes (their leases
+  expired), nobody saw when: the first request that finds the run empty dates it then (the
+  machine dates it from the last node's expiry, which is earlier: etcd's run is reused no
+  sooner). This is the one time written by one machine and read by others: clocks skewed
+  by S move the reuse by S (the grace is two windows; NTP keeps S to milliseconds).
+* **Trust** is the machine's: the rules the join that made the run stored in the header
+  decide everything (a join with other ones is :attr:`~.Outcome.ERROR_RULES`), and a node's
+  secret, stored in the value of its key, is compared in constant time with the request's
+  before a join, keep-alive, leave or close acts for it (:attr:`~.Outcome.ERROR_FORBIDDEN`).
 """
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ...core.machine import reuse_grace_ms
 from ...core.params import Rules
-from ...core.state import MAX_LOST_SAMPLE, NodeDesc, Op, Outcome, Request, Status, Transition
+from ...core.state import MAX_LOST_SAMPLE, NodeDesc, Outcome, Request, Status, Transition
 from ...core.token import make
-from ._layout import Header
+from ._layout import Header, member_parts, member_value
 
-__all__ = ["Member", "Plan", "View", "decide", "reconcile", "status_of"]
+__all__ = [
+    "LISTS",
+    "DeadlineClock",
+    "Member",
+    "Plan",
+    "Run",
+    "View",
+    "needs_names",
+    "reconcile",
+    "status_of",
+]
 
 #: The lists a node can be in: participants, waiting, redundant.
 LISTS = ("p", "w", "r")
@@ -52,7 +76,7 @@ class Member:
     key: str
     mod: int
     create: int
-    value: bytes = b""
+    value: bytes = field(default=b"", repr=False)  # a node's key: its port and secret
     lease: int = 0
 
 
@@ -107,6 +131,10 @@ class Plan:
         need_extras: The decision needs a read with the extras (how many).
         beat: Renew this node's lease.
         rank: The reply needs this node's rank (a finished join).
+        rules: The run's rules after the request (the requester's for a run no join made).
+        made: Whether a join made the run (a state no join made is not written).
+        run_rules: The run's rules, for a join refused for other ones.
+        reopen_at_ms: When a closed run refusing a join can be used again.
     """
 
     outcome: Outcome
@@ -114,7 +142,7 @@ class Plan:
     wake_at_ms: int | None = None
     restart: bool = False
     header: Header | None = None
-    put: dict[str, bytes] = field(default_factory=dict)
+    put: dict[str, bytes] = field(default_factory=dict, repr=False)
     delete: list[str] = field(default_factory=list)
     clear_finished: bool = False
     mark_cut: bool = False
@@ -127,18 +155,22 @@ class Plan:
     master: tuple[str, int] | None = None
     where: str | None = None
     status: Status = field(default_factory=Status)
+    rules: Rules = field(default_factory=lambda: Rules(1, 1, 1, 1))
+    made: bool = True
+    run_rules: Rules | None = None
+    reopen_at_ms: int | None = None
 
 
 #: A process's lookup of the last call's end: (epoch, deadline id, last call ms, now) -> ms.
 DeadlineClock = Callable[[str, int, int, int], int]
 
 
-class _Run:
+class Run:
     """The run's logical state while a request is decided (the header plus the counts)."""
 
-    def __init__(self, view: View, epoch: str, rules: Rules, node: NodeDesc) -> None:
+    def __init__(self, view: View, epoch: str, req: Request) -> None:
         h = view.header
-        self.h = h if h is not None else Header(epoch=epoch, rules=rules)
+        self.h = h if h is not None else Header(epoch=epoch, rules=req.rules)
         self.fresh = h is None
         self.np, self.nw, self.nr, self.nq = (
             view.participants,
@@ -148,9 +180,27 @@ class _Run:
         )
         self.where = view.where()
         self.first = view.first
-        self.node = node
-        self.rules = rules
+        self.node = req.node
+        self.secret = req.secret
+        self.port = req.port
+        self.rules = self.h.rules or req.rules
         self.plan = Plan(Outcome.FINISH)
+        own = view.own.get(self.where) if self.where is not None else None
+        stored = None if own is None else member_parts(own.value)[1]
+        #: The node is listed under the request's secret (compared in constant time).
+        self.owns = stored is not None and hmac.compare_digest(stored, req.secret.encode())
+
+    @property
+    def listed(self) -> int:
+        """How many nodes are in the run (the machine's heartbeats)."""
+        return self.np + self.nw + self.nr
+
+    def reopen_at(self) -> int | None:
+        """The machine's ``reopen_at_ms``: when the closed, empty run can be used again."""
+        h = self.h
+        if self.listed or h.vacated is None:
+            return None
+        return h.vacated + reuse_grace_ms(self.rules)
 
     @property
     def lost(self) -> int:
@@ -194,11 +244,12 @@ class _Run:
             self.nr -= 1
         self.where = None
 
-    def add_own(self, where: str, value: bytes = b"") -> None:
+    def add_own(self, where: str) -> None:
         plan = self.plan
         if where in plan.delete:
             plan.delete.remove(where)
-        plan.put[where] = value
+        plan.put[where] = member_value(self.port if where == "p" else 0, self.secret)
+        self.owns = True
         if where == "p":
             self.np += 1
         elif where == "w":
@@ -207,12 +258,15 @@ class _Run:
             self.nr += 1
         self.where = where
 
-    def remove(self, finished: bool = False) -> None:
-        """The machine's ``_remove`` of this node."""
+    def remove(self, now: int, finished: bool = False) -> None:
+        """The machine's ``_remove`` of this node (gone at ``now``)."""
         where = self.where
         if where is None:
             return
         self.drop_own(where)
+        self.owns = False
+        if self.h.closed and not self.listed:
+            self.h = self.h.evolve(vacated=now)
         if where != "p":
             return
         h = self.h
@@ -234,7 +288,7 @@ class _Run:
         """The machine's ``_complete``: ranks are the sorted order of the ``p/`` keys."""
         first = self.first
         if "p" in self.plan.put and (first is None or self.node < first[0]):
-            first = (self.node, int(self.plan.put["p"] or b"0"))
+            first = (self.node, self.port)
         master = None if first is None else (first[0].addr, first[1])
         self.h = self.h.evolve(
             complete=True, deadline=None, world=self.np, sample=(), sampled=0, master=master
@@ -243,7 +297,7 @@ class _Run:
         self.plan.guard = True
 
 
-def reconcile(run: _Run, view: View, lost_names: list[str], now: int) -> None:
+def reconcile(run: Run, view: View, lost_names: list[str], now: int) -> None:
     """What the machine's pruning would have done: effects of the nodes etcd removed.
 
     ``lost_names`` are the members of the complete round that etcd removed since the
@@ -255,6 +309,8 @@ def reconcile(run: _Run, view: View, lost_names: list[str], now: int) -> None:
     the join itself does it).
     """
     h, rules = run.h, run.rules
+    if h.closed and not run.listed and h.vacated is None and not run.fresh:
+        run.h = h = h.evolve(vacated=now)  # etcd dropped its last nodes: dated now
     if h.complete and run.np == 0:
         run.open_next_round()
         return
@@ -295,152 +351,6 @@ def needs_names(view: View) -> int:
         return 0
     lost = h.world - view.participants - view.finished
     return max(lost - h.sampled, 0)
-
-
-def _join(run: _Run, req: Request, now: int, deadline_of: Callable[[], int | None]) -> None:
-    plan, rules, h = run.plan, run.rules, run.h
-    if h.closed:
-        plan.outcome = Outcome.GRACEFUL_EXIT if run.where == "r" else Outcome.ERROR_CLOSED
-        return
-    expired, restart, transition = req.expired, False, Transition.NONE
-    if run.where == "r":
-        if run.np >= rules.max_nodes:
-            plan.outcome, plan.transition, plan.beat = Outcome.WAIT, Transition.KEEP_ALIVE, True
-            return
-        run.remove()
-        expired, restart = False, True
-        transition = Transition.REMOVE_FROM_REDUNDANCY_LIST
-    plan.restart = restart
-    if h.complete and run.where == "p":
-        plan.outcome, plan.transition, plan.beat, plan.rank = Outcome.FINISH, transition, True, True
-        return
-    if expired:
-        if run.where is not None:
-            run.remove()
-            transition = Transition.REMOVE
-        plan.outcome, plan.transition = Outcome.ERROR_TIMEOUT, transition
-        return
-    if h.complete:
-        if run.where != "w":
-            if run.np < rules.max_nodes:
-                run.add_own("w")
-                transition = Transition.ADD_TO_WAIT_LIST
-            else:
-                run.add_own("r")
-                transition = Transition.ADD_TO_REDUNDANCY_LIST
-        plan.outcome, plan.transition, plan.beat = Outcome.WAIT, transition, True
-        return
-    if run.where == "p":
-        deadline = deadline_of()
-        ready = rules.min_nodes <= run.np <= rules.max_nodes
-        plan.beat = True
-        if ready and deadline is not None and deadline <= now:
-            run.complete()
-            plan.outcome, plan.transition, plan.rank = (
-                Outcome.FINISH,
-                Transition.MARK_COMPLETE,
-                True,
-            )
-            return
-        plan.outcome, plan.transition, plan.wake_at_ms = (
-            Outcome.WAIT,
-            Transition.KEEP_ALIVE,
-            deadline,
-        )
-        return
-    if run.where == "w":
-        run.drop_own("w")
-    run.add_own("p", str(req.port).encode())
-    plan.beat = True
-    if run.np == rules.min_nodes:
-        run.h = run.h.evolve(deadline=(-1, now + rules.last_call_ms))  # id set below
-        plan.guard = True
-    if run.np == rules.max_nodes:
-        run.complete()
-        plan.outcome, plan.transition = Outcome.FINISH, Transition.MARK_COMPLETE
-        plan.rank = True
-        return
-    plan.outcome, plan.transition = Outcome.WAIT, Transition.ADD_TO_PARTICIPANTS
-    plan.wake_at_ms = deadline_of()
-
-
-def decide(
-    view: View,
-    req: Request,
-    now: int,
-    epoch: str,
-    deadline_clock: DeadlineClock,
-    lost_names: list[str] | None = None,
-) -> Plan:
-    """What ``req`` does to the run that ``view`` shows, at this process's time ``now``.
-
-    Args:
-        view: One read of the run.
-        req: The node's request.
-        now: This process's time (ms): the last call is timed on it.
-        epoch: The epoch of a state this request creates.
-        deadline_clock: This process's lookup of the last call's end.
-        lost_names: Members of the complete round etcd removed since the header's last
-            write, in order (see :func:`needs_names`).
-
-    Returns:
-        The plan: reply parts, the writes, and the status after them.
-    """
-    rules = req.rules
-    run = _Run(view, epoch, rules, req.node)
-    before_h = run.h
-    before = (
-        before_h.round, before_h.complete, before_h.closed,
-        before_h.deadline and before_h.deadline[0], *before_h.flags,
-    )  # fmt: skip
-    reconcile(run, view, lost_names or [], now)
-    if run.plan.need_extras:
-        return run.plan
-
-    def deadline_of() -> int | None:
-        d = run.h.deadline
-        if d is None:
-            return None
-        if d[0] < 0:
-            return d[1]
-        return deadline_clock(run.h.epoch, d[0], rules.last_call_ms, now)
-
-    op = req.op
-    plan = run.plan
-    if op is Op.JOIN:
-        _join(run, req, now, deadline_of)
-    elif op is Op.LEAVE:
-        if run.where is not None:
-            run.remove(req.finished)
-            plan.transition = Transition.REMOVE
-    elif op is Op.CLOSE:
-        if not run.h.closed:
-            run.h = run.h.evolve(closed=True)
-            plan.transition = Transition.MARK_CLOSED
-    elif op is Op.KEEP_ALIVE and run.where is not None:
-        plan.beat, plan.transition = True, Transition.KEEP_ALIVE
-    h = run.h
-    after = run.signature(h.deadline)
-    gen = h.gen + 1 if after != before else h.gen
-    if h.deadline is not None and h.deadline[0] < 0:
-        h = h.evolve(deadline=(gen, h.deadline[1]))
-    h = h.evolve(
-        gen=gen,
-        counts=(run.np, run.nw, run.nr, run.lost, run.nq if h.complete else 0),
-        flags=(run.nw > 0, run.lost > 0, h.complete and run.nq > 0),
-    )
-    if h.rules is None:
-        h = h.evolve(rules=rules)
-    # The counts are recorded when the header is written for a transition, never a reason
-    # to write it: a join to a forming round must not rewrite a shared value.
-    changed = run.fresh or h.evolve(counts=before_h.counts) != before_h
-    plan.header = h if changed else None
-    plan.known = run.where is not None
-    plan.where = run.where
-    plan.master = h.master
-    plan.status = status_of(h, run.np, run.nw, run.nr, run.nq, now, deadline_of())
-    run.h = h
-    return plan
 
 
 def status_of(

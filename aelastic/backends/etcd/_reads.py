@@ -17,7 +17,7 @@ from typing import Any
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
 from ...core.state import MemberEntry, NodeDesc, Snapshot, Status
 from ._client import Compacted, EtcdClient, EtcdError, b64, unb64
-from ._layout import RunKeys, decode_header, node_of, prefix_end
+from ._layout import RunKeys, decode_header, member_parts, node_of, prefix_end
 from ._leases import Deadlines, Leases
 from ._port import LISTS, Member, View, status_of
 
@@ -312,6 +312,7 @@ class RunReads:
             redundancy_list=tuple(entry(m, "r/") for m in lists[2]),
             master_addr=None if h.master is None else h.master[0],
             master_port=None if h.master is None else h.master[1],
+            rules=h.rules,
         )
 
     async def _beats(self, leases: list[int], now: int) -> dict[int, int]:
@@ -357,7 +358,4 @@ async def _until(messages: Any, idle: float) -> Any:
 
 
 def _port_of(value: bytes) -> int:
-    try:
-        return int(value or b"0")
-    except ValueError:
-        return 0
+    return member_parts(value)[0]

@@ -1,0 +1,180 @@
+"""The agent's end of in-place recovery: a local socket to the workers that opted in.
+
+How it works: the agent listens on a Unix socket in a private directory (mode 0700) and
+gives its path to every worker (``AELASTIC_INPLACE_SOCKET``). A worker that uses
+:class:`aelastic.worker.InPlace` connects and says ``hello`` (its pid); scripts that do not
+never connect, and the agent treats them exactly as before. When the group changes and every
+local worker of the attempt is alive and said hello, the agent keeps them
+(:meth:`InPlaceChannel.hold`: each is told ``changing``), re-rendezvouses, and sends each its
+new ranks and master (:meth:`resume`, one JSON line); each answers ``joined`` once its new
+process group is made and the state handed over. A worker whose collective broke says
+``broken`` and waits: the agent waits for the group change that explains it, or tells it
+``fail`` (its own error is raised again and it exits as it would have). Messages are JSON
+lines; the socket is read on the agent's loop (no thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from ..core.race import Signal
+from ..worker._inplace import ENV_SOCKET, ROUND_KEYS
+from .process import WorkerProcess
+
+__all__ = ["ENV_SOCKET", "InPlaceChannel"]
+
+log = logging.getLogger("aelastic.agent")
+
+#: Longest line a worker may send (bytes).
+_LINE_LIMIT = 1 << 16
+
+
+class _Worker:
+    """One connected worker."""
+
+    __slots__ = ("broken", "joined", "writer")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.joined = -1
+        self.broken: str | None = None
+
+
+class InPlaceChannel:
+    """The socket the workers of one agent talk to (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._dir: str | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._workers: dict[int, _Worker] = {}
+        #: Set when a worker says its collective broke (see :attr:`broken_since`).
+        self.broken = Signal()
+        #: Set when a worker says it joined its new group.
+        self.joined = Signal()
+        #: The generation of the workers' group: 0 at their start, +1 per change in place.
+        self.gen = 0
+        #: Workers that waited for a group change were told to fail (their failures are
+        #: their own: no more waiting for a peer's loss).
+        self.told_fail = False
+
+    async def start(self) -> None:
+        """Listen (once); a failure leaves in-place recovery off for this agent."""
+        if self._server is not None:
+            return
+        try:
+            self._dir = tempfile.mkdtemp(prefix="aelastic-inplace-")
+            self._server = await asyncio.start_unix_server(
+                self._accept, os.path.join(self._dir, "s"), limit=_LINE_LIMIT
+            )
+        except OSError as exc:
+            log.warning("no in-place recovery for this agent: %s", exc)
+            await self.aclose()
+
+    def env(self) -> dict[str, str]:
+        """The variable that tells a worker where to connect (empty when off)."""
+        return {} if self._dir is None else {ENV_SOCKET: os.path.join(self._dir, "s")}
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pid: int | None = None
+        try:
+            while line := await reader.readline():
+                message = json.loads(line)
+                pid = int(message.get("pid", 0)) or pid
+                if pid is None:
+                    continue
+                op = message.get("op")
+                if op == "hello":
+                    self._workers[pid] = _Worker(writer)
+                elif (worker := self._workers.get(pid)) is None:
+                    continue
+                elif op == "broken" and int(message.get("gen", self.gen)) >= self.gen:
+                    worker.broken = str(message.get("error", ""))  # else: a round came since
+                    self.broken.set()
+                elif op == "joined":
+                    worker.joined = int(message.get("gen", 0))
+                    worker.broken = None
+                    self.joined.set()
+        except (OSError, ValueError) as exc:
+            log.debug("in-place channel of pid %s: %s", pid, exc)
+        finally:
+            if pid is not None and (w := self._workers.get(pid)) is not None and w.writer is writer:
+                del self._workers[pid]
+            writer.close()
+
+    # -- what the agent asks --------------------------------------------------------------
+
+    def opted_in(self, processes: Sequence[WorkerProcess]) -> bool:
+        """Whether every worker of ``processes`` is alive and recovers in place."""
+        return bool(processes) and all(
+            p.returncode is None and p.pid in self._workers for p in processes
+        )
+
+    def broken_workers(self, processes: Iterable[WorkerProcess]) -> list[int]:
+        """Pids of ``processes`` whose collective broke (waiting for the next round)."""
+        return [
+            p.pid for p in processes if (w := self._workers.get(p.pid)) and w.broken is not None
+        ]
+
+    def hold(self, processes: Iterable[WorkerProcess]) -> None:
+        """Tell the workers that their group is changing (they leave it at once)."""
+        for proc in processes:
+            self._send(proc.pid, op="changing", gen=self.gen)
+
+    def resume(self, envs: Mapping[int, Mapping[str, str]]) -> None:
+        """Send each worker (pid -> its full environment) the ranks of its new group."""
+        self.gen += 1
+        self.told_fail = False
+        self.broken.clear()
+        for pid, env in envs.items():
+            if (worker := self._workers.get(pid)) is not None:
+                worker.broken = None  # the new round explains why its group broke
+            round_env = {k: env[k] for k in ROUND_KEYS if k in env}
+            self._send(pid, op="round", gen=self.gen, env=round_env)
+
+    def fail(self, pids: Iterable[int]) -> None:
+        """Tell waiting workers that no new group comes: they raise their own error."""
+        for pid in pids:
+            self._send(pid, op="fail")
+
+    async def all_joined(self, pids: Sequence[int]) -> None:
+        """Until every one of ``pids`` joined the current generation (or went away)."""
+        while True:
+            self.joined.clear()
+            pending = [pid for pid in pids if (w := self._workers.get(pid)) and w.joined < self.gen]
+            if not pending:
+                return
+            await self.joined.wait()
+
+    def forget(self) -> None:
+        """A new set of workers starts: the generation starts again."""
+        self.gen = 0
+        self.told_fail = False
+        self.broken.clear()
+
+    def _send(self, pid: int, **message: Any) -> None:
+        worker = self._workers.get(pid)
+        if worker is None or worker.writer.is_closing():
+            return
+        worker.writer.write(json.dumps(message).encode() + b"\n")
+
+    async def aclose(self) -> None:
+        """Stop listening, drop the connections, remove the directory."""
+        server, self._server = self._server, None
+        for worker in self._workers.values():
+            worker.writer.close()
+        self._workers.clear()
+        if server is not None:
+            server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
