@@ -168,15 +168,16 @@ async def test_dead_member_is_pruned_and_survivor_reforms(make_params: MakeParam
 
 
 @pytest.mark.parametrize(
-    ("min_nodes", "attempts"),
-    # (1, 2): one node of at most two waits out the last call, then the thinnest window.
-    [(2, 3), (1, 2)],
+    ("min_nodes", "attempts", "interval"),
+    # (1, 2): one node of at most two waits out the last call, then the thinnest window
+    # (two beats: 0.8 s, so that a loaded machine's delays fit in it).
+    [(2, 3, 0.2), (1, 2, 0.4)],
 )
 async def test_heartbeats_keep_live_members_in_the_group(
-    make_params: MakeParams, min_nodes: int, attempts: int
+    make_params: MakeParams, min_nodes: int, attempts: int, interval: float
 ) -> None:
     conf = {
-        "keep_alive_interval": 0.2,
+        "keep_alive_interval": interval,
         "keep_alive_max_attempt": attempts,
         "last_call_timeout": 0.4,  # completes when a keep-alive is due, too
     }
