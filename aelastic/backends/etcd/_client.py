@@ -25,7 +25,6 @@ hundreds of nodes at once saturates etcd. etcd's gRPC API is the way further (no
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import random
 import weakref
@@ -37,6 +36,25 @@ import aiohttp
 
 from ...core.errors import RendezvousConnectionError
 from ...core.events import BackendRetry, report
+from ._answers import (
+    DEADLINE,
+    PERMISSION,
+    UNAUTHENTICATED,
+    UNAVAILABLE,
+    Compacted,
+    EtcdError,
+    Hangup,
+    LeaseNotFound,
+    NotEtcd,
+    Transient,
+    auth_error,
+    b64,
+    decode,
+    etcd_error,
+    retryable,
+    said,
+    unb64,
+)
 from ._endpoint import ENV_PASSWORD, ENV_USERNAME, EtcdEndpoint
 
 __all__ = [
@@ -62,59 +80,10 @@ LAST_ATTEMPT = 2.0
 #: nodes connecting at once to one member on 2 cores had their watches time out 424 times).
 CONNECT_TIMEOUT = 2.0
 
-#: gRPC codes (grpc-gateway puts them in the error body).
-_INVALID_ARGUMENT, _DEADLINE, _NOT_FOUND, _PERMISSION = 3, 4, 5, 7
-_FAILED_PRECONDITION, _OUT_OF_RANGE, _UNAVAILABLE, _UNAUTHENTICATED = 9, 11, 14, 16
-
-
-def b64(data: bytes | str) -> str:
-    """``data`` in base64 (a key or value on etcd's JSON API)."""
-    raw = data.encode() if isinstance(data, str) else data
-    return base64.b64encode(raw).decode("ascii")
-
-
-def unb64(text: str | None) -> bytes:
-    """The bytes of a base64 field (``b""`` when absent)."""
-    return base64.b64decode(text) if text else b""
-
-
-class EtcdError(Exception):
-    """etcd refused a request (the message is etcd's; ``code`` is the gRPC code)."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class Compacted(EtcdError):
-    """The revision asked for was compacted away."""
-
-
-class LeaseNotFound(EtcdError):
-    """The lease does not exist (it expired or was revoked)."""
-
-
-class _Transient(Exception):
-    """This member cannot answer now (gone, no leader, timed out): try another."""
-
-
-class _NotEtcd(Exception):
-    """The server answered, but not as an etcd member does."""
-
-
-class _Hangup(_Transient):
-    """The member took the connection and closed it without an answer."""
-
-
 #: The last status probe of each member, per event loop (see ``_leader_changed``).
 _PROBES: weakref.WeakKeyDictionary[
     asyncio.AbstractEventLoop, dict[str, tuple[float, asyncio.Future[int]]]
 ] = weakref.WeakKeyDictionary()
-
-
-def _said(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if len(text) <= 160 else text[:157] + "..."
 
 
 class EtcdClient:
@@ -195,7 +164,7 @@ class EtcdClient:
                 if attempt.done():  # answered while the member was asked: never sent again
                     return attempt.result()
                 if changed:
-                    raise _Transient("the member's leader changed while it had the request")
+                    raise Transient("the member's leader changed while it had the request")
         finally:
             if not attempt.done():
                 attempt.cancel()
@@ -239,12 +208,12 @@ class EtcdClient:
                 raw = await response.read()
                 status = response.status
         except aiohttp.ClientResponseError as exc:  # not HTTP at all (the parser failed)
-            raise _NotEtcd(f"an answer that is not HTTP ({exc.message})") from None
+            raise NotEtcd(f"an answer that is not HTTP ({exc.message})") from None
         except aiohttp.ServerDisconnectedError:
-            raise _Hangup("it closed the connection without an answer") from None
+            raise Hangup("it closed the connection without an answer") from None
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            raise _Transient(_said(exc)) from None
-        answer = _decode(raw, status)
+            raise Transient(said(exc)) from None
+        answer = decode(raw, status)
         header = answer.get("header") or answer.get("result", {}).get("header") or {}
         term = int(header.get("raft_term", 0) or 0)
         if term > self._term:
@@ -286,25 +255,25 @@ class EtcdClient:
                 answer = await self._post(url + path, body, remaining)
                 self._failing_since = None
                 return answer
-            except _NotEtcd as exc:
+            except NotEtcd as exc:
                 raise RendezvousConnectionError(
                     f"The server at {url} does not answer etcd's v3 API ({what}: {exc}): is "
                     "it an etcd member (3.4 or newer)? Check the host and port."
                 ) from None
             except EtcdError as exc:
-                if exc.code == _UNAUTHENTICATED and self.endpoint.username and not relogged:
+                if exc.code == UNAUTHENTICATED and self.endpoint.username and not relogged:
                     self._token, relogged = None, True  # expired token: log in again
                     continue
-                if exc.code in (_UNAUTHENTICATED, _PERMISSION) or _auth_error(exc):
+                if exc.code in (UNAUTHENTICATED, PERMISSION) or auth_error(exc):
                     raise self._auth_failure(what, exc) from None
-                if exc.code not in (_UNAVAILABLE, _DEADLINE) and not _retryable(exc):
+                if exc.code not in (UNAVAILABLE, DEADLINE) and not retryable(exc):
                     raise
                 error: Exception = exc
-            except _Transient as exc:
+            except Transient as exc:
                 error = exc
                 # A server that keeps taking connections and closing them unanswered is not
                 # an etcd member (an etcd member that dies refuses connections afterwards).
-                hangups = hangups + 1 if isinstance(exc, _Hangup) else 0
+                hangups = hangups + 1 if isinstance(exc, Hangup) else 0
                 if hangups >= 3 * len(self._urls):
                     raise RendezvousConnectionError(
                         f"The server at {self.display} does not answer etcd's v3 API ({what}: "
@@ -370,7 +339,7 @@ class EtcdClient:
 
         Raises:
             RendezvousConnectionError: The server is not etcd.
-            _Transient-like errors surface as ``ConnectionError``; etcd's as ``EtcdError``.
+            Transient-like errors surface as ``ConnectionError``; etcd's as ``EtcdError``.
         """
         session = self._session_now()
         url = self._urls[self._current]
@@ -390,11 +359,11 @@ class EtcdClient:
                 f"The server at {url} does not answer etcd's v3 API ({exc.message})."
             ) from None
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            raise ConnectionError(f"{url}: {_said(exc)}") from None
+            raise ConnectionError(f"{url}: {said(exc)}") from None
         try:
             if response.status != 200:
                 raw = await response.read()
-                _decode(raw, response.status)  # raises etcd's error
+                decode(raw, response.status)  # raises etcd's error
                 raise ConnectionError(f"{url}: HTTP {response.status}")
             yield _messages(response, url)
         finally:
@@ -413,76 +382,16 @@ async def _messages(response: aiohttp.ClientResponse, url: str) -> AsyncIterator
         try:
             line = await response.content.readline()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            raise ConnectionError(f"{url}: {_said(exc)}") from None
+            raise ConnectionError(f"{url}: {said(exc)}") from None
         if not line:
             return
         if not line.strip():
             continue
-        doc = _decode(line, 200)
+        doc = decode(line, 200)
         if "error" in doc and isinstance(doc["error"], dict):
             error = doc["error"]
-            raise _etcd_error(str(error.get("message", "")), int(error.get("code", 0)))
+            raise etcd_error(str(error.get("message", "")), int(error.get("code", 0)))
         yield doc.get("result", doc)
-
-
-def _retryable(exc: EtcdError) -> bool:
-    text = str(exc)
-    return any(
-        s in text
-        for s in (
-            "no leader",
-            "leader changed",
-            "timed out",
-            "too many requests",
-            "not capable",
-            "server stopped",
-        )
-    )
-
-
-def _auth_error(exc: EtcdError) -> bool:
-    text = str(exc)
-    return any(
-        s in text
-        for s in (
-            "authentication failed",
-            "user name is empty",
-            "invalid auth token",
-            "permission denied",
-        )
-    )
-
-
-def _etcd_error(message: str, code: int) -> EtcdError:
-    if "compacted" in message:
-        return Compacted(message, code)
-    if "lease not found" in message:
-        return LeaseNotFound(message, code)
-    return EtcdError(message, code)
-
-
-def _decode(raw: bytes, status: int) -> dict[str, Any]:
-    """The JSON answer of etcd; its error raised as :class:`EtcdError`."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        if status >= 500:
-            raise _Transient(f"HTTP {status}") from None
-        shown = raw[:60].decode(errors="replace").strip()
-        raise _NotEtcd(f"HTTP {status}: {shown!r}") from None
-    if not isinstance(doc, dict):
-        raise _NotEtcd(f"HTTP {status}: a JSON {type(doc).__name__}")
-    if status == 200:
-        if "header" not in doc and "result" not in doc and "token" not in doc:
-            raise _NotEtcd("a JSON answer without etcd's header")
-        return doc
-    message = doc.get("message") or doc.get("error")
-    code = doc.get("code")
-    if not isinstance(message, str) or not isinstance(code, int):
-        if status >= 500:
-            raise _Transient(f"HTTP {status}")
-        raise _NotEtcd(f"HTTP {status}")
-    raise _etcd_error(message, code)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

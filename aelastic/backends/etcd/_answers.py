@@ -1,0 +1,141 @@
+"""etcd's answers on its JSON API: base64 fields, errors by gRPC code, what is worth a retry.
+
+How it works: grpc-gateway answers a refused request with a JSON body holding the gRPC code
+and etcd's message; :func:`decode` turns it into an :class:`EtcdError` (or a subclass for
+the cases callers handle), and tells a member that cannot answer now (:class:`Transient`:
+try another) from a server that is not an etcd member (:class:`NotEtcd`: fail at once).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+__all__ = [
+    "DEADLINE",
+    "PERMISSION",
+    "UNAUTHENTICATED",
+    "UNAVAILABLE",
+    "Compacted",
+    "EtcdError",
+    "Hangup",
+    "LeaseNotFound",
+    "NotEtcd",
+    "Transient",
+    "auth_error",
+    "b64",
+    "decode",
+    "etcd_error",
+    "retryable",
+    "said",
+    "unb64",
+]
+
+#: gRPC codes (grpc-gateway puts them in the error body).
+INVALID_ARGUMENT, DEADLINE, NOT_FOUND, PERMISSION = 3, 4, 5, 7
+FAILED_PRECONDITION, OUT_OF_RANGE, UNAVAILABLE, UNAUTHENTICATED = 9, 11, 14, 16
+
+
+def b64(data: bytes | str) -> str:
+    """``data`` in base64 (a key or value on etcd's JSON API)."""
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode("ascii")
+
+
+def unb64(text: str | None) -> bytes:
+    """The bytes of a base64 field (``b""`` when absent)."""
+    return base64.b64decode(text) if text else b""
+
+
+class EtcdError(Exception):
+    """etcd refused a request (the message is etcd's; ``code`` is the gRPC code)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Compacted(EtcdError):
+    """The revision asked for was compacted away."""
+
+
+class LeaseNotFound(EtcdError):
+    """The lease does not exist (it expired or was revoked)."""
+
+
+class Transient(Exception):
+    """This member cannot answer now (gone, no leader, timed out): try another."""
+
+
+class NotEtcd(Exception):
+    """The server answered, but not as an etcd member does."""
+
+
+class Hangup(Transient):
+    """The member took the connection and closed it without an answer."""
+
+
+def said(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def retryable(exc: EtcdError) -> bool:
+    text = str(exc)
+    return any(
+        s in text
+        for s in (
+            "no leader",
+            "leader changed",
+            "timed out",
+            "too many requests",
+            "not capable",
+            "server stopped",
+        )
+    )
+
+
+def auth_error(exc: EtcdError) -> bool:
+    text = str(exc)
+    return any(
+        s in text
+        for s in (
+            "authentication failed",
+            "user name is empty",
+            "invalid auth token",
+            "permission denied",
+        )
+    )
+
+
+def etcd_error(message: str, code: int) -> EtcdError:
+    if "compacted" in message:
+        return Compacted(message, code)
+    if "lease not found" in message:
+        return LeaseNotFound(message, code)
+    return EtcdError(message, code)
+
+
+def decode(raw: bytes, status: int) -> dict[str, Any]:
+    """The JSON answer of etcd; its error raised as :class:`EtcdError`."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        if status >= 500:
+            raise Transient(f"HTTP {status}") from None
+        shown = raw[:60].decode(errors="replace").strip()
+        raise NotEtcd(f"HTTP {status}: {shown!r}") from None
+    if not isinstance(doc, dict):
+        raise NotEtcd(f"HTTP {status}: a JSON {type(doc).__name__}")
+    if status == 200:
+        if "header" not in doc and "result" not in doc and "token" not in doc:
+            raise NotEtcd("a JSON answer without etcd's header")
+        return doc
+    message = doc.get("message") or doc.get("error")
+    code = doc.get("code")
+    if not isinstance(message, str) or not isinstance(code, int):
+        if status >= 500:
+            raise Transient(f"HTTP {status}")
+        raise NotEtcd(f"HTTP {status}")
+    raise etcd_error(message, code)
