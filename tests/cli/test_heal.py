@@ -157,7 +157,7 @@ def test_a_host_lost_twice_is_quarantined_when_it_comes_back(tmp_path: Path, run
     (tmp_path / "train.py").write_text(textwrap.dedent(UNTIL_FINISH))
     with RedisServer() as server:
         where = ["--rdzv-backend=redis", f"--rdzv-endpoint={server.url}", f"--rdzv-id={run_id}"]
-        conf = "--rdzv-conf=last_call_timeout=0.5,keep_alive_interval=0.2,keep_alive_max_attempt=2"
+        conf = "--rdzv-conf=last_call_timeout=0.5,keep_alive_interval=0.3,keep_alive_max_attempt=3"
 
         def node(addr: str) -> Cli:
             args = ["run", "--nnodes=1:2", *where, conf, f"--local-addr={addr}"]

@@ -53,7 +53,7 @@ def _node(tmp_path: Path, rendezvous: tuple[str, str], run_id: str, want_world: 
             f"--rdzv-backend={backend}",
             f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={run_id}",
-            "--rdzv-conf=last_call_timeout=0.5,keep_alive_interval=0.2,keep_alive_max_attempt=2",
+            "--rdzv-conf=last_call_timeout=0.5,keep_alive_interval=0.3,keep_alive_max_attempt=3",
             "--local-addr=127.0.0.1",
             "--max-restarts=3",
             "worker.py",
