@@ -10,6 +10,7 @@ warm standbys off).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -142,6 +143,13 @@ def table(title: str, rows: Sequence[tuple[str, float, float, str]]) -> str:
     """Rows of (case, torch, aelastic, unit) with the ratio torch / aelastic."""
     lines = [title, f"{'case':<34} {'torch':>10} {'aelastic':>10} {'ratio':>8}"]
     for case, torch_value, ours, unit in rows:
+        if math.isinf(torch_value) or math.isinf(ours):  # a side that never got there
+            shown = [
+                f"{'never':>10}" if math.isinf(v) else f"{v:>9.3f}{unit}"
+                for v in (torch_value, ours)
+            ]
+            lines.append(f"{case:<34} {shown[0]} {shown[1]} {'n/a':>8}")
+            continue
         ratio = torch_value / ours if ours > 0 else float("inf")
         lines.append(f"{case:<34} {torch_value:>9.3f}{unit} {ours:>9.3f}{unit} {ratio:>7.1f}x")
     return "\n".join(lines)
