@@ -9,6 +9,8 @@ process group. Needs ``pip install accelerate``.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, TensorDataset
@@ -30,11 +32,13 @@ def main() -> None:
             optimizer.step()
     layer = accelerator.unwrap_model(model)
     weight, bias = layer.weight.item(), layer.bias.item()
-    print(
+    # One write per line: the ranks share the console, and print()'s separate write of the
+    # newline could let another rank's line in between.
+    sys.stdout.write(
         f"[accelerate] rank {accelerator.process_index} of {accelerator.num_processes} "
-        f"({accelerator.distributed_type}): y = {weight:.2f}*x {bias:+.2f}",
-        flush=True,
+        f"({accelerator.distributed_type}): y = {weight:.2f}*x {bias:+.2f}\n"
     )
+    sys.stdout.flush()
     accelerator.end_training()
 
 

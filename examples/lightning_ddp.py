@@ -10,6 +10,7 @@ Needs ``pip install lightning``.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import lightning as L
@@ -51,11 +52,13 @@ def main() -> None:
     model = Line()
     trainer.fit(model, data)
     weight, bias = model.layer.weight.item(), model.layer.bias.item()
-    print(
+    # One write per line: the ranks share the console, and print()'s separate write of the
+    # newline could let another rank's line in between.
+    sys.stdout.write(
         f"[lightning] rank {trainer.global_rank} of {trainer.world_size}: "
-        f"y = {weight:.2f}*x {bias:+.2f}",
-        flush=True,
+        f"y = {weight:.2f}*x {bias:+.2f}\n"
     )
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -44,7 +44,13 @@ def rendezvous(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
             yield "redis", server.url
 
 
-def _node(tmp_path: Path, rendezvous: tuple[str, str], run_id: str, want_world: int) -> Cli:
+def _node(
+    tmp_path: Path,
+    rendezvous: tuple[str, str],
+    run_id: str,
+    want_world: int,
+    last_call: float = 0.5,
+) -> Cli:
     backend, endpoint = rendezvous
     return Cli(
         [
@@ -53,7 +59,8 @@ def _node(tmp_path: Path, rendezvous: tuple[str, str], run_id: str, want_world: 
             f"--rdzv-backend={backend}",
             f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={run_id}",
-            "--rdzv-conf=last_call_timeout=0.5,keep_alive_interval=0.3,keep_alive_max_attempt=3",
+            f"--rdzv-conf=last_call_timeout={last_call:g},keep_alive_interval=0.3,"
+            "keep_alive_max_attempt=3",
             "--local-addr=127.0.0.1",
             "--max-restarts=3",
             "worker.py",
@@ -79,8 +86,12 @@ def test_survivor_reforms_the_group(
     tmp_path: Path, rendezvous: tuple[str, str], run_id: str
 ) -> None:
     (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
-    with _node(tmp_path, rendezvous, run_id, 1) as a, _node(tmp_path, rendezvous, run_id, 1) as b:
-        # Both start together (last call 0.5 s), or one joins the other's next round.
+    # Both start together and form one round: a node alone would end at once (its worker
+    # wants a world of 1), so the last call leaves room for a loaded machine's slow start.
+    with (
+        _node(tmp_path, rendezvous, run_id, 1, last_call=4) as a,
+        _node(tmp_path, rendezvous, run_id, 1, last_call=4) as b,
+    ):
         a.wait_for(_has("world=2"))
         b.wait_for(_has("world=2"))
         worker_b = _children(b.proc.pid)

@@ -349,7 +349,9 @@ def test_torchrun_survivors_reform_after_a_node_dies(tmp_path: Path, run_id: str
             "--rdzv-backend=aelastic-http",
             f"--rdzv-endpoint={server.endpoint}",
             f"--rdzv-id={run_id}",
-            "--rdzv-conf=last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=3",
+            # A node alone would end at once (its worker wants a world of 1): the last call
+            # leaves room for the two torchruns' slow start (torch's import) on a loaded machine.
+            "--rdzv-conf=last_call_timeout=5,keep_alive_interval=0.5,keep_alive_max_attempt=3",
             "--local-addr=127.0.0.1",
             str(worker),
         ]

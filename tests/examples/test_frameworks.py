@@ -21,7 +21,7 @@ TIMEOUT = 110
 
 
 def _fitted(out: str, tag: str) -> list[str]:
-    return re.findall(rf"\[{tag}\] rank (\d) of 2.*: (y = \S+\*x \S+)", out)
+    return re.findall(rf"\[{tag}\] rank (\d) of 2[^\n\[]*?: (y = -?[0-9.]+\*x [-+][0-9.]+)", out)
 
 
 @pytest.mark.timeout(TIMEOUT + 10)
