@@ -190,7 +190,15 @@ async def test_survivor_rescales_within_the_heartbeat_window_when_a_peer_is_kill
                     # the new round of one node then waits last_call_timeout to complete.
                     assert detected < window + 2.0
                     hub.release(survivor[0]["pid"])
-                    result = await task
+                    try:
+                        result = await asyncio.wait_for(asyncio.shield(task), 60)
+                    except asyncio.TimeoutError:
+                        group = agent.get_worker_group()
+                        raise AssertionError(
+                            f"the agent did not end 60 s after its worker was released: group "
+                            f"{group.state}, round {group.group_rank}/{group.group_world_size}, "
+                            f"workers {[(w.id, w.global_rank) for w in group.workers]}"
+                        ) from None
                 assert result.state is WorkerState.SUCCEEDED
                 await handler.aclose()
             finally:
