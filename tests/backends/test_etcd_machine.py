@@ -37,7 +37,7 @@ from aelastic.core.params import Rules
 from aelastic.core.state import Op, Reply, RunState, Snapshot, Transition
 from aelastic.core.wire import reply_to_json, snapshot_to_json
 from tests._etcd_server import EtcdServer
-from tests._machine_steps import NODES, Step, scenarios
+from tests._machine_steps import Step, scenarios
 
 T0 = 1_000_000
 _runs = itertools.count()
@@ -61,30 +61,6 @@ def client(server: EtcdServer, loop: asyncio.AbstractEventLoop) -> Iterator[Etcd
     c = EtcdClient(parse_endpoint(server.endpoint, {}), read_timeout=10)
     yield c
     loop.run_until_complete(c.aclose())
-
-
-@pytest.fixture(autouse=True)
-def sorted_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ranks in sorted node order (torch's): the machine's rule once the core has it."""
-    state = RunState("probe")
-    state.participants = {NODES[1]: 1, NODES[0]: 2}
-    machine._complete(state)
-    if state.participants[NODES[0]] == 0:
-        return
-
-    def complete(state: RunState) -> None:
-        order = sorted(state.participants)
-        state.participants = {node: rank for rank, node in enumerate(order)}
-        first = order[0]
-        state.master = (first.addr, state.ports.get(first, 0))
-        state.ports.clear()
-        state.complete = True
-        state.deadline_ms = None
-        state.world = len(order)
-        state.lost = state.finished = 0
-        state.lost_sample = []
-
-    monkeypatch.setattr(machine, "_complete", complete)
 
 
 def _reply(reply: Reply) -> dict[str, Any]:
