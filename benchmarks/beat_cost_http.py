@@ -1,0 +1,283 @@
+"""What one held heartbeat costs ``aelastic serve``: its CPU per beat, bytes per beat.
+
+The server is ``aelastic serve`` itself, in its own process, on a loopback port. N nodes, each with its own WebSocket channel, join one run (min = max = N) and then send held
+keep-alives as aelastic's client does (``hold`` = the 1 s interval, ``seen`` = the status's
+token, ``beat`` = its beat key; the next beat goes when the answer comes), for an idle window
+(``--idle`` s, after ``--settle`` s). Measured over the window: the server process's CPU
+seconds (``/proc``) divided by the beats it answered, the bytes per beat (the answers'
+WebSocket frames, counted by the nodes), the beats per node per second, whether any answer
+was not brief (a change nobody caused), and the server's memory (RSS) per node.
+
+The nodes are light drivers spread over ``--procs`` processes (each message made once per
+node, answers only counted), not aelastic handlers: this isolates the server's per-beat
+work, the cost that bounds how many nodes one server core carries at 1 s beats (the whole
+client, its watch and its news, is measured by ``rdzv_scale.py``).
+
+Run: ``python benchmarks/beat_cost_http.py --nodes 4096 --idle 20 --runs 3``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._scale_servers import cpu_seconds, rss_bytes
+
+_SECRET = "5ec2e7" * 6
+_RUN = "beat-cost"
+
+
+def _request(op: str, i: int, n: int) -> dict[str, Any]:
+    return {
+        "op": op, "node": f"10.{i // 65536}.{i // 256 % 256}.{i % 256}_{1000 + i}_0",
+        "min": n, "max": n, "last_call": 600_000, "window": 30_000, "expired": False,
+        "finished": False, "port": 0, "secret": _SECRET,
+    }  # fmt: skip
+
+
+async def _nodes(endpoint: str, first: int, count: int, n: int, conn: Any) -> None:
+    """Drive nodes ``first`` .. ``first + count - 1``: join, then beat until told to stop."""
+    import aiohttp
+
+    from aelastic.core.brief import beat_key
+    from aelastic.core.wire import reply_from_json
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        sockets: list[Any] = [None] * count
+        opening = asyncio.Semaphore(256)
+
+        async def join(k: int) -> Any:
+            async with opening:  # joined at once: a channel that carries nothing closes
+                ws = sockets[k] = await session.ws_connect(
+                    f"{endpoint}/v1/channel", autoping=True, max_msg_size=0
+                )
+            request = _request("join", first + k, n)
+            for msg_id in range(100):  # held until the round completes (or 120 s)
+                doc = {"id": msg_id, "run": _RUN, "request": request, "hold": 120}
+                await ws.send_str(json.dumps(doc))
+                msg = await ws.receive()
+                if msg.type is not aiohttp.WSMsgType.TEXT:
+                    raise RuntimeError(f"the channel closed: {msg}")
+                answer = json.loads(msg.data)
+                if "reply" not in answer:
+                    raise RuntimeError(f"join refused: {answer}")
+                reply = reply_from_json(answer["reply"])
+                if reply.status.complete:
+                    return reply
+            raise RuntimeError("the round did not complete")
+
+        replies = await asyncio.gather(*(join(k) for k in range(count)))
+        status = max((r.status for r in replies), key=lambda s: s.now_ms)
+        assert status.complete and status.world == n, status
+        conn.send("joined")
+        stop = asyncio.Event()
+        answers = [0, 0, 0]  # brief, whole, frame bytes
+
+        async def beat(k: int) -> None:
+            ws = sockets[k]
+            key = beat_key(status)
+            req = _request("keep_alive", first + k, n)
+            msg_id = 1
+            while not stop.is_set():
+                doc = {"id": msg_id, "run": _RUN, "request": req, "hold": 1.0}
+                doc.update(seen=status.token, beat=key)
+                await ws.send_str(json.dumps(doc, separators=(",", ":")))
+                msg = await ws.receive()
+                if msg.type is not aiohttp.WSMsgType.TEXT:
+                    return
+                answers[0 if '"brief"' in msg.data else 1] += 1
+                size = len(msg.data.encode())
+                answers[2] += size + (2 if size < 126 else 4 if size < 65536 else 10)
+                msg_id += 1
+
+        tasks = [asyncio.create_task(beat(k)) for k in range(count)]
+        loop = asyncio.get_running_loop()
+        while True:
+            command = await loop.run_in_executor(None, conn.recv)
+            if command == "count":
+                conn.send(list(answers))
+            else:
+                break
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(ws.close() for ws in sockets), return_exceptions=True)
+
+
+def _user_system(pid: int) -> tuple[float, float]:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def _driver(endpoint: str, first: int, count: int, n: int, conn: Any) -> None:
+    from benchmarks._scale_node import raise_fd_limit
+
+    raise_fd_limit()
+    asyncio.run(_nodes(endpoint, first, count, n, conn))
+
+
+_SERVE = "import sys; from aelastic.cli import main; sys.exit(main(['serve', *sys.argv[1:]]))"
+
+
+class _Server:
+    """``aelastic serve`` on a free loopback port, in its own process."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _SERVE, "--host", "127.0.0.1", "--port", "0"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={k: v for k, v in os.environ.items() if k != "AELASTIC_HTTP_TOKEN"},
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if "listening on" not in line:
+            self.process.kill()
+            raise RuntimeError(f"aelastic serve did not start: {line!r}")
+        self.endpoint = line.split()[-1]
+        self.pid = self.process.pid
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def measure(
+    n: int, procs: int, idle: float, settle: float, profile: Path | None = None
+) -> dict[str, Any]:
+    server = _Server()
+    ctx = multiprocessing.get_context("spawn")
+    drivers = []
+    try:
+        empty = rss_bytes(server.pid)
+        share = -(-n // procs)
+        t0 = time.perf_counter()
+        for first in range(0, n, share):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_driver, args=(server.endpoint, first, min(share, n - first), n, child)
+            )
+            p.start()
+            drivers.append((p, parent))
+        for _, conn in drivers:
+            if conn.recv() != "joined":
+                raise RuntimeError("a driver did not join")
+        formed = time.perf_counter() - t0
+        time.sleep(settle)
+
+        def counts() -> list[int]:
+            total = [0, 0, 0]
+            for _, conn in drivers:
+                conn.send("count")
+                total = [a + b for a, b in zip(total, conn.recv(), strict=True)]
+            return total
+
+        c0, cpu0, t1 = counts(), cpu_seconds(server.pid), time.perf_counter()
+        us0 = _user_system(server.pid)
+        load0 = os.getloadavg()[0]
+        if profile is None:
+            time.sleep(idle)
+        elif profile.suffix == ".perf":  # perf samples the server, native frames included
+            subprocess.run(
+                ["perf", "record", "-F", "499", "-p", str(server.pid), "-o", str(profile),
+                 "--", "sleep", str(idle)],
+                check=True, capture_output=True,
+            )  # fmt: skip
+        else:  # py-spy samples the server over the window (its own CPU is not the server's)
+            subprocess.run(
+                ["py-spy", "record", "--pid", str(server.pid), "--duration", str(round(idle)),
+                 "--rate", "200", "--format", "raw", "--output", str(profile), "--nonblocking"],
+                check=True, capture_output=True,
+            )  # fmt: skip
+        c1, cpu1, t2 = counts(), cpu_seconds(server.pid), time.perf_counter()
+        us1 = _user_system(server.pid)
+        load1 = os.getloadavg()[0]
+        memory = rss_bytes(server.pid)
+        beats, whole, size = (b - a for a, b in zip(c0, c1, strict=True))
+        beats += whole
+        cpu = cpu1 - cpu0
+        return {
+            "n": n,
+            "procs": procs,
+            "formed_s": formed,
+            "window_s": t2 - t1,
+            "beats": beats,
+            "server_cpu_s": cpu,
+            "server_cpu_us_per_beat": cpu / beats * 1e6 if beats else None,
+            "server_busy": cpu / (t2 - t1),
+            "server_system_share": (us1[1] - us0[1]) / cpu if cpu else None,
+            "bytes_per_beat": size / beats if beats else None,
+            "beats_per_node_s": beats / n / (t2 - t1),
+            "whole_answers": whole,
+            "rss_per_node": (memory - empty) / n,
+            "load": [load0, load1],
+        }
+    finally:
+        for _, conn in drivers:
+            try:
+                conn.send("stop")
+            except OSError:
+                pass
+        for p, _ in drivers:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        server.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[4096])
+    parser.add_argument("--procs", type=int, default=2, help="driver processes")
+    parser.add_argument("--idle", type=float, default=20.0, help="the measured window (s)")
+    parser.add_argument("--settle", type=float, default=3.0, help="pause before it (s)")
+    parser.add_argument("--runs", type=int, default=1, help="runs per N (medians reported)")
+    parser.add_argument("--label", default="run")
+    parser.add_argument("--json", type=Path, help="save the results here")
+    parser.add_argument("--profile", type=Path, help="py-spy's samples of the server (raw)")
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {"label": args.label, "cases": []}
+    for n in args.nodes:
+        runs = []
+        for _ in range(args.runs):
+            r = measure(n, args.procs, args.idle, args.settle, args.profile)
+            runs.append(r)
+            print(
+                f"N={n}: server CPU {r['server_cpu_us_per_beat']:.1f} us/beat "
+                f"({r['server_busy']:.0%} busy, {r['server_system_share']:.0%} in the kernel), "
+                f"{r['bytes_per_beat']:.0f} B/beat, "
+                f"{r['beats_per_node_s']:.2f} beats/node/s, {r['whole_answers']} whole, "
+                f"RSS {r['rss_per_node'] / 1024:.1f} KB/node, formed {r['formed_s']:.1f} s, "
+                f"load {r['load'][0]:.1f}-{r['load'][1]:.1f}",
+                flush=True,
+            )
+        median = statistics.median(r["server_cpu_us_per_beat"] for r in runs)
+        print(f"N={n}: median server CPU {median:.1f} us/beat over {len(runs)} run(s)")
+        results["cases"].append({"n": n, "median_us_per_beat": median, "runs": runs})
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
