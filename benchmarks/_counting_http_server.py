@@ -2,10 +2,10 @@
 
 Serves the same application as ``aelastic serve`` (``create_app()``, no token, no
 persistence; the same event loop and collector settings) on a loopback port, with one more
-middleware, outermost, that counts every answered request and the bytes of its answer: the body exactly, the head (status line and
-headers) as aiohttp writes it, up to a few bytes; opening a rendezvous channel (a WebSocket)
-is a request (its ``101`` answer the bytes), and so is each answer on it (its frame the
-bytes). ``GET /_bench/stats`` (not counted itself) answers ``{"requests", "bytes_out",
+middleware, outermost, that counts every answered request and the bytes of its answer: the
+body exactly, the head (status line and headers) as aiohttp writes it, up to a few bytes;
+opening a rendezvous channel (a WebSocket) is a request (its ``101`` answer the bytes), and
+so is each answer on it (its frame the bytes). ``GET /_bench/stats`` (not counted itself) answers ``{"requests", "bytes_out",
 "connections"}``, where ``connections`` is the number of distinct client sockets that sent
 a request.
 
