@@ -5,9 +5,9 @@ persistence; the same event loop and collector settings) on a loopback port, wit
 middleware, outermost, that counts every answered request and the bytes of its answer: the
 body exactly, the head (status line and headers) as aiohttp writes it, up to a few bytes;
 opening a rendezvous channel (a WebSocket) is a request (its ``101`` answer the bytes), and
-so is each answer on it (its frame the bytes). ``GET /_bench/stats`` (not counted itself) answers ``{"requests", "bytes_out",
-"connections"}``, where ``connections`` is the number of distinct client sockets that sent
-a request.
+so is each answer on it (its frame the bytes). ``GET /_bench/stats`` (not counted itself)
+answers ``{"requests", "bytes_out", "connections"}``, where ``connections`` is the number of
+distinct client sockets that sent a request.
 
 Run: ``python -m benchmarks._counting_http_server [--port 0]``; prints
 ``listening on http://127.0.0.1:PORT`` once it accepts connections, serves until SIGTERM.
