@@ -173,10 +173,20 @@ _FLAGS = ["--read-timeout", "120", "--keepalive-timeout", "120"]
 class _Server:
     """``aelastic serve`` on a free loopback port, in its own process."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: str = "auto") -> None:
         self.gc_file = Path(tempfile.mkdtemp(prefix="beat-cost-")) / "gc.json"
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _SERVE, "--host", "127.0.0.1", "--port", "0", *_FLAGS],
+            [
+                sys.executable,
+                "-c",
+                _SERVE,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                *_FLAGS,
+                *([] if loop == "auto" else ["--loop", loop]),
+            ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             text=True,
@@ -210,9 +220,9 @@ class _Server:
 
 
 def measure(
-    n: int, procs: int, idle: float, settle: float, profile: Path | None = None
+    n: int, procs: int, idle: float, settle: float, profile: Path | None = None, loop: str = "auto"
 ) -> dict[str, Any]:
-    server = _Server()
+    server = _Server(loop)
     ctx = multiprocessing.get_context("spawn")
     drivers = []
     try:
@@ -265,6 +275,7 @@ def measure(
         cpu = cpu1 - cpu0
         return {
             "n": n,
+            "loop": loop,
             "procs": procs,
             "formed_s": formed,
             "window_s": t2 - t1,
@@ -304,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=3.0, help="pause before it (s)")
     parser.add_argument("--runs", type=int, default=1, help="runs per N (medians reported)")
     parser.add_argument("--label", default="run")
+    parser.add_argument("--loop", default="auto", help="aelastic serve --loop")
     parser.add_argument("--json", type=Path, help="save the results here")
     parser.add_argument("--profile", type=Path, help="py-spy's samples of the server (raw)")
     args = parser.parse_args(argv)
@@ -311,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.nodes:
         runs = []
         for _ in range(args.runs):
-            r = measure(n, args.procs, args.idle, args.settle, args.profile)
+            r = measure(n, args.procs, args.idle, args.settle, args.profile, args.loop)
             runs.append(r)
             print(
                 f"N={n}: server CPU {r['server_cpu_us_per_beat']:.1f} us/beat "

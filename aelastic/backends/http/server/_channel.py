@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -74,8 +73,6 @@ _FIELDS = frozenset({"id", "run", "request", "hold", "seen", "beat"})
 _ID_PREFIX = '{"id":'
 _ID_AT = len(_ID_PREFIX)
 _TOO_MANY = f"more than {MAX_IN_FLIGHT} requests held"
-_DIRECT = os.environ.get("AELASTIC_DIRECT", "1") == "1"
-_DIRECT_BUFFER = 2**16
 _MAX_BEAT_KEY = 256
 
 #: Called with the status (200 or the error's) and the bytes of each answer sent on a
@@ -128,7 +125,6 @@ class _Channel:
     ) -> None:
         self.ws = ws
         self.upgrade = upgrade  # the channel's HTTP request: who its client is
-        self._transport = upgrade.transport if _DIRECT else None
         self.store = store
         self.taps = upgrade.app[TAPS]
         self.idle_timeout = idle
@@ -263,25 +259,6 @@ class _Channel:
         self.last = self._loop.time()
         for tap in self.taps:
             tap(status, len(text))
-        transport = self._transport
-        if (
-            transport is not None
-            and transport.get_write_buffer_size() < _DIRECT_BUFFER
-            and not transport.is_closing()
-        ):
-            # One unmasked text frame, written as aiohttp's writer would (no compression
-            # on the channel) without its two coroutines: measured, the answer's send was
-            # a fifth of the server's CPU per held heartbeat, mostly the socket's own.
-            payload = text.encode()
-            size = len(payload)
-            if size < 126:
-                head = bytes((0x81, size))
-            elif size < 65536:
-                head = b"\x81\x7e" + size.to_bytes(2, "big")
-            else:
-                head = b"\x81\x7f" + size.to_bytes(8, "big")
-            transport.write(head + payload)
-            return
         start(self.ws.send_str(text), self.held)
 
     def deliver(self, msg_id: int, reply: Reply, key: str) -> None:
