@@ -10,8 +10,8 @@ WebSocket frames, counted by the nodes), the beats per node per second, whether 
 was not brief (a change nobody caused), the server's memory (RSS) per node, and the shares
 of its CPU spent in the kernel and in Python's garbage collector.
 
-The nodes are light drivers spread over ``--procs`` processes (each message made once per
-node, answers only counted), not aelastic handlers: this isolates the server's per-beat
+The nodes are light drivers spread over ``--procs`` processes (a bare WebSocket client on
+uvloop, answers only counted), not aelastic handlers: this isolates the server's per-beat
 work, the cost that bounds how many nodes one server core carries at 1 s beats (the whole
 client, its watch and its news, is measured by ``rdzv_scale.py``).
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import multiprocessing
 import os
@@ -51,81 +52,112 @@ def _request(op: str, i: int, n: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+class _Socket:
+    """A node's WebSocket channel, as lean as a client can be (the drivers share the
+    machine's 2 cores with the server: aiohttp's client cost them more than the server)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> _Socket:
+        reader, writer = await asyncio.open_connection(host, port)
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write(
+            f"GET /v1/channel HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+            "Sec-WebSocket-Version: 13\r\n\r\n".encode()
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 101 "):
+            writer.close()
+            raise ConnectionError(f"no channel: {head[:40]!r}")
+        return cls(reader, writer)
+
+    def send(self, text: str) -> None:
+        payload = text.encode()
+        size = len(payload)  # a client's frame is masked: with a key of zeros here
+        head = bytes((0x81, 0x80 | size)) if size < 126 else b"\x81\xfe" + size.to_bytes(2, "big")
+        self.writer.write(head + b"\0\0\0\0" + payload)
+
+    async def receive(self) -> str:
+        first, second = await self.reader.readexactly(2)
+        size = second & 0x7F
+        if size == 126:
+            size = int.from_bytes(await self.reader.readexactly(2), "big")
+        elif size == 127:
+            size = int.from_bytes(await self.reader.readexactly(8), "big")
+        data = await self.reader.readexactly(size)
+        if first & 0x0F != 1:  # not text: the channel closes
+            raise ConnectionError(f"frame of opcode {first & 0x0F}")
+        return data.decode()
+
+
 async def _nodes(endpoint: str, first: int, count: int, n: int, conn: Any) -> None:
     """Drive nodes ``first`` .. ``first + count - 1``: join, then beat until told to stop."""
-    import aiohttp
-
     from aelastic.core.brief import beat_key
     from aelastic.core.wire import reply_from_json
 
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        sockets: list[Any] = [None] * count
-        opening = asyncio.Semaphore(64)
+    host, port = endpoint.removeprefix("http://").rsplit(":", 1)
+    sockets: list[_Socket | None] = [None] * count
+    opening = asyncio.Semaphore(64)
 
-        async def join(k: int) -> Any:
-            request = _request("join", first + k, n)
-            for msg_id in range(100):  # held until the round completes (or 120 s)
+    async def join(k: int) -> Any:
+        request = _request("join", first + k, n)
+        for msg_id in range(100):  # held until the round completes (or 60 s)
+            try:
                 ws = sockets[k]
-                try:
-                    if ws is None or ws.closed:  # (again if a loaded machine made it time out)
-                        async with opening:
-                            ws = sockets[k] = await session.ws_connect(
-                                f"{endpoint}/v1/channel", autoping=True, max_msg_size=0
-                            )
-                    doc = {"id": msg_id, "run": _RUN, "request": request, "hold": 60}
-                    await ws.send_str(json.dumps(doc))
-                    msg = await ws.receive()
-                except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-                    await asyncio.sleep(0.5)
-                    continue
-                if msg.type is not aiohttp.WSMsgType.TEXT:
-                    continue
-                answer = json.loads(msg.data)
-                if "reply" not in answer:
-                    raise RuntimeError(f"join refused: {answer}")
-                reply = reply_from_json(answer["reply"])
-                if reply.status.complete:
-                    return reply
-            raise RuntimeError("the round did not complete")
+                if ws is None:  # (again if a loaded machine made it time out)
+                    async with opening:
+                        ws = sockets[k] = await _Socket.open(host, int(port))
+                doc = {"id": msg_id, "run": _RUN, "request": request, "hold": 60}
+                ws.send(json.dumps(doc))
+                answer = json.loads(await ws.receive())
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                sockets[k] = None
+                await asyncio.sleep(0.5)
+                continue
+            if "reply" not in answer:
+                raise RuntimeError(f"join refused: {answer}")
+            reply = reply_from_json(answer["reply"])
+            if reply.status.complete:
+                return reply
+        raise RuntimeError("the round did not complete")
 
-        replies = await asyncio.gather(*(join(k) for k in range(count)))
-        status = max((r.status for r in replies), key=lambda s: s.now_ms)
-        assert status.complete and status.world == n, status
-        conn.send("joined")
-        stop = asyncio.Event()
-        answers = [0, 0, 0]  # brief, whole, frame bytes
+    replies = await asyncio.gather(*(join(k) for k in range(count)))
+    status = max((r.status for r in replies), key=lambda s: s.now_ms)
+    assert status.complete and status.world == n, status
+    conn.send("joined")
+    answers = [0, 0, 0]  # brief, whole, frame bytes
 
-        async def beat(k: int) -> None:
-            ws = sockets[k]
-            key = beat_key(status)
-            req = _request("keep_alive", first + k, n)
-            msg_id = 1
-            while not stop.is_set():
-                doc = {"id": msg_id, "run": _RUN, "request": req, "hold": 1.0}
-                doc.update(seen=status.token, beat=key)
-                await ws.send_str(json.dumps(doc, separators=(",", ":")))
-                msg = await ws.receive()
-                if msg.type is not aiohttp.WSMsgType.TEXT:
-                    return
-                answers[0 if '"brief"' in msg.data else 1] += 1
-                size = len(msg.data.encode())
-                answers[2] += size + (2 if size < 126 else 4 if size < 65536 else 10)
-                msg_id += 1
+    async def beat(k: int) -> None:
+        ws = sockets[k]
+        assert ws is not None
+        req = _request("keep_alive", first + k, n)
+        msg_id = 1
+        while True:  # as aelastic's client sends it: id first, compact
+            doc = {"id": msg_id, "run": _RUN, "request": req, "hold": 1.0}
+            doc.update(seen=status.token, beat=beat_key(status))
+            ws.send(json.dumps(doc, separators=(",", ":")))
+            text = await ws.receive()
+            answers[0 if '"brief"' in text else 1] += 1
+            size = len(text.encode())
+            answers[2] += size + (2 if size < 126 else 4 if size < 65536 else 10)
+            msg_id += 1
 
-        tasks = [asyncio.create_task(beat(k)) for k in range(count)]
-        loop = asyncio.get_running_loop()
-        while True:
-            command = await loop.run_in_executor(None, conn.recv)
-            if command == "count":
-                conn.send(list(answers))
-            else:
-                break
-        stop.set()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(ws.close() for ws in sockets), return_exceptions=True)
+    tasks = [asyncio.create_task(beat(k)) for k in range(count)]
+    loop = asyncio.get_running_loop()
+    while True:
+        command = await loop.run_in_executor(None, conn.recv)
+        if command != "count":
+            break
+        conn.send(list(answers))
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for ws in sockets:
+        if ws is not None:
+            ws.writer.close()
 
 
 def _user_system(pid: int) -> tuple[float, float]:
@@ -136,10 +168,12 @@ def _user_system(pid: int) -> tuple[float, float]:
 
 
 def _driver(endpoint: str, first: int, count: int, n: int, conn: Any) -> None:
+    import uvloop
+
     from benchmarks._scale_node import raise_fd_limit
 
     raise_fd_limit()
-    asyncio.run(_nodes(endpoint, first, count, n, conn))
+    uvloop.run(_nodes(endpoint, first, count, n, conn))
 
 
 #: ``aelastic serve``, counting the CPU its garbage collector spends (written to the file
@@ -190,6 +224,7 @@ class _Server:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             text=True,
+            cwd=self.gc_file.parent,  # aelastic from the installed package (or PYTHONPATH)
             env={
                 **{k: v for k, v in os.environ.items() if k != "AELASTIC_HTTP_TOKEN"},
                 "BEAT_COST_GC": str(self.gc_file),

@@ -83,7 +83,7 @@ def build_parser(prog: str = "aelastic serve") -> argparse.ArgumentParser:
         "--loop",
         choices=("auto", "asyncio", "uvloop"),
         default="auto",
-        help="event loop (default auto: uvloop when installed, a third less CPU a heartbeat)",
+        help="event loop (default auto: uvloop when installed, else asyncio's)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log the server's info lines")
     return p
