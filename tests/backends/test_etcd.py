@@ -386,3 +386,51 @@ async def test_the_retry_budget_runs_once_per_outage() -> None:
             assert loop.time() - again >= 2.5  # a whole budget for the new outage
     finally:
         etcd.close()
+
+
+# -- the requests of a formation --------------------------------------------------------------
+
+
+async def test_a_formation_costs_each_node_a_watch_one_write_to_join_and_one_read(
+    server: EtcdServer,
+) -> None:
+    """A node's first join grants its lease, joins and renews the lease in one write (three
+    requests, one round trip: the lease counts from the join); once the round completes,
+    each node reads only its rank at the round's cut. Per node: its watch, those three, and
+    the rank read; the join that completes the round also reads and writes the header."""
+    conf = {"keep_alive_interval": 5, "share_connections": 0}  # no beat falls due meanwhile
+    async with group(server.endpoint, "requests", 4, 4, 4, **conf) as handlers:
+        infos = await join_all(handlers)
+        assert_one_group(infos, 4)
+        sent = sorted(h.backend._shared.client.requests for h in handlers)  # type: ignore[attr-defined]
+    # 1 watch + grant/join/renew + rank read = 5; one more status read for a node whose
+    # watch went live only after its join was answered (a loaded machine); a sentinel
+    # (ranks 0-2) opens its watch again to hear of lost members; the completing join
+    # reads and writes the header.
+    assert 5 <= sent[0] <= 6 and sent[-1] <= 6 + 1 + 2, sent
+
+
+async def test_a_node_renews_the_lease_its_keys_are_on(server: EtcdServer) -> None:
+    """A join sent again after its answer was lost may have granted another lease than the
+    one its first sending attached: the next read finds the key's lease and renews that."""
+    rules = Rules(2, 2, last_call_ms=100, window_ms=6_000)
+    node = NodeDesc("10.0.0.9", 1, 0)
+    async with backend(server.endpoint, "adopt") as b:
+        await b.apply(Request(Op.JOIN, node, rules, port=1, secret="c" * 32))
+        raw = server.call("/v3/kv/range", {"key": b64(b.keys.member("p", node))})["kvs"][0]
+        assert b._leases is not None
+        other = int(server.call("/v3/lease/grant", {"TTL": 6})["ID"])
+        b._leases.adopt(node, other, rules.window_ms)  # as a second sending would have
+        await b.apply(Request(Op.STATUS, node, rules, secret="c" * 32))
+        reply = await b.apply(Request(Op.JOIN, node, rules, port=1, secret="c" * 32))
+        assert reply.outcome is Outcome.WAIT
+        assert b._leases.of(node) == int(raw["lease"])
+
+
+def test_a_streamed_calls_refusal_is_etcds_error() -> None:
+    from aelastic.backends.etcd._answers import EtcdError, decode, retryable
+
+    body = b'{"error":{"grpc_code":14,"http_code":503,"message":"etcdserver: request timed out"}}'
+    with pytest.raises(EtcdError) as info:
+        decode(body, 503)
+    assert info.value.code == 14 and retryable(info.value)

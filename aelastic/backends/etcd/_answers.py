@@ -132,8 +132,10 @@ def decode(raw: bytes, status: int) -> dict[str, Any]:
         if "header" not in doc and "result" not in doc and "token" not in doc:
             raise NotEtcd("a JSON answer without etcd's header")
         return doc
-    message = doc.get("message") or doc.get("error")
+    message: Any = doc.get("message") or doc.get("error")
     code = doc.get("code")
+    if isinstance(message, dict):  # a streamed call's refusal: {"error": {"grpc_code"...}}
+        message, code = message.get("message"), message.get("grpc_code")
     if not isinstance(message, str) or not isinstance(code, int):
         if status >= 500:
             raise Transient(f"HTTP {status}")

@@ -156,7 +156,7 @@ class EtcdClient:
             if not attempt.done():
                 attempt.cancel()
                 await asyncio.wait({attempt})
-            elif not attempt.cancelled():
+            if not attempt.cancelled():
                 attempt.exception()  # retrieved (what is raised here replaces it)
 
     async def _leader_changed(self, base: str, term: int) -> bool:
