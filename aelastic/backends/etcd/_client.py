@@ -45,15 +45,17 @@ from ._answers import (
     Hangup,
     LeaseNotFound,
     NotEtcd,
+    TlsFailure,
     Transient,
     auth_error,
     b64,
     decode,
-    etcd_error,
+    messages,
     retryable,
     unb64,
 )
-from ._endpoint import ENV_PASSWORD, ENV_USERNAME, EtcdEndpoint
+from ._endpoint import EtcdEndpoint
+from ._failures import auth_failure, not_etcd, refused_by_member, tls_refused, unreachable
 from ._http import Pool, request_bytes
 
 __all__ = [
@@ -270,21 +272,20 @@ class EtcdClient:
                     await self._login(url, remaining)
                 answers = await self._post(url, make(), remaining)
                 for answer in answers:
-                    if isinstance(answer, EtcdError) and _refused_by_member(answer):
+                    if isinstance(answer, EtcdError) and refused_by_member(answer):
                         raise answer
                 self._failing_since = None
                 return answers
             except NotEtcd as exc:
-                raise RendezvousConnectionError(
-                    f"The server at {url} does not answer etcd's v3 API ({what}: {exc}): is "
-                    "it an etcd member (3.4 or newer)? Check the host and port."
-                ) from None
+                raise not_etcd(self.endpoint, url, what, exc) from None
+            except TlsFailure as exc:
+                raise tls_refused(self.endpoint, url, what, exc) from None
             except EtcdError as exc:
                 if exc.code == UNAUTHENTICATED and self.endpoint.username and not relogged:
                     self._token, relogged = None, True  # expired token: log in again
                     continue
                 if exc.code in (UNAUTHENTICATED, PERMISSION) or auth_error(exc):
-                    raise self._auth_failure(what, exc) from None
+                    raise auth_failure(self.endpoint, what, exc) from None
                 if exc.code not in (UNAVAILABLE, DEADLINE) and not retryable(exc):
                     raise
                 error: Exception = exc
@@ -294,10 +295,7 @@ class EtcdClient:
                 # an etcd member (an etcd member that dies refuses connections afterwards).
                 hangups = hangups + 1 if isinstance(exc, Hangup) else 0
                 if hangups >= 3 * len(self._urls):
-                    raise RendezvousConnectionError(
-                        f"The server at {self.display} does not answer etcd's v3 API ({what}: "
-                        f"{exc}): is it an etcd member (3.4 or newer)? Check the host and port."
-                    ) from None
+                    raise not_etcd(self.endpoint, self.display, what, exc) from None
             self.next_member(url)
             tried += 1
             if self._failing_since is None:
@@ -305,10 +303,7 @@ class EtcdClient:
             first_failure = since
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise RendezvousConnectionError(
-                    f"etcd at {self.display} could not be reached within {budget:g} s "
-                    f"({what}): {error} (last tried {url})"
-                ) from None
+                raise unreachable(self.endpoint, budget, what, error, url) from None
             report(
                 BackendRetry(
                     backend="etcd",
@@ -321,13 +316,6 @@ class EtcdClient:
             if tried % len(self._urls) == 0:  # every member tried: back off
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(delay * 2, 1.0)
-
-    def _auth_failure(self, what: str, exc: EtcdError) -> RendezvousConnectionError:
-        if self.endpoint.username:
-            hint = f"check {ENV_USERNAME} and {ENV_PASSWORD}"
-        else:
-            hint = f"etcd has authentication enabled: set {ENV_USERNAME} and {ENV_PASSWORD}"
-        return RendezvousConnectionError(f"etcd at {self.display} refused {what}: {exc} ({hint}).")
 
     async def _login(self, url: str, within: float) -> None:
         if self._auth_lock is None:
@@ -377,11 +365,11 @@ class EtcdClient:
                     raw = b"".join([piece async for piece in pieces])
                     decode(raw, status)  # raises etcd's error
                     raise ConnectionError(f"{url}: HTTP {status}")
-                yield _messages(pieces, deadline)
+                yield messages(pieces, deadline)
         except NotEtcd as exc:
-            raise RendezvousConnectionError(
-                f"The server at {url} does not answer etcd's v3 API ({exc})."
-            ) from None
+            raise not_etcd(self.endpoint, url, "watch", exc) from None
+        except TlsFailure as exc:
+            raise tls_refused(self.endpoint, url, "watch", exc) from None
         except Transient as exc:
             raise ConnectionError(f"{url}: {exc}") from None
 
@@ -391,42 +379,6 @@ class EtcdClient:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
-
-
-async def _messages(
-    pieces: AsyncIterator[bytes], deadline: float | None
-) -> AsyncIterator[dict[str, Any]]:
-    """The JSON messages of a streamed answer (one a line), until ``deadline``."""
-    loop = asyncio.get_running_loop()
-    buffer = b""
-    iterator = pieces.__aiter__()
-    while True:
-        try:
-            if deadline is None:
-                piece = await iterator.__anext__()
-            else:
-                piece = await asyncio.wait_for(iterator.__anext__(), deadline - loop.time())
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:
-            raise Transient("the stream's time ran out") from None
-        buffer += piece
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if not line.strip():
-                continue
-            doc = decode(line, 200)
-            if "error" in doc and isinstance(doc["error"], dict):
-                error = doc["error"]
-                raise etcd_error(str(error.get("message", "")), int(error.get("code", 0)))
-            yield doc.get("result", doc)
-
-
-def _refused_by_member(exc: EtcdError) -> bool:
-    """Whether etcd refused a request for the member's sake or the login's (not the
-    request's own): the call tries again, logs in again or fails as a whole."""
-    codes = (UNAUTHENTICATED, PERMISSION, UNAVAILABLE, DEADLINE)
-    return exc.code in codes or auth_error(exc) or retryable(exc)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -9,8 +9,10 @@ answer (a watch) and hands out its body as it arrives. A connection whose exchan
 timed out or was cancelled is closed, never reused. The answers of etcd's gateway are
 regular (a status line, headers, a body sized by ``Content-Length`` or chunked); a server
 whose answer is not HTTP raises :class:`~._answers.NotEtcd`, one that closes the
-connection unanswered :class:`~._answers.Hangup`, a member that cannot be reached or is
-too slow :class:`~._answers.Transient`.
+connection unanswered :class:`~._answers.Hangup` (also during a TLS handshake: a port
+without TLS), a member that cannot be reached or is too slow :class:`~._answers.Transient`,
+TLS that cannot work (a certificate not trusted or not for the host: the default context
+checks both; a client certificate the member refused) :class:`~._answers.TlsFailure`.
 
 Why not aiohttp (aelastic's HTTP client elsewhere): measured on the 2-core machine, 256
 clients on one event loop renewing leases against one etcd 3.4.23 (1,536 requests a run,
@@ -32,7 +34,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import NamedTuple
 
-from ._answers import Hangup, NotEtcd, Transient
+from ._answers import Hangup, NotEtcd, Transient, tls_failure
 
 __all__ = ["Pool", "Response", "request_bytes"]
 
@@ -145,11 +147,13 @@ class _Connection(asyncio.Protocol):
             self._finish()
         if self._answers:
             started = self._answers[0].started
-            error: Exception = (
-                Transient("the connection broke during an answer")
-                if started
-                else Hangup("it closed the connection without an answer")
-            )
+            error: Exception | None = None if exc is None else tls_failure(exc)
+            if error is None:
+                error = (
+                    Transient("the connection broke during an answer")
+                    if started
+                    else Hangup("it closed the connection without an answer")
+                )
             self._fail(error)
 
     def _fail(self, exc: BaseException) -> None:
@@ -276,6 +280,13 @@ class Pool:
         except asyncio.TimeoutError:
             raise Transient(f"no connection within {within:g} s") from None
         except (OSError, ssl.SSLError) as exc:
+            failure = tls_failure(exc)
+            if failure is not None:
+                raise failure from None
+            if self._ssl is not None and isinstance(
+                exc, (ConnectionResetError, ssl.SSLEOFError, ssl.SSLZeroReturnError)
+            ):  # accepted, then closed during the handshake: a server without TLS does
+                raise Hangup("it closed the connection during the TLS handshake") from None
             raise Transient(str(exc) or type(exc).__name__) from None
         self._open.add(connection)
         return connection
@@ -305,6 +316,7 @@ class Pool:
             Transient: The member could not be reached, or did not answer in time.
             Hangup: It closed the connection without an answer.
             NotEtcd: Its answer is not HTTP.
+            TlsFailure: TLS cannot work with it (see the module docstring).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -339,7 +351,7 @@ class Pool:
         as they arrive (the connection is closed on leaving).
 
         Raises:
-            Transient, Hangup, NotEtcd: As :meth:`exchange` (also while reading).
+            Transient, Hangup, NotEtcd, TlsFailure: As :meth:`exchange` (also while reading).
         """
         loop = asyncio.get_running_loop()
         connection = await self._connect(host, port, connect)
