@@ -458,6 +458,40 @@ def test_a_streamed_calls_refusal_is_etcds_error() -> None:
     from aelastic.backends.etcd._answers import EtcdError, decode, retryable
 
     body = b'{"error":{"grpc_code":14,"http_code":503,"message":"etcdserver: request timed out"}}'
+    for status in (503, 200):  # 200: the stream's headers went out before its first message
+        with pytest.raises(EtcdError) as info:
+            decode(body, status)
+        assert info.value.code == 14 and retryable(info.value)
+
+
+async def test_pipelined_answers_are_matched_to_their_requests(server: EtcdServer) -> None:
+    """Many keep-alives at once on one client, several per write: each answer names the
+    lease its request renewed (a dead lease answers without a time to live)."""
+    client = EtcdClient(parse_endpoint(server.endpoint, {}))
+    try:
+        live = int((await client.call("/v3/lease/grant", {"TTL": 30}, "grant"))["ID"])
+
+        async def batch(i: int) -> None:
+            ids = [live if (i + j) % 3 == 0 else 1_000_000 + 10 * i + j for j in range(3)]
+            make = lambda: [("/v3/lease/keepalive", {"ID": str(n)}) for n in ids]  # noqa: E731
+            answers = await client.call_many(make, "keep-alive")
+            for n, answer in zip(ids, answers, strict=True):
+                assert isinstance(answer, dict)
+                assert int(answer["result"]["ID"]) == n
+                assert (int(answer["result"].get("TTL", 0)) > 0) == (n == live)
+
+        await asyncio.gather(*(batch(i) for i in range(60)))
+    finally:
+        await client.aclose()
+
+
+async def test_a_watch_streams_refusal_keeps_etcds_code() -> None:
+    from aelastic.backends.etcd._answers import EtcdError, messages
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b'{"error":{"grpc_code":14,"http_code":503,"message":"etcdserver: no leader"}}\n'
+
     with pytest.raises(EtcdError) as info:
-        decode(body, 503)
-    assert info.value.code == 14 and retryable(info.value)
+        async for _ in messages(pieces(), None):
+            pass
+    assert info.value.code == 14 and "no leader" in str(info.value)

@@ -163,13 +163,16 @@ def decode(raw: bytes, status: int) -> dict[str, Any]:
         raise NotEtcd(f"HTTP {status}: {shown!r}") from None
     if not isinstance(doc, dict):
         raise NotEtcd(f"HTTP {status}: a JSON {type(doc).__name__}")
-    if status == 200:
+    if status == 200 and not isinstance(doc.get("error"), dict):
         if "header" not in doc and "result" not in doc and "token" not in doc:
             raise NotEtcd("a JSON answer without etcd's header")
         return doc
     message: Any = doc.get("message") or doc.get("error")
     code = doc.get("code")
-    if isinstance(message, dict):  # a streamed call's refusal: {"error": {"grpc_code"...}}
+    if isinstance(message, dict):
+        # A streamed call's refusal: {"error": {"grpc_code"...}}, also with status 200 (a
+        # stream's headers may be sent before its first message; a watch's error comes
+        # after its first messages).
         message, code = message.get("message"), message.get("grpc_code")
     if not isinstance(message, str) or not isinstance(code, int):
         if status >= 500:
@@ -200,8 +203,5 @@ async def messages(
         for line in lines:
             if not line.strip():
                 continue
-            doc = decode(line, 200)
-            if "error" in doc and isinstance(doc["error"], dict):
-                error = doc["error"]
-                raise etcd_error(str(error.get("message", "")), int(error.get("code", 0)))
+            doc = decode(line, 200)  # raises a refusal: {"error": {"grpc_code"...}}
             yield doc.get("result", doc)

@@ -16,6 +16,7 @@ process times the last call from then.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import random
 import time
@@ -26,6 +27,8 @@ from ...core.state import NodeDesc
 from ._client import EtcdClient, EtcdError, LeaseNotFound
 
 __all__ = ["Deadlines", "Leases", "lease_ttl"]
+
+log = logging.getLogger(__name__)
 
 
 def lease_ttl(window_ms: int) -> int:
@@ -122,11 +125,18 @@ class Leases:
         if isinstance(answer, LeaseNotFound):
             self.forget(node)
         if entry is None or not isinstance(answer, dict):
+            if entry is not None:
+                log.warning("etcd did not renew node %s's lease %x: %s", node, entry[0], answer)
             return False
         alive = int(answer.get("result", answer).get("TTL", 0)) > 0
         if alive:
             self._ids[node] = (entry[0], time.monotonic(), entry[2])
         else:
+            since = time.monotonic() - entry[1]
+            log.warning(
+                "etcd says node %s's lease %x is gone (renewed %.1f s ago, time to live %d s): %s",
+                node, entry[0], since, entry[2], answer,
+            )  # fmt: skip
             self.forget(node)
         return alive
 
