@@ -93,7 +93,8 @@ def test_the_hand_over_needs_no_numpy(tmp_path: Path) -> None:
     from tests._ports import free_port
 
     (tmp_path / "numpy").mkdir()
-    (tmp_path / "numpy" / "__init__.py").write_text("raise ModuleNotFoundError('no numpy here', name='numpy')\n")
+    refuse = "raise ModuleNotFoundError('no numpy here', name='numpy')\n"
+    (tmp_path / "numpy" / "__init__.py").write_text(refuse)
     (tmp_path / "rank.py").write_text(_NO_NUMPY_RANK)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
