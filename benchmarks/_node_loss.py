@@ -18,7 +18,15 @@ clocks: the same machine). Variants, all with the same heartbeat window (``CONF`
   before any failure (torch 2.13, measured here). So torch runs two launchers and a third
   is started at the moment of the kill (a replacement that takes no time to provision); the
   survivor's worker fails, torchrun restarts it (a restart spent) and both load the newest
-  checkpoint. The first launcher hosts the c10d store: it is never the one killed.
+  checkpoint. The first launcher hosts the c10d store: it is never the one killed. torch
+  runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, its own switch back to a store per
+  round for the workers: with the store shared (its default since 2.4) the replacement
+  never started training. Each agent keeps the workers' store address of its first round;
+  in the round after the loss the survivor, rank 0 again, keeps its old one and writes no
+  ``MASTER_ADDR`` in the new round's store, so the replacement waits for it in
+  ``RendezvousStoreInfo.build`` while the survivor waits for the replacement in
+  ``_assign_worker_ranks`` (both stacks taken from a run here, torch 2.13), until their
+  store timeouts.
 
 A variant whose ranks make no step within ``AFTER_KILL`` seconds of the kill counts as
 ``inf`` (did not resume).
@@ -124,6 +132,8 @@ def measure(variant: str, endpoint: str, run_id: str, timeout: float = 180.0) ->
     with tempfile.TemporaryDirectory(prefix="aelastic-bench-") as tmp:
         env = dict(os.environ, BENCH_ADDR=f"{LOOPBACK}:{sock.getsockname()[1]}", BENCH_DIR=tmp)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        if variant == "torch":  # see the module docstring
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
         try:
             cmd = commands(variant, endpoint, run_id)

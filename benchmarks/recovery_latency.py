@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import tempfile
 import time
@@ -115,6 +116,7 @@ NODE_LOSS = {
 def node_loss(repeat: int) -> dict[str, float]:
     """The median of each variant of the node-loss case, measured in turns."""
     times: dict[str, list[float]] = {variant: [] for variant in NODE_LOSS}
+    loads: list[float] = []
     for _ in range(repeat):
         for variant in NODE_LOSS:
             run_id = f"bench-{uuid.uuid4().hex[:8]}"
@@ -124,7 +126,16 @@ def node_loss(repeat: int) -> dict[str, float]:
                 with server_endpoint("http") as endpoint:
                     seconds = _node_loss.measure(variant, endpoint, run_id)
             times[variant].append(seconds)
-            print(f"  node loss, {NODE_LOSS[variant]}: {seconds:.3f} s", file=sys.stderr)
+            load = os.getloadavg()[0]
+            loads.append(load)
+            print(
+                f"  node loss, {NODE_LOSS[variant]}: {seconds:.3f} s (load {load:.1f})",
+                file=sys.stderr,
+            )
+    print(
+        f"load average (1 min) at each measurement: median {median(loads):.1f}, "
+        f"{min(loads):.1f} to {max(loads):.1f} (2 cores)"
+    )
     return {variant: median(values) for variant, values in times.items()}
 
 

@@ -1,7 +1,8 @@
 """Random interleavings of rendezvous requests, for property tests of the state machine.
 
 A scenario is a list of steps: a node (of a few), a request (join, leave, close, keep-alive,
-status, with its flags) and how far the clock moves first. Some steps are forged (another
+status, with its flags; a backend's departure report in :data:`departure_scenarios`) and
+how far the clock moves first. Some steps are forged (another
 client's request for the node, with a secret that is not the node's), some carry other rules
 than the scenario's (a forged window, other node bounds), some closes are the operator's.
 The same scenario runs through the pure Python machine and through the Redis script, which
@@ -57,12 +58,18 @@ class Step:
     forged: bool = False
     variant: int = 0
     operator: bool = False
+    #: A departure: its moment, this long before the step's time.
+    since_ago_ms: int = 0
 
     @property
     def secret(self) -> str:
         return FORGED if self.forged else SECRETS[self.node]
 
-    def request(self, rules: Rules) -> Request:
+    def request(self, rules: Rules, now_ms: int = 0) -> Request:
+        if self.op is Op.DEPART:
+            since = now_ms - self.since_ago_ms
+            secret = "" if self.operator else self.secret
+            return Request.departure(NODES[self.node], since, secret=secret)
         if self.operator:
             return Request.operator_close()
         return Request(
@@ -104,3 +111,17 @@ def rules(draw: st.DrawFn) -> Rules:
 
 
 scenarios = st.tuples(rules(), st.lists(steps, min_size=1, max_size=60))
+
+#: Steps with backends' departure reports too (their moment up to 3 s back).
+departures = st.builds(
+    Step,
+    node=st.integers(0, len(NODES) - 1),
+    op=st.just(Op.DEPART),
+    advance_ms=st.one_of(st.just(0), st.integers(1, 400), st.integers(400, 3_000)),
+    forged=st.sampled_from([False] * 3 + [True]),
+    operator=st.booleans(),
+    since_ago_ms=st.one_of(st.just(0), st.integers(0, 3_000)),
+)
+departure_scenarios = st.tuples(
+    rules(), st.lists(st.one_of(steps, steps, departures), min_size=1, max_size=60)
+)

@@ -15,8 +15,8 @@ alone.
 This complements the kernel's parent-death signal (see :mod:`aelastic.agent.process`),
 which reaches only a worker itself, not the processes it started in its group. It imports
 only the standard library, never the ``aelastic`` package, so it starts in milliseconds and
-does not depend on the agent's environment. :mod:`~aelastic.agent.process` imports
-:func:`group_members` and :func:`start_time` from here.
+does not depend on the agent's environment. :mod:`~aelastic.agent.process` and
+:mod:`~aelastic.agent._orphans` import :func:`group_members` and :func:`start_time` from here.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The agent's side of a peer's loss: no restart spent for it, workers kept in place.
 
 How it works: a worker whose collective broke fails before the rendezvous declares the peer
-lost (its heartbeat window). :meth:`PeerLoss.explain` waits up to that window (and a beat
-and a second more) for a change of the group that explains the failure: then the failure
+lost (its heartbeat window, or sooner where the backend reports the peer's connection
+ended: a departure, ``core.machine``). :meth:`PeerLoss.explain` waits up to that window (and
+a beat and a second more) for a change of the group that explains the failure: then the failure
 was the peer's, and the attempt ends as a rescale, no restart spent. On a rescale, workers
 that all opted in to in-place recovery (:mod:`._inplace`) are held (told the group is
 changing) instead of stopped; after the next rendezvous :meth:`PeerLoss.resume` sends each

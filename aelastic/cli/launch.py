@@ -22,10 +22,8 @@ import asyncio
 import contextlib
 import math
 import os
-import shlex
 import signal
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .. import launcher
@@ -34,13 +32,11 @@ from ..agent._health import health_port
 from ..agent._signals import kept_ignored
 from ..agent._unkillable import WorkersUnkillable
 from ..agent.prometheus import AgentCollector, serve_metrics
-from ..backends.registry import backend_info
-from ..core.errors import reason, typed
 from ..core.race import fail_after
-from ..core.redact import redact_endpoint
 from ..launcher._config import worker_spec
 from ..launcher._failures import write_root_cause
-from ..rendezvous import RendezvousClosedError, RendezvousError, RendezvousGracefulExitError
+from ..rendezvous import RendezvousError, RendezvousGracefulExitError
+from ._launch_text import EXIT_FAILED, banner, entrypoint_name, failed_to_run
 from .console import Console
 from .event_log import EventLog
 from .options import LaunchConfig
@@ -60,94 +56,13 @@ __all__ = [
 ]
 
 EXIT_OK = 0
-#: Workers failed, the rendezvous failed, or a signal stopped the job (torchrun's code).
-EXIT_FAILED = 1
+# EXIT_FAILED = 1 (workers failed, the rendezvous failed, a signal): from ._launch_text.
 #: Bad flags or values.
 EXIT_USAGE = 2
 #: This node's host was quarantined (``--quarantine-after``): do not restart it here.
 EXIT_QUARANTINED = 3
 #: Workers outlived SIGKILL (uninterruptible sleep): the host needs attention.
 EXIT_UNKILLABLE = 4
-
-
-def entrypoint_name(entrypoint: str, args: Sequence[str]) -> str:
-    """The script (or module, or command) a human recognizes (torch's rule)."""
-    if os.path.basename(entrypoint).startswith("python"):
-        rest = iter(args)
-        for arg in rest:
-            if arg == "-c":
-                return "<code>"
-            if arg == "-m":
-                return next(rest, "<module>")
-            if not arg.startswith("-"):
-                return arg
-    return entrypoint
-
-
-def _banner(config: LaunchConfig, name: str) -> str:
-    nodes = (
-        f"{config.min_nodes} node"
-        if config.min_nodes == config.max_nodes == 1
-        else f"{config.min_nodes} nodes"
-        if config.min_nodes == config.max_nodes
-        else f"{config.min_nodes} to {config.max_nodes} nodes"
-    )
-    workers = config.nproc_per_node
-    per_node = f"{workers} worker{'s' if workers != 1 else ''} per node"
-    if config.nproc_device:
-        per_node += f" (one per {config.nproc_device})"
-    asked = config.rdzv_asked or config.rdzv_backend
-    if asked == "standalone":
-        where = "standalone (the rendezvous runs in this process)"
-    elif config.standalone:
-        where = f"one node, {asked} rendezvous in this process (nothing else to start)"
-    else:
-        where = f"{asked} rendezvous at {_where(config)}"
-    restarts = config.max_restarts
-    command = shlex.join([os.path.basename(config.entrypoint), *config.args])
-    return (
-        f"launching {name}: {per_node}, {nodes}, {where}; job id {config.run_id}; "
-        f"{restarts or 'no'} restart{'s' if restarts != 1 else ''} allowed; command: {command}"
-    )
-
-
-def _where(config: LaunchConfig) -> str:
-    return redact_endpoint(config.rdzv_endpoint) if config.rdzv_endpoint else "this process"
-
-
-def _closed_on_arrival(config: LaunchConfig, exc: RendezvousClosedError) -> list[str]:
-    """What to say when the job id names a run that was closed before this node came."""
-    lines = [
-        f"error: the job id '{config.run_id}' was used by a job that has finished: its "
-        f"rendezvous at {_where(config)} is closed, so no node can join it for now"
-    ]
-    if exc.reopens_in is not None:
-        lines.append(
-            f"the id is free again in {math.ceil(exc.reopens_in)} s (two heartbeat windows "
-            "after that job's last node left, so that a late node of it still learns that it "
-            "closed)"
-        )
-    else:
-        lines.append("the id is free again two heartbeat windows after that job's nodes leave")
-    info = backend_info(config.rdzv_backend)
-    if info is not None and info.external:
-        reset = shlex.join(
-            [
-                "aelastic",
-                "status",
-                "--rdzv-backend",
-                config.rdzv_backend,
-                "--rdzv-endpoint",
-                redact_endpoint(config.rdzv_endpoint),
-                "--rdzv-id",
-                config.run_id,
-                "--reset",
-            ]
-        )
-        lines.append(f"start fresh with a new --rdzv-id, or delete the old run first: {reset}")
-    else:
-        lines.append("start fresh with a new --rdzv-id")
-    return lines
 
 
 def launch_config(config: LaunchConfig) -> tuple[launcher.LaunchConfig, str, tuple[str, ...]]:
@@ -295,7 +210,7 @@ async def _launch(
         return EXIT_FAILED
     try:
         async with contextlib.AsyncExitStack() as observers:
-            console.line(_banner(config, name))
+            console.line(banner(config, name))
             agent = ElasticAgent(spec)
             agent.add_listener(console)
             # No progress line once a stop signal came: nothing is waited for any more.
@@ -392,7 +307,7 @@ async def _outcome(
         return EXIT_UNKILLABLE
     except (RendezvousError, OSError, NumaBindingError) as exc:
         outcome.error = exc
-        code = _failed_to_run(exc, console, agent, config)
+        code = failed_to_run(exc, console, agent, config)
         console.job_failure()
         return code
     outcome.result = result
@@ -400,19 +315,3 @@ async def _outcome(
     if received:  # the signal came as the run ended by itself
         return EXIT_FAILED
     return EXIT_FAILED if result.is_failed() else EXIT_OK
-
-
-def _failed_to_run(
-    exc: BaseException, console: Console, agent: ElasticAgent, config: LaunchConfig
-) -> int:
-    """Say why the agent could not run (the rendezvous, a worker's start); exit code 1."""
-    if isinstance(exc, RendezvousClosedError) and agent.metrics.rendezvous_count == 0:
-        for line in _closed_on_arrival(config, exc):
-            console.line(line, always=True)
-    elif isinstance(exc, RendezvousError):
-        console.line(f"error: rendezvous failed: {typed(exc)}", always=True)
-    elif isinstance(exc, OSError):
-        console.line(f"error: cannot start the workers: {reason(exc)}", always=True)
-    else:
-        console.line(f"error: {exc}", always=True)
-    return EXIT_FAILED

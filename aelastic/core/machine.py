@@ -22,6 +22,13 @@ same random interleavings. Its semantics are torch's ``DynamicRendezvousHandler`
   learns that it closed; then the next join makes it a new run (the next round, the
   joiner's rules): a job id can be used again.
 * KEEP_ALIVE: the node's heartbeat. STATUS: nothing but the pruning.
+* DEPART: a backend's report (never a node's request) that a node's connection ended at
+  ``since_ms``, a fact it can tell before the heartbeat window ends (the HTTP server sees
+  the node's channel end without a goodbye; on Redis a survivor sees the node's named
+  connection gone). A connection also ends on a network fault while the node lives, so
+  the report only shortens the node's window: answered *wait* until
+  :func:`departure_grace_ms` after ``since_ms``, then the node is lost if nothing was
+  heard from it since (a live node's client reconnects and beats at once).
 
 One set of rules per run: the join that makes a run fixes its rules (node bounds, last
 call, heartbeat window), and every later decision uses them, whoever asks; a join whose
@@ -57,6 +64,7 @@ from .state import (
 
 __all__ = [
     "beat_due_ms",
+    "departure_grace_ms",
     "expiry_ms",
     "prune",
     "reopen_at_ms",
@@ -78,6 +86,15 @@ def beat_due_ms(last_beat_ms: int, interval_ms: int) -> int:
 def expiry_ms(last_beat_ms: int, window_ms: int) -> int:
     """When a node whose last heartbeat is ``last_beat_ms`` is dead (and pruned)."""
     return last_beat_ms + window_ms
+
+
+def departure_grace_ms(rules: Rules) -> int:
+    """How long a node whose connection ended has to be heard from again: half the
+    heartbeat window, at most a second. A live node's client notices its connection end
+    at the same moment and sends its beat again at once (a new connection's handshake);
+    a second covers that on a loaded machine, and half the window keeps the report worth
+    making when the window is short."""
+    return min(rules.window_ms // 2, 1000)
 
 
 def _signature(state: RunState) -> tuple[object, ...]:
@@ -314,6 +331,20 @@ def _close(state: RunState, req: Request, now_ms: int) -> _Answer:
     return _Answer(Outcome.FINISH, Transition.MARK_CLOSED)
 
 
+def _depart(state: RunState, req: Request, now_ms: int) -> _Answer:
+    """A backend's report that the node's connection ended at ``req.since_ms``."""
+    assert state.rules is not None
+    if req.since_ms is None:
+        return _Answer(Outcome.FINISH)  # no moment: nothing to decide
+    due = req.since_ms + departure_grace_ms(state.rules)
+    if now_ms < due:
+        return _Answer(Outcome.WAIT, wake_at_ms=due)  # ask again then
+    if state.beats[req.node] > req.since_ms:
+        return _Answer(Outcome.FINISH)  # heard from since: it is alive
+    _remove(state, req.node, now_ms)
+    return _Answer(Outcome.FINISH, Transition.REMOVE)
+
+
 def _apply(state: RunState, req: Request, now_ms: int) -> _Answer:
     node, op = req.node, req.op
     if op is Op.JOIN:
@@ -322,8 +353,12 @@ def _apply(state: RunState, req: Request, now_ms: int) -> _Answer:
         return _close(state, req, now_ms)
     if op is Op.STATUS or not state.knows(node):
         return _Answer(Outcome.FINISH)
+    if op is Op.DEPART and req.operator:
+        return _depart(state, req, now_ms)
     if not _owns(state, node, req.secret):
-        return _FORBIDDEN  # a leave or a heartbeat for another node
+        return _FORBIDDEN  # a leave, a heartbeat or a departure for another node
+    if op is Op.DEPART:
+        return _depart(state, req, now_ms)
     if op is Op.LEAVE:
         _remove(state, node, now_ms, req.finished)
         return _Answer(Outcome.FINISH, Transition.REMOVE)

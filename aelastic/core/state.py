@@ -98,6 +98,9 @@ class Op(enum.Enum):
     CLOSE = "close"
     KEEP_ALIVE = "keep_alive"
     STATUS = "status"
+    #: A backend's report that the node's connection ended (never sent by a node): the
+    #: node is lost unless heard from since (:func:`~.machine.departure_grace_ms`).
+    DEPART = "depart"
 
 
 class Outcome(enum.Enum):
@@ -145,8 +148,11 @@ class Request:
             handler's clock); servers use their own.
         secret: The node's secret (never shown): a request acting for a node that is in
             the run under another secret is refused.
-        operator: A close by the run's operator (``aelastic status --close``): the
-            backend made it for a caller it trusts; never sent by a node.
+        operator: A close by the run's operator (``aelastic status --close``), or a
+            departure a backend vouches for: the backend made it for a caller it trusts;
+            never sent by a node.
+        since_ms: A departure's moment (the backend's time): when the node's connection
+            was last known to work. The node is lost if it was not heard from after it.
     """
 
     op: Op
@@ -158,6 +164,27 @@ class Request:
     now_ms: int | None = None
     secret: str = field(default="", repr=False)
     operator: bool = False
+    since_ms: int | None = None
+
+    @classmethod
+    def departure(
+        cls, node: NodeDesc, since_ms: int, secret: str = "", now_ms: int | None = None
+    ) -> Request:
+        """A backend's report that ``node``'s connection ended at ``since_ms`` (its time).
+
+        With ``secret`` (the one the node's own requests carried on that connection) it
+        acts for the node under the usual check; without, it is the backend's own word
+        (``operator``: a backend trusted as the run's operator, e.g. Redis' credentials).
+        """
+        return cls(
+            Op.DEPART,
+            node,
+            Rules(1, 1, 1, 1),
+            now_ms=now_ms,
+            secret=secret,
+            operator=not secret,
+            since_ms=since_ms,
+        )
 
     @classmethod
     def operator_close(cls, now_ms: int | None = None) -> Request:

@@ -214,7 +214,10 @@ def request_from_json(doc: Any) -> Request:
     try:
         op = Op(d.get("op"))
     except ValueError:
-        raise WireError(f"'op' must be one of {', '.join(o.value for o in Op)}") from None
+        op = Op.DEPART  # refused below with the list of the others
+    if op is Op.DEPART:  # a backend's report, never a node's request
+        ops = ", ".join(o.value for o in Op if o is not Op.DEPART)
+        raise WireError(f"'op' must be one of {ops}")
     node, rules = _node(d.get("node")), _rules(d)
     port = _int(d, "port")
     _require(port <= 65535, "'port' must be a port number")

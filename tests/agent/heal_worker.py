@@ -15,8 +15,8 @@ Files go to ``$HEAL_DIR``. Modes:
   ``collective`` inside ``all_reduce`` of the file ``$HEAL_COLLECTIVE`` (a stand-in that
   lives under a ``torch/distributed/`` directory, as a rank waiting for a stuck peer would).
 * ``hang_pair``: on attempt 0, after five progress reports, local rank 0 waits in the
-  ``$HEAL_COLLECTIVE`` stand-in and local rank 1, one report later, hangs in
-  ``stuck_in_step``.
+  ``$HEAL_COLLECTIVE`` stand-in (after writing ``$HEAL_DIR/waiting``); local rank 1 starts
+  its reports once that file is there and, one report later, hangs in ``stuck_in_step``.
 * ``frozen PATH``: local rank 1 reads PATH (a file of a frozen FUSE mount: uninterruptible
   sleep) after writing ``$HEAL_DIR/reading``; local rank 0 waits for that file, then fails.
 """
@@ -65,16 +65,22 @@ def main() -> int:
             runpy.run_path(os.environ["HEAL_COLLECTIVE"])["all_reduce"]()
         return 0
     if mode == "hang_pair":
+        waiting = os.path.join(heal_dir, "waiting")
+        if attempt == 0 and local == 1:  # no progress (no stall) until rank 0 waits, however
+            while not os.path.exists(waiting):  # late either started on a loaded machine
+                time.sleep(0.01)
         for _ in range(5):
             time.sleep(0.02)
             aelastic.worker.progress()
-        if attempt == 0 and local == 1:  # a moment after rank 0: seen stalled second
+        if attempt == 0 and local == 1:  # some time after rank 0: seen stalled second
             time.sleep(0.3)
             aelastic.worker.progress()
             stuck_in_step()
         if attempt == 0:
             import runpy
 
+            with open(waiting, "w"):
+                pass
             runpy.run_path(os.environ["HEAL_COLLECTIVE"])["all_reduce"]()
         return 0
     if mode == "raise":

@@ -324,7 +324,7 @@ async def test_workers_stopped_together_for_a_stall_are_all_failures_the_stuck_o
         tmp_path,
         "hang_pair",
         nproc=2,
-        stall_timeout=1.0,
+        stall_timeout=1.5,
         max_restarts=1,
         env={"HEAL_COLLECTIVE": str(fake)},
     )

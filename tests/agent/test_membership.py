@@ -145,7 +145,7 @@ async def test_a_node_failing_for_good_closes_the_run_for_all(run_id: str) -> No
 async def test_survivor_rescales_within_the_heartbeat_window_when_a_peer_is_killed(
     run_id: str, tmp_path: Path
 ) -> None:
-    interval, attempts = 0.3, 2
+    interval, attempts = 0.4, 2  # a 0.8 s window: shorter ones prune starved live nodes
     window = interval * attempts
     conf = {
         "last_call_timeout": "1.0",

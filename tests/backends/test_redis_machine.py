@@ -27,7 +27,7 @@ from aelastic.core.wire import (
     snapshot_from_json,
     snapshot_to_json,
 )
-from tests._machine_steps import Step, scenarios
+from tests._machine_steps import Step, departure_scenarios, scenarios
 from tests._redis_server import RedisServer
 
 T0 = 1_000_000
@@ -54,6 +54,8 @@ def _lua_step(
         req.port, now, "feed", 60_000, keys.channel, "0", req.secret,
         "1" if req.operator else "0", beat_key(base),
     ]  # fmt: skip
+    if req.since_ms is not None:
+        args.append(req.since_ms)
     return json.loads(c.eval(_lua.OP, len(keys.rendezvous), *keys.rendezvous, *args))
 
 
@@ -89,6 +91,14 @@ def test_lua_and_python_agree_on_every_reply_and_state(
     run_both(client, *scenario)
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(departure_scenarios)
+def test_lua_and_python_agree_on_departures(
+    client: redis.Redis, scenario: tuple[Rules, list[Step]]
+) -> None:
+    run_both(client, *scenario)
+
+
 def run_both(client: redis.Redis, rules: Rules, steps: list[Step]) -> None:
     keys = _scripts.RunKeys("parity", f"run-{next(_runs)}")
     state = RunState("feed")
@@ -96,7 +106,7 @@ def run_both(client: redis.Redis, rules: Rules, steps: list[Step]) -> None:
     previous: Status | None = None
     for number, item in enumerate(steps):
         now += item.advance_ms
-        request = item.request(rules)
+        request = item.request(rules, now)
         # A keep-alive sends the beat key of a status: the current one (the short path
         # answers when it can) or, every other time, the last reply's (maybe stale).
         base = status_of(state, now) if state.made and number % 2 else previous

@@ -6,6 +6,7 @@ import pytest
 
 from aelastic.core.machine import (
     beat_due_ms,
+    departure_grace_ms,
     expiry_ms,
     reuse_grace_ms,
     snapshot_of,
@@ -347,3 +348,61 @@ def test_a_join_to_a_closed_run_ends_the_nodes_part_in_it() -> None:
     act(s, C, Op.KEEP_ALIVE, FORGED, now=T0 + 2_000, r=rules(1, 1))
     pruned = act(s, A, Op.STATUS, SECRET_A, now=T0 + 10_000, r=rules(1, 1))
     assert pruned.pruned == 1 and s.vacated_ms == T0 + 2_000 + 3_000  # when C expired
+
+
+# -- a backend's departure report ---------------------------------------------------------
+
+
+def _pair() -> tuple[RunState, Rules]:
+    s, r = RunState("e"), rules(2, 2)
+    ask(s, A, r=r)
+    ask(s, B, r=r)
+    return s, r
+
+
+def test_a_departed_member_is_lost_once_the_grace_passed_unheard() -> None:
+    s, r = _pair()
+    grace = departure_grace_ms(r)
+    assert grace == 1_000  # half the 3 s window, at most a second
+    gone = T0 + 100
+    early = step(s, Request.departure(B, gone, secret=""), gone + 10)
+    assert early.outcome is Outcome.WAIT and early.wake_at_ms == gone + grace
+    assert s.knows(B) and s.lost == 0
+    reply = step(s, Request.departure(B, gone, secret=""), gone + grace)
+    assert reply.transition is Transition.REMOVE and not s.knows(B)
+    assert reply.status.lost == 1 and reply.status.lost_sample == (B.key,)
+    assert view_of(reply.status, A, 0).lost == {B}  # long before the 3 s window
+
+
+def test_a_departed_member_heard_from_since_stays() -> None:
+    s, r = _pair()
+    gone = T0 + 100
+    ask(s, B, Op.KEEP_ALIVE, now=gone + 1, r=r)  # its client reconnected and beat
+    reply = step(s, Request.departure(B, gone), T0 + 5_000 - 2_000)
+    assert reply.transition is Transition.NONE and s.knows(B) and s.lost == 0
+
+
+def test_a_short_window_halves_the_grace() -> None:
+    assert departure_grace_ms(Rules(1, 2, 1, 600)) == 300
+    assert departure_grace_ms(Rules(1, 2, 1, 15_000)) == 1_000
+
+
+def test_only_a_backend_or_the_nodes_own_connection_reports_a_departure() -> None:
+    s = RunState("e")
+    act(s, A, Op.JOIN, SECRET_A)
+    forged = step(s, Request.departure(A, T0, secret=FORGED), T0 + 1_500)
+    assert forged.outcome is Outcome.ERROR_FORBIDDEN and s.knows(A)
+    # The node's own secret (the HTTP server passes what its connection carried) ...
+    assert step(s, Request.departure(A, T0, secret=SECRET_A), T0 + 1_500).pruned == 0
+    assert not s.knows(A)
+    # ... or the backend's own word (no secret: operator).
+    act(s, B, Op.JOIN, SECRET_B, now=T0 + 2_000)
+    assert Request.departure(B, T0 + 2_100).operator
+    step(s, Request.departure(B, T0 + 2_100), T0 + 3_200)
+    assert not s.knows(B)
+
+
+def test_a_departure_of_an_unknown_node_changes_nothing() -> None:
+    s, _ = _pair()
+    reply = step(s, Request.departure(C, T0), T0 + 2_000)
+    assert reply.outcome is Outcome.FINISH and reply.transition is Transition.NONE

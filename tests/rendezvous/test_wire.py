@@ -98,6 +98,8 @@ def test_lua_shapes_are_accepted() -> None:
         ({**_join(), "secret": ""}, "'secret'"),
         ({**_join(), "secret": "x" * 15}, "'secret'"),
         ({**_join(), "operator": True}, "unknown"),
+        ({**_join(), "op": "depart"}, "'op' must be one of join, leave"),  # a backend's
+        ({**_join(), "since_ms": 1}, "unknown"),
         ({k: v for k, v in _join().items() if k != "secret"}, "'secret'"),
     ],
 )

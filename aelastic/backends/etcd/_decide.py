@@ -115,9 +115,10 @@ def _close(run: Run, req: Request, now: int) -> None:
 
 
 def _other(run: Run, req: Request, now: int) -> None:
-    """A leave, a keep-alive or a status."""
+    """A leave, a keep-alive or a status (or a departure: etcd learns of none, see
+    :mod:`._backend`; one is answered as a status)."""
     plan = run.plan
-    if req.op is Op.STATUS or run.where is None:
+    if req.op is Op.STATUS or req.op is Op.DEPART or run.where is None:
         return
     if not run.owns:
         plan.outcome = Outcome.ERROR_FORBIDDEN  # a leave or a heartbeat for another node

@@ -190,8 +190,10 @@ class RedisBackend(RedisCalls):
         ]
         base = self._last if request.op is Op.KEEP_ALIVE else None
         key = beat_key(base)
-        if key:
+        if key or request.since_ms is not None:
             args.append(key)
+        if request.since_ms is not None:
+            args.append(request.since_ms)
         raw = await self._script(
             request.op.value,
             lua.OP,

@@ -37,8 +37,9 @@ __all__ = ["OP", "SNAPSHOT", "STATUS"]
 #: KEYS: header, participants, ports, wait list, redundancy list, beats, secrets.
 #: ARGV: op, node, min, max, last call ms, window ms, expired, finished, port, now ms or '',
 #: new epoch, ttl ms, channel, '1' to follow the primary's replication id, the node's
-#: secret, '1' for an operator's close, the beat key of a keep-alive ('' or absent: none;
-#: see :mod:`._lua_beat`). -> reply JSON | brief answer JSON | error JSON.
+#: secret, '1' for an operator's close or departure, the beat key of a keep-alive ('' or
+#: absent: none; see :mod:`._lua_beat`), a departure's moment (ms). -> reply JSON | brief
+#: answer JSON | error JSON.
 OP = (
     _HEADER
     + SHORT_BEAT
@@ -294,12 +295,25 @@ local function close()
   return 'finish', 'mark_closed'
 end
 
+-- A backend's report that node's connection ended at `since` (core.machine's _depart).
+local function depart()
+  local since = tonumber(ARGV[18] or '')
+  if not since then return 'finish', 'none' end
+  local due = since + math.min(math.floor(h.rules.window / 2), 1000)
+  if now < due then return 'wait', 'none', due end
+  if tonumber(redis.call('ZSCORE', B, node)) > since then return 'finish', 'none' end
+  remove(node, now)
+  return 'finish', 'remove'
+end
+
 local function apply()
   if op == 'join' then return join() end
   if op == 'close' then return close() end
   if op == 'status' or not knows(node) then return 'finish', 'none' end
-  -- a leave or a heartbeat for another node
+  if op == 'depart' and operator then return depart() end
+  -- a leave, a heartbeat or a departure for another node
   if not owns(node) then return 'error_forbidden', 'none' end
+  if op == 'depart' then return depart() end
   if op == 'leave' then
     remove(node, now, finished)
     return 'finish', 'remove'

@@ -21,7 +21,10 @@ channel (beyond: 503); a join that would add a node past its client's quota is a
 keep-alive timeout (``aelastic serve --keepalive-timeout``, as an idle connection between
 requests) is closed with code 1000 and the reason ``idle`` (the client opens a new one when
 it needs it); at shutdown every channel is closed with code 1001 once its held answers are
-sent.
+sent. A channel that ends without a close frame, not closed by the server (its client's
+process exited, or the connection was cut), is reported as the departure of the nodes whose
+requests it carried (:mod:`._departures`): a node not heard from again within the machine's
+grace is lost then, not after the heartbeat window.
 
 Why: clients send their rendezvous requests here (a held heartbeat per node and interval,
 held joins). A held keep-alive as an HTTP request cost the server about 250 us of CPU and
@@ -43,7 +46,7 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from ....core.state import Op, Reply, Request
+from ....core.state import NodeDesc, Op, Reply, Request
 from ....core.wire import WireError, request_from_json
 from ..wire import (
     CHANNEL_PATH,
@@ -55,6 +58,7 @@ from ..wire import (
     require_token,
 )
 from ._answer import answer, failure
+from ._departures import Departures
 from ._guard import DEFAULT_KEEPALIVE_TIMEOUT
 from ._held import Held, HeldBeats, encode, start
 from ._quota import QUOTA, NodeQuotaError
@@ -140,12 +144,17 @@ class _Channel:
         self.last = self._loop.time()
         self._idle = self._loop.call_later(idle, self._check_idle)
         self._closer: asyncio.Task[bool] | None = None
+        #: The nodes whose requests it carried, and their secrets (for a departure).
+        self.nodes: dict[tuple[str, NodeDesc], str] = {}
+        #: The server closed it (idle, shutdown, a broken rule): no departure.
+        self.closed_here = False
 
     def _check_idle(self) -> None:
         due = self.last + self.idle_timeout
         if self.held or self.beats or self._loop.time() < due:
             self._idle = self._loop.call_at(max(due, self._loop.time() + 1.0), self._check_idle)
             return
+        self.closed_here = True
         self._closer = self._loop.create_task(self.ws.close(code=WSCloseCode.OK, message=b"idle"))
 
     def take_text(self, data: str) -> None:
@@ -233,6 +242,10 @@ class _Channel:
     def _dispatch(
         self, msg_id: int, run_id: str, request: Request, hold: float, seen: str | None, key: str
     ) -> None:
+        if request.op is Op.LEAVE:
+            self.nodes.pop((run_id, request.node), None)
+        else:
+            self.nodes[(run_id, request.node)] = request.secret
         if request.op is Op.KEEP_ALIVE and self._held_beats.take(
             self, msg_id, run_id, request, hold, seen, key
         ):
@@ -324,12 +337,14 @@ async def _serve(
     idle: float,
     channels: set[_Channel],
     held_beats: HeldBeats,
+    departures: Departures,
 ) -> web.StreamResponse:
     ws = web.WebSocketResponse(compress=False, max_msg_size=max_msg, timeout=1.0)
     await ws.prepare(request)
     channel = _Channel(ws, request, store, idle, held_beats)
     channels.add(channel)
     loop = asyncio.get_running_loop()
+    abrupt = False
     try:
         while True:
             msg = await ws.receive()
@@ -338,15 +353,23 @@ async def _serve(
                 try:
                     channel.take_text(msg.data)
                 except _Closed as exc:
+                    channel.closed_here = True
                     await ws.close(code=exc.code, message=str(exc).encode())
                     break
             elif msg.type is WSMsgType.BINARY:
+                channel.closed_here = True
                 await ws.close(code=WSCloseCode.UNSUPPORTED_DATA, message=b"text messages only")
                 break
             else:  # closing, closed, or an error: the channel is over
+                # No close frame (the socket ended, or failed): the client did not say
+                # goodbye. A close frame is a client that chose to go (it leaves, or
+                # goes on over HTTP).
+                abrupt = msg.type in (WSMsgType.CLOSED, WSMsgType.ERROR)
                 break
     finally:
         channels.discard(channel)
+        if abrupt and not channel.closed_here and channel.nodes:
+            departures.report(channel.nodes)
         await channel.finish()
     return ws
 
@@ -370,11 +393,17 @@ def add_channel(
     app[TAPS] = []
     channels: set[_Channel] = set()
     held_beats = HeldBeats(store)
+    departures = Departures(store)
 
     async def channel(request: web.Request) -> web.StreamResponse:
-        return await _serve(request, store, max_body, idle_timeout, channels, held_beats)
+        return await _serve(
+            request, store, max_body, idle_timeout, channels, held_beats, departures
+        )
 
     async def close_all(app: web.Application) -> None:
+        departures.close()
+        for c in channels:
+            c.closed_here = True
         held_beats.flush()  # the held beats: answered now (the store is closing)
         held = set().union(*(c.held for c in channels))
         if held:  # answered at once now that the store is closing: let them go out
