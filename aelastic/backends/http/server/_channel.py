@@ -62,6 +62,7 @@ from ._departures import Departures
 from ._guard import DEFAULT_KEEPALIVE_TIMEOUT
 from ._held import Held, HeldBeats, encode, start
 from ._quota import QUOTA, NodeQuotaError
+from ._repeat import repeat_id, tail
 from ._runs import RunStore
 
 __all__ = ["MAX_IN_FLIGHT", "TAPS", "add_channel"]
@@ -74,8 +75,6 @@ _MAX_ID = 2**53
 #: Seconds the held answers get to go out at shutdown before the channels close.
 _SHUTDOWN_GRACE = 2.0
 _FIELDS = frozenset({"id", "run", "request", "hold", "seen", "beat"})
-_ID_PREFIX = '{"id":'
-_ID_AT = len(_ID_PREFIX)
 _TOO_MANY = f"more than {MAX_IN_FLIGHT} requests held"
 _MAX_BEAT_KEY = 256
 
@@ -91,16 +90,6 @@ class _Closed(Exception):
     def __init__(self, code: int, reason: str) -> None:
         super().__init__(reason)
         self.code = code
-
-
-def _plain_id(digits: str) -> int | None:
-    """The id written as ``digits`` (a JSON integer in range), else ``None``."""
-    if not (digits.isascii() and digits.isdigit() and len(digits) <= 16):
-        return None
-    if digits[0] == "0" and len(digits) > 1:
-        return None  # not JSON
-    value = int(digits)
-    return value if value < _MAX_ID else None
 
 
 def _parse(data: str) -> tuple[int, dict[str, Any]]:
@@ -161,43 +150,23 @@ class _Channel:
         """Take one text message (see :meth:`take`).
 
         A keep-alive whose text is the channel's last keep-alive's but for its id (a node's
-        every beat, until its status moves) is taken with that one's checked fields: not
-        parsed nor checked again. Hand-written because json.loads, the schema checks and
-        making the request again were a quarter of the server's CPU per held heartbeat
-        (measured, benchmarks/beat_cost_http.py); the id is read as strictly as JSON would.
+        every beat, until its status moves) is taken with that one's checked fields, not
+        parsed nor checked again (:mod:`._repeat`).
 
         Raises:
             _Closed: The message breaks the channel's rules.
         """
         repeat = self._repeat
-        if repeat is not None and data.startswith(_ID_PREFIX):
-            comma = data.find(",", _ID_AT)
-            if comma > _ID_AT and data[comma:] == repeat[0]:
-                msg_id = _plain_id(data[_ID_AT:comma])
-                if msg_id is not None:
-                    if len(self.held) + len(self.beats) >= MAX_IN_FLIGHT:
-                        self._later(self._error(msg_id, 503, _TOO_MANY))
-                    else:
-                        self._dispatch(msg_id, *repeat[1:])
-                    return
+        if repeat is not None:
+            msg_id = repeat_id(data, repeat[0])
+            if msg_id is not None:
+                if len(self.held) + len(self.beats) >= MAX_IN_FLIGHT:
+                    self._later(self._error(msg_id, 503, _TOO_MANY))
+                else:
+                    self._dispatch(msg_id, *repeat[1:])
+                return
         msg_id, doc = _parse(data)
         self.take(msg_id, doc, data)
-
-    def _remember(self, data: str, msg_id: int, fields: Any) -> None:
-        """Keep keep-alive ``data``'s checked ``fields`` for its repeats (when its id comes
-        first, alone: its text after the id is then all the rest)."""
-        if not data.startswith(_ID_PREFIX):
-            return
-        comma = data.find(",", _ID_AT)
-        if comma <= _ID_AT or _plain_id(data[_ID_AT:comma]) != msg_id:
-            return
-        tail = data[comma:]
-        try:
-            rest = json.loads("{" + tail[1:])
-        except (ValueError, RecursionError):
-            return
-        if isinstance(rest, dict) and "id" not in rest:  # no later id overrides the first
-            self._repeat = (tail, *fields)
 
     def take(self, msg_id: int, doc: dict[str, Any], data: str | None = None) -> None:
         """Answer the request in ``doc`` (in a task of its own: it may be held), or cancel
@@ -236,7 +205,9 @@ class _Channel:
             self._later(self._error(msg_id, 429, str(exc)))
             return
         if request.op is Op.KEEP_ALIVE and data is not None:  # (only joins count in quotas)
-            self._remember(data, msg_id, (run_id, request, hold, seen, key))
+            known = tail(data, msg_id)
+            if known is not None:
+                self._repeat = (known, run_id, request, hold, seen, key)
         self._dispatch(msg_id, run_id, request, hold, seen, key)
 
     def _dispatch(
