@@ -1,0 +1,167 @@
+"""The Redis backend's departures: named connections, and the survivor's report.
+
+How it works: once a node's join succeeded the backend keeps that node's named connection
+(:class:`~._presence.Presence`); a lost one that comes back makes the backend send the
+node's beat at once (the last keep-alive it knows: the node's rules and secret). When a
+worker's collective broke, :meth:`NamedConnections.report_departures` lists the clients of
+the run's server, reports each member whose name is gone as a departure (the operator's
+word: whoever holds this Redis' credentials may close the run anyway), and applies it again
+once the machine's grace has passed, so that a dead member is lost about a second after the
+check rather than after the heartbeat window. See :mod:`._presence` for what is and is not
+reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import ResponseError
+
+from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Snapshot, Transition
+from ._presence import Presence, absent_members, connection_name, parse_client_list
+
+__all__ = ["NamedConnections"]
+
+log = logging.getLogger("aelastic.backends.redis")
+
+#: Checks of the client list per report, and the pause between them (seconds).
+_CHECKS = 2
+_RECHECK = 0.25
+
+
+class NamedConnections:
+    """Mixin of :class:`~._backend.RedisBackend` (its ``_bind``, ``_keys``, ``_ttl_ms``,
+    ``_call``, ``apply`` and ``snapshot``)."""
+
+    _presence: Presence | None = None
+    _presence_node: NodeDesc | None = None
+    _beat: Request | None = None
+    _list_refused = False
+
+    if TYPE_CHECKING:  # provided by RedisBackend
+        _keys: Any
+        _ttl_ms: str
+
+        async def _bind(self) -> Any: ...
+        async def _call(self, what: str, attempt: Any) -> Any: ...
+        async def apply(self, request: Request, hold: float = 0.0, seen: Any = None) -> Reply: ...
+        async def snapshot(self) -> Snapshot | None: ...
+
+    @property
+    def _named_key(self) -> str:
+        return f"{self._keys.base}:named"
+
+    def _after_reply(self, request: Request, reply: Reply) -> None:
+        """Keep the named connection of a node that joined; remember its beat."""
+        if request.op is Op.JOIN and reply.outcome in (Outcome.FINISH, Outcome.WAIT):
+            self._beat = Request(Op.KEEP_ALIVE, request.node, request.rules, secret=request.secret)
+            if self._presence_node != request.node:
+                self._start_presence(request.node)
+
+    def _start_presence(self, node: NodeDesc) -> None:
+        client = self._client_now()
+        if client is None:
+            return
+        old, self._presence = self._presence, None
+        if old is not None:
+            asyncio.get_running_loop().create_task(old.aclose())
+        self._presence_node = node
+        marker = (self._named_key, node.key, self._ttl_ms)
+        name = connection_name(self._keys.base, node)
+        self._presence = Presence(client.server, name, marker, self._keys.state, self._beat_again)
+        self._presence.start()
+
+    def _client_now(self) -> Any:
+        return getattr(self, "_client", None)
+
+    async def _beat_again(self) -> None:
+        beat = self._beat
+        if beat is not None:
+            await self.apply(beat)
+
+    async def _stop_presence(self) -> None:
+        presence, self._presence, self._presence_node = self._presence, None, None
+        if presence is not None:
+            await presence.aclose()
+
+    async def report_departures(self, me: NodeDesc) -> list[NodeDesc]:
+        """Report the members whose named connection is gone from the run's server (see
+        :mod:`._presence`) and, once the machine's grace has passed, apply the reports again.
+
+        Returns:
+            The members lost by these reports.
+        """
+        for attempt in range(_CHECKS):
+            if attempt:  # a socket closed a moment ago may not be read by the server yet
+                await asyncio.sleep(_RECHECK)
+            found = await self._check_names(me)
+            if found is None:
+                return []
+            if found:
+                return await self._depart(*found)
+        return []
+
+    async def _check_names(self, me: NodeDesc) -> tuple[list[NodeDesc], int] | None:
+        """The members whose names are gone and the moment to report (``None``: the
+        server cannot tell)."""
+        if self._list_refused:
+            return None
+        client, _ = await self._bind()
+        route = self._keys.state
+
+        async def ask(within: float) -> tuple[Any, Any, Any]:
+            replies = await asyncio.gather(
+                client.command("TIME", within=within, route=route),
+                client.command("CLIENT", "LIST", "TYPE", "normal", within=within, route=route),
+                client.command("HKEYS", self._named_key, within=within),
+            )
+            return replies[0], replies[1], replies[2]
+
+        try:
+            time_, listing, named = await self._call("client list", ask)
+        except ResponseError as exc:
+            self._list_refused = True
+            log.warning(
+                "Redis refused CLIENT LIST (%s): a lost member is known by the heartbeat window "
+                "only; allow 'client|list' and 'client|setname' (docs/production-store.md)",
+                exc,
+            )
+            return None
+        since = int(time_[0]) * 1000 + int(time_[1]) // 1000 - 1
+        text = listing.decode(errors="replace") if isinstance(listing, bytes) else str(listing)
+        keys = [k.decode() if isinstance(k, bytes) else str(k) for k in named]
+        snapshot = await self.snapshot()
+        if snapshot is None:
+            return None
+        members = [e.node for e in snapshot.members()]
+        listed = parse_client_list(text)
+        absent = absent_members(listed, keys, members, me, self._keys.base)
+        log.info(
+            "run %s: %d of %d members' connections named, %d of them gone",
+            self._keys.tag,
+            len(keys),
+            len(members),
+            len(absent),
+        )
+        return absent, since
+
+    async def _depart(self, absent: list[NodeDesc], since: int) -> list[NodeDesc]:
+        lost: list[NodeDesc] = []
+        while absent:
+            replies = await asyncio.gather(
+                *(self.apply(Request.departure(n, since)) for n in absent)
+            )
+            waiting, due = [], 0
+            for node, reply in zip(absent, replies, strict=True):
+                if reply.transition is Transition.REMOVE:
+                    log.info("member %s: its named connection went and it was not heard from", node)
+                    lost.append(node)
+                elif reply.outcome is Outcome.WAIT and reply.wake_at_ms is not None:
+                    waiting.append(node)
+                    due = max(due, reply.wake_at_ms - reply.status.now_ms)
+            absent = waiting
+            if absent:
+                await asyncio.sleep(due / 1000 + 0.005)
+        return lost
