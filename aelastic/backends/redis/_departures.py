@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import ResponseError
 
+from ...core.errors import RendezvousConnectionError
 from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Snapshot, Transition
 from ._presence import Presence, absent_members, connection_name, parse_client_list
 
@@ -121,7 +122,9 @@ class NamedConnections:
 
         try:
             time_, listing, named = await self._call("client list", ask)
-        except ResponseError as exc:
+        except (ResponseError, RendezvousConnectionError) as exc:
+            if "permission" not in str(exc).lower() and "NOPERM" not in str(exc):
+                raise
             self._list_refused = True
             log.warning(
                 "Redis refused CLIENT LIST (%s): a lost member is known by the heartbeat window "
