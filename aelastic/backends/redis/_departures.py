@@ -27,9 +27,10 @@ __all__ = ["NamedConnections"]
 
 log = logging.getLogger("aelastic.backends.redis")
 
-#: Checks of the client list per report, and the pause between them (seconds).
-_CHECKS = 2
-_RECHECK = 0.25
+#: Pauses (seconds) before each check of the client list of one report: a socket closed a
+#: moment ago may not be read by a busy server yet (nothing waits on the later checks: the
+#: agent waits for the group change anyway).
+_CHECKS = (0.0, 0.25, 0.75)
 
 
 class NamedConnections:
@@ -94,9 +95,8 @@ class NamedConnections:
         Returns:
             The members lost by these reports.
         """
-        for attempt in range(_CHECKS):
-            if attempt:  # a socket closed a moment ago may not be read by the server yet
-                await asyncio.sleep(_RECHECK)
+        for pause in _CHECKS:
+            await asyncio.sleep(pause)
             found = await self._check_names(me)
             if found is None:
                 return []
