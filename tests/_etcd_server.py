@@ -20,7 +20,10 @@ Members run with short election timings (heartbeat 50 ms, election 500 ms: a lea
 as short as 1 s, and a failover takes about a second) and their data in a temporary
 directory (tmpfs when /dev/shm is there: no disk syncs on a shared machine). ``start``
 returns once the member answers. ``EtcdServer(auth=("root", "pw"))`` enables etcd's
-authentication with that root user.
+authentication with that root user (``token_ttl``: its simple tokens' time to live, s).
+``EtcdServer(tls=True)`` serves https only, with a fresh CA (:attr:`EtcdServer.ca_file`) and a
+server certificate for 127.0.0.1 (an IP SAN) it signed; ``client_auth=True`` also asks for a
+client certificate signed by that CA (:meth:`EtcdServer.client_cert` makes one).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import base64
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -52,14 +56,27 @@ def b64(text: str | bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 5.0, token: str | None = None) -> Any:
+def _openssl(args: list[str]) -> None:
+    binary = shutil.which("openssl")
+    if binary is None:
+        pytest.skip("openssl is not on PATH")
+    subprocess.run([binary, *args], check=True, capture_output=True)
+
+
+def _post(
+    url: str,
+    body: dict[str, Any],
+    timeout: float = 5.0,
+    token: str | None = None,
+    context: ssl.SSLContext | None = None,
+) -> Any:
     data = json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method="POST")
     request.add_header("Content-Type", "application/json")
     if token:
         request.add_header("Authorization", token)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             return json.loads(response.read().splitlines()[0])
     except urllib.error.HTTPError as exc:
         return json.loads(exc.read() or b"{}")
@@ -73,6 +90,9 @@ class EtcdServer:
         client_port, peer_port: Its ports (default: free ones, kept across restarts).
         cluster: ``name=peer-url,...`` of every member (default: this one alone).
         auth: ``(user, password)``: enable authentication with this root user.
+        token_ttl: Seconds etcd's simple auth tokens live (etcd's default: 300).
+        tls: Serve https only (a fresh CA and a certificate for 127.0.0.1).
+        client_auth: With ``tls``, require a client certificate signed by that CA.
     """
 
     def __init__(
@@ -83,6 +103,9 @@ class EtcdServer:
         cluster: str | None = None,
         auth: tuple[str, str] | None = None,
         root: Path | None = None,
+        token_ttl: int | None = None,
+        tls: bool = False,
+        client_auth: bool = False,
     ) -> None:
         binary = shutil.which("etcd")
         if binary is None:
@@ -99,6 +122,16 @@ class EtcdServer:
         self.log_path = self.dir / f"{name}.log"
         self.process: subprocess.Popen[bytes] | None = None
         self._started_once = False
+        self.token_ttl = token_ttl
+        self._admin: ssl.SSLContext | None = None
+        self.tls = tls
+        self.client_auth = client_auth
+        self.ca_file = self.dir / f"{name}-ca.pem"
+        self._ca_key = self.dir / f"{name}-ca.key"
+        self.cert_file = self.dir / f"{name}-server.pem"
+        self._key_file = self.dir / f"{name}-server.key"
+        if tls:
+            self._make_certificates()
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -106,7 +139,53 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
+
+    def _post(self, path: str, body: dict[str, Any], **kw: Any) -> Any:
+        """A JSON call to this member (over TLS as a trusted client when it serves TLS)."""
+        return _post(self.url + path, body, context=self._context(), **kw)
+
+    def _context(self) -> ssl.SSLContext | None:
+        if not self.tls:
+            return None
+        if self._admin is None:
+            context = ssl.create_default_context(cafile=str(self.ca_file))
+            if self.client_auth:
+                context.load_cert_chain(*map(str, self.client_cert("admin")))
+            self._admin = context
+        return self._admin
+
+    def _make_certificates(self) -> None:
+        """A CA and a server certificate for 127.0.0.1 (IP SAN) that it signed."""
+        self._ca(self.ca_file, self._ca_key, "aelastic test CA")
+        self._sign(self.cert_file, self._key_file, "127.0.0.1", "subjectAltName=IP:127.0.0.1")
+
+    def client_cert(self, name: str = "client", trusted: bool = True) -> tuple[Path, Path]:
+        """``(cert, key)`` of a client certificate signed by this server's CA (``trusted``)
+        or by a CA of its own that the server does not know."""
+        cert, key = self.dir / f"{name}.pem", self.dir / f"{name}.key"
+        if trusted:
+            self._sign(cert, key, name, "extendedKeyUsage=clientAuth")
+        else:
+            self._ca(cert, key, name)
+        return cert, key
+
+    def _ca(self, cert: Path, key: Path, subject: str) -> None:
+        args = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        args += ["-keyout", str(key), "-out", str(cert), "-subj", f"/CN={subject}"]
+        args += ["-addext", "basicConstraints=critical,CA:TRUE"]
+        args += ["-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature"]
+        _openssl(args)
+
+    def _sign(self, cert: Path, key: Path, subject: str, extension: str) -> None:
+        request = cert.with_suffix(".csr")
+        _openssl(["req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                  "-out", str(request), "-subj", f"/CN={subject}"])  # fmt: skip
+        extensions = cert.with_suffix(".ext")
+        extensions.write_text(extension.replace("=", " = ", 1) + "\n")
+        _openssl(["x509", "-req", "-in", str(request), "-CA", str(self.ca_file),
+                  "-CAkey", str(self._ca_key), "-CAcreateserial", "-days", "1",
+                  "-out", str(cert), "-extfile", str(extensions)])  # fmt: skip
 
     @property
     def peer_url(self) -> str:
@@ -140,6 +219,12 @@ class EtcdServer:
             "--election-timeout", "500",
             "--snapshot-count", "100000",
         ]  # fmt: skip
+        if self.token_ttl is not None:
+            args += ["--auth-token-ttl", str(self.token_ttl)]
+        if self.tls:
+            args += ["--cert-file", str(self.cert_file), "--key-file", str(self._key_file)]
+            if self.client_auth:
+                args += ["--trusted-ca-file", str(self.ca_file), "--client-cert-auth"]
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
@@ -154,7 +239,7 @@ class EtcdServer:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"etcd {self.name} exited: {self._log_tail()}")
             try:
-                status = _post(self.url + "/v3/maintenance/status", {}, timeout=1.0)
+                status = self._post("/v3/maintenance/status", {}, timeout=1.0)
                 if int(status.get("leader", 0)):
                     return
             except (OSError, ValueError):
@@ -174,10 +259,10 @@ class EtcdServer:
     def _enable_auth(self) -> None:
         assert self.auth is not None
         user, password = self.auth
-        _post(self.url + "/v3/auth/user/add", {"name": user, "password": password})
-        _post(self.url + "/v3/auth/role/add", {"name": "root"})
-        _post(self.url + "/v3/auth/user/grant", {"user": user, "role": "root"})
-        answer = _post(self.url + "/v3/auth/enable", {})
+        self._post("/v3/auth/user/add", {"name": user, "password": password})
+        self._post("/v3/auth/role/add", {"name": "root"})
+        self._post("/v3/auth/user/grant", {"user": user, "role": "root"})
+        answer = self._post("/v3/auth/enable", {})
         assert "error" not in answer, answer
         self._auth_on = True
 
@@ -186,9 +271,9 @@ class EtcdServer:
         token = None
         if self.auth is not None and getattr(self, "_auth_on", False):
             user, password = self.auth
-            login = _post(self.url + "/v3/auth/authenticate", {"name": user, "password": password})
+            login = self._post("/v3/auth/authenticate", {"name": user, "password": password})
             token = login.get("token")
-        return _post(self.url + path, body, token=token)
+        return self._post(path, body, token=token)
 
     def put(self, key: str, value: str | bytes) -> None:
         self.call("/v3/kv/put", {"key": b64(key), "value": b64(value)})

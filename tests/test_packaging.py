@@ -18,6 +18,7 @@ CORE_MODULES = [
     "aelastic.backends.redis",
     "aelastic.backends.http.client",
     "aelastic.backends.http.server",
+    "aelastic.backends.etcd",
     "aelastic.agent",
     "aelastic.cli",
     "aelastic.launcher",
@@ -98,6 +99,27 @@ def test_a_missing_extra_names_what_to_install(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delitem(registry._registry, "fake", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'aelastic\[redis\]'"):
         registry.create_backend(RendezvousParameters("fake", "", "run", 1, 1))
+
+
+def test_the_etcd_backend_needs_no_extra() -> None:
+    """etcd's row names no extra, and the backend imports and is created without aiohttp."""
+    from aelastic.backends.registry import backend_info
+
+    info = backend_info("etcd")
+    assert info is not None and info.extra is None
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["aiohttp"] = None  # any import of it fails
+        from aelastic import RendezvousParameters
+        from aelastic.backends import create_backend
+        backend = create_backend(RendezvousParameters("etcd", "127.0.0.1:1", "run", 1, 1))
+        print(type(backend).__name__, "aiohttp" in sys.modules and sys.modules["aiohttp"])
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["EtcdBackend", "None"]
 
 
 # -- layers ---------------------------------------------------------------------------------

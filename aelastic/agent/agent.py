@@ -19,22 +19,18 @@ Nothing polls: worker exits are awaited (pidfds), group changes come from
 round's store (so the others ignore its departure) and waits at the exit barrier; once the
 barrier saw every member done, the job is over and the rendezvous is closed. Whatever ends
 ``run()`` (return, error, cancellation), the cleanup runs to the end, shielded: workers
-are stopped (SIGTERM, grace, SIGKILL) and reaped, and the node leaves the rendezvous.
+are stopped (SIGTERM, grace, SIGKILL) and reaped, and the node leaves the rendezvous
+(:mod:`._ending`). ``run_sync()`` runs it on a private event loop (:mod:`._blocking`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import shutil
 import signal
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from contextlib import suppress
 from types import MappingProxyType
-
-import anyio
 
 from ..core.errors import (
     RendezvousClosedError,
@@ -44,23 +40,23 @@ from ..core.errors import (
 )
 from ..core.events import Event
 from ..core.health import JobHealth
-from ._aio import quietly, uncancellable
+from ._aio import uncancellable
+from ._blocking import run_blocking
+from ._ending import finish, shutdown
 from ._forks import ForkServer, fork_server_for
 from ._heal import JobHealthKeeper
 from ._publish import AgentPublisher
 from ._recover import PeerLoss
-from ._round import exit_barrier, form_round
-from ._services import agent_services, last_word
-from ._signals import forwarding, free_signals, raise_for, sigint_interrupts, signals_to_handle
+from ._round import form_round
+from ._services import agent_services
 from ._supervise import supervise
 from ._unkillable import WorkersUnkillable
 from .api import DEFAULT_ROLE, ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
-from .errors import format_failures, kept_failures, logs_disposable
+from .errors import format_failures, kept_failures
 from .events import (
     AgentMetrics,
     EventKind,
     EventStream,
-    Finished,
     Restart,
     StandbysReady,
     WorkersStarted,
@@ -183,7 +179,7 @@ class ElasticAgent:
                 result = await self._invoke_run()
             return result
         finally:
-            await uncancellable(self._shutdown(result))
+            await uncancellable(shutdown(self, result))
 
     def run_sync(
         self, role: str = DEFAULT_ROLE, *, signals: tuple[signal.Signals, ...] | None = None
@@ -202,26 +198,7 @@ class ElasticAgent:
             SignalException: Another handled signal stopped the run (``sigval``).
             RuntimeError: Called from a thread whose event loop is running (use ``await run()``).
         """
-        if asyncio._get_running_loop() is not None:
-            raise RuntimeError("run_sync() called from a running event loop: await run() instead")
-        if not self._used:  # before the loop and its threads: a safe state to fork from
-            self._forks = fork_server_for(self._spec)
-        wanted = signals_to_handle() if signals is None else signals
-        handled, received = free_signals(wanted), list[signal.Signals]()
-
-        async def main() -> RunResult:
-            try:
-                with forwarding(handled, self.forward_signal, received):
-                    return await self.run(role)
-            finally:
-                await self._handler.aclose()
-
-        try:
-            with sigint_interrupts():
-                return asyncio.run(main())
-        except asyncio.CancelledError:
-            raise_for(received)
-            raise
+        return run_blocking(self, role, signals)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -278,7 +255,7 @@ class ElasticAgent:
             stopped_at = time.monotonic()
             action = decision.action
             if action is Action.FINISH:
-                return await self._finish()
+                return await finish(self)
             if action is Action.FAIL:
                 await self._stop_workers(WorkerState.FAILED)
                 await self._heal.tell()  # the job's root cause as it stands now
@@ -390,50 +367,7 @@ class ElasticAgent:
         if running and state is WorkerState.STOPPED:
             self._events.set_state(WorkerState.STOPPED)
 
-    # -- the end --------------------------------------------------------------------------
-
-    async def _finish(self) -> RunResult:
-        assert self._workers is not None
-        values = self._workers.return_values()
-        await self._stop_workers(WorkerState.SUCCEEDED)  # reaped already; sweeps leftovers
-        complete = await exit_barrier(
-            self._handler, self._group, self._round, self._events, self._spec.exit_barrier_timeout
-        )
-        if complete:
-            with anyio.move_on_after(last_word(self._handler)), suppress(RendezvousError):
-                await self._handler.set_closed()
-        log.info("workers of role '%s' succeeded", self._spec.role)
-        return RunResult(WorkerState.SUCCEEDED, return_values=values)
-
-    async def _shutdown(self, result: RunResult | None) -> None:
-        """Stop and reap every worker, leave the rendezvous, release what the run made."""
-        try:
-            await self._standbys.aclose()
-            await self._peer.channel.aclose()
-            with suppress(WorkersUnkillable):  # told already; leave all the same
-                await self._stop_workers(WorkerState.STOPPED)
-            self._port.release()
-            if self._joined:
-                self._joined = False
-                failed = result is not None and result.is_failed()
-                if failed and self._spec.close_on_failure:
-                    with anyio.move_on_after(last_word(self._handler)):
-                        await quietly(self._handler.set_closed(), "close the rendezvous")
-                succeeded = result is not None and result.state is WorkerState.SUCCEEDED
-                await self._heal.leaving(self._round)  # on purpose: not a lost host
-                with anyio.move_on_after(last_word(self._handler)):
-                    await quietly(self._handler.leave(finished=succeeded), "leave the rendezvous")
-        finally:
-            forks, self._forks = self._forks, None
-            if forks is not None:
-                await forks.aclose()
-            for path in (self._scratch, logs_disposable(self._spec) and self._own_log_root):
-                if path:
-                    shutil.rmtree(path, ignore_errors=True)
-            self._scratch = None
-            reason = "cancelled or error" if result is None else result.state.value
-            self._events.publish(Finished, reason=reason)
-            self._events.close()
+    # -- the end (finish, shutdown: ._ending) ---------------------------------------------
 
     def _kept(self, failures: Mapping[int, ProcessFailure]) -> dict[int, ProcessFailure]:
         return kept_failures(self._spec, self._own_log_root, failures)

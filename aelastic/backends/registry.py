@@ -158,7 +158,7 @@ BUILTINS: tuple[BackendInfo, ...] = (
     BackendInfo(
         "etcd",
         "aelastic.backends.etcd",
-        "http",
+        None,  # its HTTP/1.1 client is its own (backends/etcd/_http.py): no extra
         "host[:port][,host[:port]...] (port 2379; http://... or https://... members too)",
         multi_node=True,
         torchrun_alias="aelastic-etcd",

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from ._collectives import broadcast_object, first_flagged
+
 __all__ = ["ENV_SOCKET", "ROUND_KEYS", "GroupChanged", "InPlace", "Round"]
 
 #: The variable naming the agent's socket (set by the agent for every worker).
@@ -198,7 +200,8 @@ class InPlace:
         timeout: The process group's timeout: a collective whose peer vanished without
             closing its connections fails after it (``None``: torch's default).
         handover: ``handover(round)`` replaces the default hand-over (a broadcast of
-            ``state`` from ``round.source`` with ``broadcast_object_list``); called on every
+            ``state`` from ``round.source``, pickled as ``broadcast_object_list`` does, with
+            no need of numpy); called on every
             rank when ``round.source`` is not ``None``.
         init_kwargs: More keyword arguments of ``init_process_group`` (``device_id``...).
     """
@@ -296,24 +299,20 @@ class InPlace:
         """The lowest rank that survived an earlier group (``None``: every rank is new). A
         survivor's state goes to every other rank whenever one survived: survivors too may
         differ (one may have stepped once more before the group broke)."""
-        survivors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(survivors, recovered)
-        if not any(survivors):
-            return None
-        return survivors.index(True)
+        return first_flagged(dist, recovered)
 
     def _broadcast_state(self, dist: Any, source: int) -> None:
         assert self.state is not None
         mine = dist.get_rank() == source
-        payload = [
+        payload = (
             {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}
             if mine
             else None
-        ]
-        dist.broadcast_object_list(payload, src=source)
+        )
+        received = broadcast_object(dist, payload, source)
         if mine:
             return
-        for key, value in (payload[0] or {}).items():
+        for key, value in (received or {}).items():
             current: Any = self.state.get(key)
             if hasattr(current, "load_state_dict"):
                 current.load_state_dict(value)

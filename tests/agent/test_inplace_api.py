@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from aelastic.worker import GroupChanged, InPlace
 from aelastic.worker._inplace import recoverable
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _raised(exc: BaseException) -> BaseException:
@@ -62,3 +66,50 @@ def test_under_plain_python_run_makes_the_group_once_and_errors_propagate() -> N
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
     )
     assert "raised: Connection closed by peer 1 1 None" in out.stdout, out.stderr
+
+
+# Two ranks over gloo, where numpy cannot be imported (a stand-in package that refuses, as on
+# a machine whose torch came without it): torch's object collectives fail there, the
+# hand-over's own do not.
+_NO_NUMPY_RANK = """
+import os, sys, torch.distributed as dist
+from aelastic.worker._collectives import broadcast_object, first_flagged
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+assert first_flagged(dist, rank == 1) == 1 and first_flagged(dist, False) is None
+state = {"step": 7, "weights": __import__("torch").arange(4.0)} if rank == 1 else None
+got = broadcast_object(dist, state, 1)
+print(f"rank {rank}: step {got['step']} weights {got['weights'].tolist()}", flush=True)
+try:
+    dist.broadcast_object_list([state], src=1)
+except RuntimeError as exc:
+    print(f"rank {rank}: torch's own: {exc}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_hand_over_needs_no_numpy(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed")
+    from tests._ports import free_port
+
+    (tmp_path / "numpy").mkdir()
+    refuse = "raise ModuleNotFoundError('no numpy here', name='numpy')\n"
+    (tmp_path / "numpy" / "__init__.py").write_text(refuse)
+    (tmp_path / "rank.py").write_text(_NO_NUMPY_RANK)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "rank.py")],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    for rank, (proc, out) in enumerate(zip(ranks, outs, strict=True)):
+        assert proc.returncode == 0, out
+        assert f"rank {rank}: step 7 weights [0.0, 1.0, 2.0, 3.0]" in out, out
+    assert "Numpy is not available" in outs[0], outs[0]  # the stand-in does keep numpy out

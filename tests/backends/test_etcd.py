@@ -179,6 +179,33 @@ async def test_wrong_credentials_are_refused_in_one_line(monkeypatch: pytest.Mon
             assert_one_group(await join_all(handlers), 2)
 
 
+async def test_nodes_beat_past_their_auth_tokens_expiry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """etcd's simple tokens expire after --auth-token-ttl (2 s) unused; the nodes beat every
+    2.5 s (window 7.5 s) for longer than the window: nobody is dropped (etcd 3.4 renews a
+    lease without looking at the token; a newer etcd that refuses the expired token has
+    the node log in again), and the members' store, called with expired tokens, logs in
+    again and works."""
+    monkeypatch.setenv(ENV_USERNAME, "root")
+    monkeypatch.setenv(ENV_PASSWORD, PASSWORD)
+    conf = {"keep_alive_interval": 2.5, "keep_alive_max_attempt": 3, "share_connections": 0}
+    with EtcdServer(auth=("root", PASSWORD), token_ttl=2) as etcd:
+        async with group(etcd.endpoint, "token-ttl", 2, 2, 2, **conf) as handlers:
+            infos = await join_all(handlers)
+            clients = [h.backend._shared.client for h in handlers]  # type: ignore[attr-defined]
+            tokens = [c._token for c in clients]
+            assert all(tokens)
+            watchers = [asyncio.ensure_future(h.watch()) for h in handlers]
+            await asyncio.sleep(8.0)  # past the window and the token's time to live
+            assert not any(w.done() for w in watchers), [w.result() for w in watchers if w.done()]
+            for w in watchers:
+                w.cancel()
+            await asyncio.sleep(2.5)
+            await infos[0].store.set("after", "expiry")
+            assert await infos[1].store.get("after") == b"expiry"
+            assert all(c._token not in (None, t) for c, t in zip(clients, tokens, strict=True))
+            assert len(etcd.keys("/aelastic/token-ttl/p/")) == 2
+
+
 async def test_a_foreign_value_under_the_prefix_is_left_alone(server: EtcdServer) -> None:
     server.put("/aelastic/foreign/h", "not ours")
     async with group(server.endpoint, "foreign", 1, 1, 1) as handlers:
@@ -386,3 +413,85 @@ async def test_the_retry_budget_runs_once_per_outage() -> None:
             assert loop.time() - again >= 2.5  # a whole budget for the new outage
     finally:
         etcd.close()
+
+
+# -- the requests of a formation --------------------------------------------------------------
+
+
+async def test_a_formation_costs_each_node_a_watch_one_write_to_join_and_one_read(
+    server: EtcdServer,
+) -> None:
+    """A node's first join grants its lease, joins and renews the lease in one write (three
+    requests, one round trip: the lease counts from the join); once the round completes,
+    each node reads only its rank at the round's cut. Per node: its watch, those three, and
+    the rank read; the join that completes the round also reads and writes the header."""
+    conf = {"keep_alive_interval": 5, "share_connections": 0}  # no beat falls due meanwhile
+    async with group(server.endpoint, "requests", 4, 4, 4, **conf) as handlers:
+        infos = await join_all(handlers)
+        assert_one_group(infos, 4)
+        sent = sorted(h.backend._shared.client.requests for h in handlers)  # type: ignore[attr-defined]
+    # 1 watch + grant/join/renew + rank read = 5; one more status read for a node whose
+    # watch went live only after its join was answered (a loaded machine); a sentinel
+    # (ranks 0-2) opens its watch again to hear of lost members; the completing join
+    # reads and writes the header.
+    assert 5 <= sent[0] <= 6 and sent[-1] <= 6 + 1 + 2, sent
+
+
+async def test_a_node_renews_the_lease_its_keys_are_on(server: EtcdServer) -> None:
+    """A join sent again after its answer was lost may have granted another lease than the
+    one its first sending attached: the next read finds the key's lease and renews that."""
+    rules = Rules(2, 2, last_call_ms=100, window_ms=6_000)
+    node = NodeDesc("10.0.0.9", 1, 0)
+    async with backend(server.endpoint, "adopt") as b:
+        await b.apply(Request(Op.JOIN, node, rules, port=1, secret="c" * 32))
+        raw = server.call("/v3/kv/range", {"key": b64(b.keys.member("p", node))})["kvs"][0]
+        assert b._leases is not None
+        other = int(server.call("/v3/lease/grant", {"TTL": 6})["ID"])
+        b._leases.adopt(node, other, rules.window_ms)  # as a second sending would have
+        await b.apply(Request(Op.STATUS, node, rules, secret="c" * 32))
+        reply = await b.apply(Request(Op.JOIN, node, rules, port=1, secret="c" * 32))
+        assert reply.outcome is Outcome.WAIT
+        assert b._leases.of(node) == int(raw["lease"])
+
+
+def test_a_streamed_calls_refusal_is_etcds_error() -> None:
+    from aelastic.backends.etcd._answers import EtcdError, decode, retryable
+
+    body = b'{"error":{"grpc_code":14,"http_code":503,"message":"etcdserver: request timed out"}}'
+    for status in (503, 200):  # 200: the stream's headers went out before its first message
+        with pytest.raises(EtcdError) as info:
+            decode(body, status)
+        assert info.value.code == 14 and retryable(info.value)
+
+
+async def test_pipelined_answers_are_matched_to_their_requests(server: EtcdServer) -> None:
+    """Many keep-alives at once on one client, several per write: each answer names the
+    lease its request renewed (a dead lease answers without a time to live)."""
+    client = EtcdClient(parse_endpoint(server.endpoint, {}))
+    try:
+        live = int((await client.call("/v3/lease/grant", {"TTL": 30}, "grant"))["ID"])
+
+        async def batch(i: int) -> None:
+            ids = [live if (i + j) % 3 == 0 else 1_000_000 + 10 * i + j for j in range(3)]
+            make = lambda: [("/v3/lease/keepalive", {"ID": str(n)}) for n in ids]  # noqa: E731
+            answers = await client.call_many(make, "keep-alive")
+            for n, answer in zip(ids, answers, strict=True):
+                assert isinstance(answer, dict)
+                assert int(answer["result"]["ID"]) == n
+                assert (int(answer["result"].get("TTL", 0)) > 0) == (n == live)
+
+        await asyncio.gather(*(batch(i) for i in range(60)))
+    finally:
+        await client.aclose()
+
+
+async def test_a_watch_streams_refusal_keeps_etcds_code() -> None:
+    from aelastic.backends.etcd._answers import EtcdError, messages
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b'{"error":{"grpc_code":14,"http_code":503,"message":"etcdserver: no leader"}}\n'
+
+    with pytest.raises(EtcdError) as info:
+        async for _ in messages(pieces(), None):
+            pass
+    assert info.value.code == 14 and "no leader" in str(info.value)

@@ -203,3 +203,38 @@ def test_training_survives_leader_kills(tmp_path: Path, run_id: str) -> None:
         assert 1 <= len(starts) <= 2, node.output  # the first start, at most one re-form
         assert set(starts) == {"0"}, node.output  # no restart spent
         assert re.search(r"done rank=\d steps=\d+", node.output), node.output
+
+
+# A worker that needs no torch: it prints what the launcher gave it.
+ENV_WORKER = """
+import os
+print("env", *(f"{k}={os.environ[k]}" for k in ("RANK", "WORLD_SIZE", "MASTER_PORT")), flush=True)
+"""
+
+
+def test_a_job_trains_over_https_with_torchs_tls_keys(tmp_path: Path, run_id: str) -> None:
+    (tmp_path / "worker.py").write_text(textwrap.dedent(ENV_WORKER))
+    with EtcdServer(tls=True, client_auth=True) as etcd:
+        cert, key = etcd.client_cert("launcher")
+        tls = f"protocol=https,cacert={etcd.ca_file},cert={cert},key={key}"
+        args = ["run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=etcd"]
+        args += [f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}"]
+        args += [f"--rdzv-conf={CONF},{tls}", "--local-addr=127.0.0.1", "worker.py"]
+        with Cli(args, tmp_path) as a, Cli(args, tmp_path) as b:
+            assert a.wait(120) == 0, a.output
+            assert b.wait(120) == 0, b.output
+    ranks = sorted(re.findall(r"env RANK=(\d) WORLD_SIZE=2", a.output + b.output))
+    assert ranks == ["0", "1"], a.output + b.output
+
+
+def test_a_wrong_ca_is_one_clear_line(tmp_path: Path, run_id: str) -> None:
+    (tmp_path / "worker.py").write_text(textwrap.dedent(ENV_WORKER))
+    with EtcdServer(tls=True) as etcd, EtcdServer(tls=True) as other:
+        conf = f"protocol=https,cacert={other.ca_file},read_timeout=30"
+        args = ["run", "--nnodes=1", "--rdzv-backend=etcd", f"--rdzv-endpoint={etcd.endpoint}"]
+        args += [f"--rdzv-id={run_id}", f"--rdzv-conf={conf}", "worker.py"]
+        with Cli(args, tmp_path) as node:
+            assert node.wait(60) != 0, node.output
+    errors = [line for line in node.output.splitlines() if "certificate is not trusted" in line]
+    assert errors and "cacert" in errors[0] and etcd.endpoint in errors[0], node.output
+    assert "Traceback" not in node.output, node.output

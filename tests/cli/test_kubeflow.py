@@ -138,23 +138,25 @@ def test_static_node_whose_master_never_comes_fails_naming_it(tmp_path: Path) ->
 
 
 def test_two_static_nodes_with_one_node_rank_are_told(tmp_path: Path) -> None:
-    script = _script(tmp_path, "train.py", ALL_REDUCE)
+    # The workers only wait: the node ranks are what is tested (no torch to import).
+    script = _script(tmp_path, "worker.py", STAY)
+    never = str(tmp_path / "never")
     env = {
         "PET_NNODES": "3",
         "PET_MASTER_ADDR": "127.0.0.1",
         "PET_MASTER_PORT": str(free_port()),
         "PET_RDZV_CONF": "join_timeout=30,keep_alive_interval=0.5",
     }
-    with _pod(tmp_path, {**env, "PET_NODE_RANK": "0"}, "run", script) as zero:
+    with _pod(tmp_path, {**env, "PET_NODE_RANK": "0"}, "run", script, never) as zero:
         zero.wait_for(lambda lines: any("launching" in x for x in lines))
         # A second node rank 0 cannot host: the master's port is taken.
-        with _pod(tmp_path, {**env, "PET_NODE_RANK": "0"}, "run", script) as again:
+        with _pod(tmp_path, {**env, "PET_NODE_RANK": "0"}, "run", script, never) as again:
             assert again.wait(60) == 1, again.output
         assert "cannot host the static rendezvous" in again.output, again.output
         # Two nodes rank 1: the round completes with three nodes, one of them is told.
         with (
-            _pod(tmp_path, {**env, "PET_NODE_RANK": "1"}, "run", script) as a,
-            _pod(tmp_path, {**env, "PET_NODE_RANK": "1"}, "run", script) as b,
+            _pod(tmp_path, {**env, "PET_NODE_RANK": "1"}, "run", script, never) as a,
+            _pod(tmp_path, {**env, "PET_NODE_RANK": "1"}, "run", script, never) as b,
         ):
             # Both fail, each with the line: the first to take the rank learns it at its
             # next join (the other never beats: the round loses it).

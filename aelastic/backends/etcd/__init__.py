@@ -2,13 +2,17 @@
 
 torch's own etcd backends speak etcd's v2 API, which etcd 3.4 serves only with
 ``--enable-v2`` and 3.6 removed; this one speaks v3, as JSON over HTTP (every member serves
-it on its client port), so it needs no client library beyond aiohttp.
+it on its client port) through a small HTTP/1.1 client of its own (:mod:`._http`), so it
+needs no extra package.
 
 Endpoint: torch's form, ``host[:port]`` (port 2379), several members separated by commas
 (``etcd-0:2379,etcd-1:2379,etcd-2:2379``); every node may name any or all of them, and a
 node moves to another member when one is lost. Config keys (``--rdzv-conf``):
 
-* ``protocol`` (``http``), ``cacert``, ``cert``, ``key``: torch's TLS keys;
+* ``protocol`` (``http``), ``cacert``, ``cert``, ``key``: torch's TLS keys (``https``:
+  the members' certificates are checked against ``cacert``, or the system's CAs, and must
+  name the host given, a name or an IP; ``cert`` and ``key``: a client certificate, for
+  an etcd that requires one);
 * ``etcd_prefix`` (``/aelastic``): where the keys live (``<prefix>/<run id>/...``);
 * ``read_timeout`` (60): how long a call keeps retrying (from member to member) before
   ``RendezvousConnectionError``;
@@ -64,9 +68,10 @@ def create_backend(params: RendezvousParameters) -> EtcdBackend:
         of the same event loop and endpoint.
 
     Raises:
-        ValueError: The endpoint or an option is malformed.
+        ValueError: The endpoint or an option is malformed, or a TLS file cannot be used.
     """
     endpoint = parse_endpoint(params.endpoint, params.config)
+    endpoint.ssl_context()  # TLS files that cannot be used: one line now, not at first use
     read_timeout = params.get_as_float("read_timeout", 60.0)
     recheck = params.get_as_float("recheck_interval", 5.0)
     assert read_timeout is not None and recheck is not None

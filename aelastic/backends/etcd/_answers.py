@@ -4,12 +4,17 @@ How it works: grpc-gateway answers a refused request with a JSON body holding th
 and etcd's message; :func:`decode` turns it into an :class:`EtcdError` (or a subclass for
 the cases callers handle), and tells a member that cannot answer now (:class:`Transient`:
 try another) from a server that is not an etcd member (:class:`NotEtcd`: fail at once).
+:func:`messages` reads a streamed answer (a watch) one JSON message a line;
+:func:`tls_failure` tells a TLS error that retrying cannot mend (:class:`TlsFailure`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import ssl
+from collections.abc import AsyncIterator
 from typing import Any
 
 __all__ = [
@@ -22,13 +27,16 @@ __all__ = [
     "Hangup",
     "LeaseNotFound",
     "NotEtcd",
+    "TlsFailure",
     "Transient",
     "auth_error",
     "b64",
     "decode",
     "etcd_error",
+    "messages",
     "retryable",
     "said",
+    "tls_failure",
     "unb64",
 ]
 
@@ -74,6 +82,33 @@ class NotEtcd(Exception):
 
 class Hangup(Transient):
     """The member took the connection and closed it without an answer."""
+
+
+class TlsFailure(Exception):
+    """TLS failed in a way that retrying cannot mend: the member's certificate is not
+    trusted or not for its host, or the member refused this client's certificate (or its
+    lack of one). ``client`` tells the last case."""
+
+    def __init__(self, message: str, client: bool = False) -> None:
+        super().__init__(message)
+        self.client = client
+
+
+def tls_failure(exc: BaseException) -> TlsFailure | None:
+    """What a TLS error says, when retrying cannot mend it (``None``: it may be transient)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        reason = str(exc.verify_message or exc.reason).rstrip(".")
+        return TlsFailure(f"its certificate is not trusted: {reason}")
+    if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) or not isinstance(
+        exc, ssl.SSLError
+    ):
+        return None
+    reason = str(exc.reason or exc)
+    if "ALERT" in reason:  # the member refused the handshake: this client's certificate
+        return TlsFailure(f"it refused this client's certificate ({reason})", client=True)
+    if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason:
+        return TlsFailure(f"it does not speak TLS on that port ({reason})")
+    return TlsFailure(reason)
 
 
 def said(exc: BaseException) -> str:
@@ -128,14 +163,45 @@ def decode(raw: bytes, status: int) -> dict[str, Any]:
         raise NotEtcd(f"HTTP {status}: {shown!r}") from None
     if not isinstance(doc, dict):
         raise NotEtcd(f"HTTP {status}: a JSON {type(doc).__name__}")
-    if status == 200:
+    if status == 200 and not isinstance(doc.get("error"), dict):
         if "header" not in doc and "result" not in doc and "token" not in doc:
             raise NotEtcd("a JSON answer without etcd's header")
         return doc
-    message = doc.get("message") or doc.get("error")
+    message: Any = doc.get("message") or doc.get("error")
     code = doc.get("code")
+    if isinstance(message, dict):
+        # A streamed call's refusal: {"error": {"grpc_code"...}}, also with status 200 (a
+        # stream's headers may be sent before its first message; a watch's error comes
+        # after its first messages).
+        message, code = message.get("message"), message.get("grpc_code")
     if not isinstance(message, str) or not isinstance(code, int):
         if status >= 500:
             raise Transient(f"HTTP {status}")
         raise NotEtcd(f"HTTP {status}")
     raise etcd_error(message, code)
+
+
+async def messages(
+    pieces: AsyncIterator[bytes], deadline: float | None
+) -> AsyncIterator[dict[str, Any]]:
+    """The JSON messages of a streamed answer (one a line), until ``deadline``."""
+    loop = asyncio.get_running_loop()
+    buffer = b""
+    iterator = pieces.__aiter__()
+    while True:
+        try:
+            if deadline is None:
+                piece = await iterator.__anext__()
+            else:
+                piece = await asyncio.wait_for(iterator.__anext__(), deadline - loop.time())
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise Transient("the stream's time ran out") from None
+        buffer += piece
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if not line.strip():
+                continue
+            doc = decode(line, 200)  # raises a refusal: {"error": {"grpc_code"...}}
+            yield doc.get("result", doc)

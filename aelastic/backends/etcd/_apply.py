@@ -17,14 +17,24 @@ read (:meth:`RunPort.first_join`). A node's keys live on its lease (:mod:`._leas
 from __future__ import annotations
 
 import asyncio
+import hmac
+from collections.abc import Callable
 from typing import Any
 
 from ...core.errors import RendezvousConnectionError
-from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Transition
+from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Status, Transition
 from ...core.token import new_epoch
-from ._client import LeaseNotFound, b64
+from ._client import Compacted, EtcdError, LeaseNotFound, b64
 from ._decide import decide
-from ._layout import Header, decode_header, encode_header, member_value, prefix_end, rules_tag
+from ._layout import (
+    Header,
+    decode_header,
+    encode_header,
+    member_parts,
+    member_value,
+    prefix_end,
+    rules_tag,
+)
 from ._port import LISTS, Plan, View, needs_names, status_of
 from ._reads import RunReads, members_of, range_of, range_op
 
@@ -124,7 +134,7 @@ class RunPort(RunReads):
         k, node, rules = self._keys, request.node, request.rules
         fresh = Header(epoch=epoch, rules=rules)
 
-        def body_of(lease: int) -> dict[str, Any]:
+        def body_of(lease: str) -> dict[str, Any]:
             absent = [
                 {
                     "key": b64(k.member(w, node)),
@@ -165,18 +175,9 @@ class RunPort(RunReads):
             }  # fmt: skip
             return body
 
-        for attempt in range(3):
-            lease = await self._leases.grant(node, rules.window_ms)
-            try:
-                answer = await self._client.call("/v3/kv/txn", body_of(lease), "join")
-                break
-            except LeaseNotFound:  # granted on a leader lost before the grant was applied
-                self._leases.forget(node)
-                if attempt == 2:
-                    raise RendezvousConnectionError(
-                        f"{self.where}: etcd dropped node {node}'s new lease three times"
-                    ) from None
+        answer = await self._grant_and_join(node, rules.window_ms, body_of)
         revision = int(answer.get("header", {}).get("revision", 0))
+        self.revision_of[node] = revision
         responses = answer.get("responses", [])
         if not answer.get("succeeded"):
             nested = responses[0].get("response_txn", {})
@@ -200,6 +201,85 @@ class RunPort(RunReads):
         status = status_of(header, np, nw, nr, nq, now, None)
         return Reply(Outcome.WAIT, status, Transition.ADD_TO_PARTICIPANTS, known=True)
 
+    async def _grant_and_join(
+        self, node: NodeDesc, window_ms: int, body_of: Callable[[str], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """A new lease for ``node``, the join ``body_of(lease)`` and a renewal of the lease,
+        in one write (see :mod:`._leases`); the join's answer. etcd carries them out one
+        after the other, but a busy etcd takes its time over each write (the grant is one
+        too): the renewal makes the lease's time to live count from the join."""
+        sent: list[dict[str, Any]] = []
+
+        def batch() -> list[tuple[str, dict[str, Any]]]:
+            path, grant = self._leases.grant_request(node, window_ms)
+            sent[:] = [grant]  # each attempt of the call picks another id
+            join = ("/v3/kv/txn", body_of(grant["ID"]))
+            return [(path, grant), join, ("/v3/lease/keepalive", {"ID": grant["ID"]})]
+
+        for _ in range(3):
+            granted, answer, renewed = await self._client.call_many(batch, "join")
+            if isinstance(granted, EtcdError) and isinstance(answer, dict):
+                # The id was another lease's (odds 1 in 2**63 a pair): the join used it.
+                raise RendezvousConnectionError(
+                    f"{self.where}: etcd refused node {node}'s new lease ({granted}) and "
+                    "the join used another's; join again with another node id"
+                )
+            if isinstance(answer, LeaseNotFound) or not self._leases.granted(
+                node, sent[0], granted
+            ):
+                continue  # granted on a leader lost before the grant was applied: again
+            if isinstance(answer, EtcdError):
+                raise answer
+            self._leases.renewed(node, renewed)
+            return answer
+        raise RendezvousConnectionError(
+            f"{self.where}: etcd dropped node {node}'s new lease three times"
+        )
+
+    async def finish(
+        self, node: NodeDesc, header: Header, cut: int, status: Status
+    ) -> Reply | None:
+        """The join of a participant whose round the watch says completed (``header``, at
+        revision ``cut``): its rank and the round's bootstrap address, read at the cut in
+        one small transaction (its keep-alive in the same write, when due), instead of a
+        full read; what the full read would add is the pruning that the round's sentinels
+        do anyway (:mod:`._changes`). ``None`` when the node's key was not in the round or
+        its lease is gone (the request is then carried out in full)."""
+        k = self._keys
+        mine = k.member("p", node)
+        read = {
+            "success": [
+                range_op(k.participants, mine, revision=cut, count_only=True),
+                range_op(mine, None, revision=cut, count_only=True),
+            ]
+        }
+        requests = [("/v3/kv/txn", read)]
+        renew = self._leases.renew_request(node)
+        if renew is not None:
+            requests.insert(0, renew)
+        try:
+            answers = await self._client.call_many(lambda: requests, "rank")
+        except Compacted:
+            return None
+        if renew is not None and not self._leases.renewed(node, answers[0]):
+            return None
+        answer = answers[-1]
+        if isinstance(answer, EtcdError):
+            return None
+        counts = [int(range_of(r).get("count", 0)) for r in answer.get("responses", [])]
+        if len(counts) != 2 or counts[1] != 1:
+            return None
+        master = header.master
+        return Reply(
+            outcome=Outcome.FINISH,
+            status=status,
+            transition=Transition.NONE,
+            rank=counts[0],
+            master_addr=None if master is None else master[0],
+            master_port=None if master is None else master[1],
+            known=True,
+        )
+
     async def apply(self, request: Request, now: int, epoch: str | None = None) -> Reply:
         """Carry out ``request`` at this process's time ``now`` (ms) and answer.
 
@@ -218,6 +298,8 @@ class RunPort(RunReads):
             view, rank = answer
         else:
             view, rank = await self.read(node, hint)
+        self.revision_of[node] = view.revision
+        self._adopt(view, request)
         clock = self._deadlines.end
         for attempt in range(_ATTEMPTS):
             count = needs_names(view)
@@ -231,6 +313,7 @@ class RunPort(RunReads):
                 break
             ok, responses, revision = await self._write(view, plan, node, plan.rules.window_ms)
             if ok:
+                self.revision_of[node] = revision
                 header = plan.header
                 if header is not None and header.deadline is not None:
                     self._deadlines.saw(header.epoch, header.deadline[0], header.deadline[1]
@@ -241,6 +324,7 @@ class RunPort(RunReads):
                 await self._follow_up(request, plan, responses, now, epoch)
                 break
             view, _ = self._view(responses, revision)
+            self.revision_of[node] = revision
             if attempt >= 3:
                 await asyncio.sleep(0.005 * min(attempt, 20))
         else:
@@ -259,6 +343,18 @@ class RunPort(RunReads):
         if plan.outcome is not Outcome.ERROR_FORBIDDEN:  # another client's: not this one's
             self._where_of[node] = plan.where if plan.known else None
         return self._reply(request, plan, rank)
+
+    def _adopt(self, view: View, request: Request) -> None:
+        """Renew the lease the node's keys are on, if it is not the one this process
+        holds for it (see :meth:`._leases.Leases.adopt`); only keys holding its secret."""
+        rules = view.header.rules if view.header is not None else None
+        for member in view.own.values():
+            if member is None or not member.lease or rules is None:
+                continue
+            if member.lease != self._leases.of(request.node) and hmac.compare_digest(
+                member_parts(member.value)[1], request.secret.encode()
+            ):
+                self._leases.adopt(request.node, member.lease, rules.window_ms)
 
     async def _follow_up(
         self, request: Request, plan: Plan, responses: list[dict[str, Any]], now: int,

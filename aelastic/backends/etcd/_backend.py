@@ -20,7 +20,7 @@ from typing import Any
 from ...core.errors import RendezvousConnectionError
 from ...core.race import uncancellable
 from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Snapshot, Status, Transition
-from ...core.token import Token
+from ...core.token import Token, make
 from .. import _shared
 from ._apply import RunPort
 from ._changes import RunStream, now_ms
@@ -167,6 +167,11 @@ class EtcdBackend:
         mark = watch.mark
         reply = await port.apply(request, now)
         watch.on_reply(reply.status, mark)
+        live_from, revision = stream.live_from, port.revision_of.get(request.node, 0)
+        if watch.live and live_from is not None and revision >= live_from:
+            # Read at or after the revision from which the watch tells every change:
+            # nothing newer can be missed (the watch went live during the request).
+            watch.on_status(reply.status)
         self._after(request, reply, stream)
         return reply
 
@@ -198,10 +203,10 @@ class EtcdBackend:
         if known is None or latest is None or not stream.watch.live or known[0] is None:
             return None
         where, token, wake_at, secret = known
-        if latest.token != token or not hmac.compare_digest(
-            secret.encode(), request.secret.encode()
-        ):
-            return None  # news, or another client's request: carried out in full
+        if not hmac.compare_digest(secret.encode(), request.secret.encode()):
+            return None  # another client's request: carried out in full
+        if latest.token != token:
+            return await self._finish(request, stream, where, latest, now)
         if op is Op.JOIN:
             if request.expired or latest.closed:
                 return None
@@ -222,6 +227,32 @@ class EtcdBackend:
         if op is Op.KEEP_ALIVE:
             return Reply(Outcome.FINISH, status, Transition.KEEP_ALIVE, known=True)
         return Reply(Outcome.WAIT, status, Transition.KEEP_ALIVE, wake_at_ms=wake_at, known=True)
+
+    async def _finish(
+        self, request: Request, stream: RunStream, where: str | None, latest: Status, now: int
+    ) -> Reply | None:
+        """The join of a participant whose round the watch says completed: answered from
+        the watched header and a read of its rank at the round's cut (``None``: carried out
+        in full)."""
+        header, cut = stream.header, stream.cut
+        if (
+            request.op is not Op.JOIN
+            or request.expired
+            or where != "p"
+            or header is None
+            or cut is None
+            or not header.complete
+            or header.closed
+            or latest.closed
+            or make(header.epoch, header.gen) != latest.token
+        ):
+            return None
+        assert self._port is not None
+        status = Status(**{**latest.__dict__, "now_ms": now})
+        reply = await self._port.finish(request.node, header, cut, status)
+        if reply is not None:
+            self._after(request, reply, stream)
+        return reply
 
     def _lost(self, node: NodeDesc, latest: Status, now: int) -> Reply:
         self._where.pop(node, None)

@@ -40,7 +40,7 @@ from ...core.race import cancel_and_wait
 from ...core.state import Status
 from .._watch import RunWatch
 from ._client import EtcdClient, EtcdError, b64, unb64
-from ._layout import RunKeys, decode_header, prefix_end
+from ._layout import Header, RunKeys, decode_header, prefix_end
 from ._leases import Deadlines
 from ._port import status_of
 
@@ -57,9 +57,9 @@ def now_ms() -> int:
     return round(time.time() * 1000)
 
 
-def status_from_header(raw: bytes, where: str, deadlines: Deadlines, now: int) -> Status:
+def status_from_header(raw: bytes | Header, where: str, deadlines: Deadlines, now: int) -> Status:
     """The status a watcher is told: the header's fields, its counts as of its write."""
-    h = decode_header(raw, where)
+    h = raw if isinstance(raw, Header) else decode_header(raw, where)
     deadline = None
     if h.deadline is not None and h.rules is not None:
         deadline = deadlines.end(h.epoch, h.deadline[0], h.rules.last_call_ms, now)
@@ -83,6 +83,10 @@ class RunStream:
         self.where = f"The rendezvous state of run '{keys.run_id}' at {client.display}"
         #: The revision of the last completion heard of (a round's cut).
         self.cut: int | None = None
+        #: The revision after which the live stream tells every change (``None``: not live).
+        self.live_from: int | None = None
+        #: The header the watch last brought (what :attr:`RunWatch.latest` was made of).
+        self.header: Header | None = None
         self._revision = 0  # the last revision seen: a new stream starts after it
         self._sentinels: dict[object, Callable[[], Awaitable[object]]] = {}
         self._sentinel_on = False
@@ -110,6 +114,7 @@ class RunStream:
         for pending in (task, self._asking):
             if pending is not None:
                 await cancel_and_wait(pending)
+        self.live_from = None
         self.watch.on_lost()
 
     # -- sentinels ------------------------------------------------------------------------
@@ -209,6 +214,7 @@ class RunStream:
             except Exception:
                 log.exception("the watch of run '%s' failed", self._keys.run_id)
                 failing = True
+            self.live_from = None
             self.watch.on_lost()
             if not self._restart.is_set():
                 await asyncio.sleep(delay)
@@ -243,6 +249,7 @@ class RunStream:
             if int(doc.get("watch_id", 0)) in (0, 1):
                 if not self._resumed:  # from now on: nothing before it is owed
                     self._revision = max(self._revision, int(header.get("revision", 0)))
+                self.live_from = self._revision
                 self._up = True
                 self.watch.on_live()
             return
@@ -264,14 +271,15 @@ class RunStream:
         if key == k.header:
             self._header_rev = max(self._header_rev, revision)
             if deleted:
-                self.cut = None
+                self.cut, self.header = None, None
                 self.watch.on_status(Status(now_ms=now_ms()))
                 return
             try:
-                status = status_from_header(value, self.where, self.deadlines, now_ms())
+                header = decode_header(value, self.where)
             except RendezvousStateError:
                 return  # a foreign value: requests say so
-            self.watch.on_status(status)
+            self.header = header
+            self.watch.on_status(status_from_header(header, self.where, self.deadlines, now_ms()))
         elif key == k.cut:
             self.cut = None if deleted else revision
         elif key.startswith(k.store):

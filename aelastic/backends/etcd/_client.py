@@ -1,9 +1,10 @@
-"""A lean client of etcd's v3 API as JSON over HTTP (grpc-gateway), on aiohttp.
+"""A lean client of etcd's v3 API as JSON over HTTP (grpc-gateway).
 
 How it works: every etcd member serves its v3 API as JSON on its client port (``POST
 /v3/kv/txn``, ``/v3/lease/keepalive``, ``/v3/watch`` as a streamed answer; keys and values
-in base64, 64-bit numbers as strings). A :class:`EtcdClient` holds one aiohttp session for
-the members of one endpoint and talks to one member at a time, starting at a random one (the
+in base64, 64-bit numbers as strings). A :class:`EtcdClient` holds the connections to the
+members of one endpoint (:mod:`._http`: kept alive, several requests in one write when a
+call needs them back to back) and talks to one member at a time, starting at a random one (the
 nodes of a job spread over the members), and moves to the next at once when a member is
 gone, has no leader or times out. A call is retried with backoff (after every member was
 tried) until ``read_timeout`` runs out, then fails with ``RendezvousConnectionError``
@@ -15,11 +16,11 @@ program on that port), a refused login, a permission etcd denies. With a user an
 with every request, logging in again when etcd says the token is no longer valid.
 
 Why not a maintained asyncio etcd client: the ones published speak gRPC (``aetcd``) and
-bring grpcio and protobuf (tens of MB, threads of their own) to every node, while aiohttp is
-already aelastic's dependency and the rendezvous needs a dozen calls. The price, measured
-(docs/benchmarks.md, the etcd rows): etcd's gateway spends 0.5-0.9 ms of CPU translating
-each request, and aiohttp about 1 ms on the node; on the 2 cores measured, a formation of
-hundreds of nodes at once saturates etcd. etcd's gRPC API is the way further (not done).
+bring grpcio and protobuf (tens of MB, threads of their own) to every node, while the
+rendezvous needs a dozen calls of the JSON API. The price, measured (docs/benchmarks.md, the
+etcd rows): etcd's gateway spends 0.3-0.9 ms of CPU translating each request, about twice
+what the same request costs it over gRPC; the node's side is :mod:`._http`'s (0.1 ms a
+request).
 """
 
 from __future__ import annotations
@@ -28,11 +29,9 @@ import asyncio
 import json
 import random
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
-
-import aiohttp
 
 from ...core.errors import RendezvousConnectionError
 from ...core.events import BackendRetry, report
@@ -46,16 +45,18 @@ from ._answers import (
     Hangup,
     LeaseNotFound,
     NotEtcd,
+    TlsFailure,
     Transient,
     auth_error,
     b64,
     decode,
-    etcd_error,
+    messages,
     retryable,
-    said,
     unb64,
 )
-from ._endpoint import ENV_PASSWORD, ENV_USERNAME, EtcdEndpoint
+from ._endpoint import EtcdEndpoint
+from ._failures import auth_failure, not_etcd, refused_by_member, tls_refused, unreachable
+from ._http import Pool, request_bytes
 
 __all__ = [
     "Compacted",
@@ -92,18 +93,15 @@ class EtcdClient:
     Args:
         endpoint: The members, TLS files and login.
         read_timeout: Seconds a call keeps retrying before ``RendezvousConnectionError``.
-        max_connections: Connections kept per member.
     """
 
-    def __init__(
-        self, endpoint: EtcdEndpoint, read_timeout: float = 60.0, max_connections: int = 16
-    ) -> None:
+    def __init__(self, endpoint: EtcdEndpoint, read_timeout: float = 60.0) -> None:
         self.endpoint = endpoint
         self.read_timeout = float(read_timeout)
         self._urls = endpoint.urls
+        self._members = dict(zip(self._urls, endpoint.members, strict=True))
         self._current = random.randrange(len(self._urls))
-        self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: Pool | None = None
         self._token: str | None = None
         self._auth_lock: asyncio.Lock | None = None
         self._closed = False
@@ -122,19 +120,12 @@ class EtcdClient:
         """The member this client talks to now."""
         return self._urls[self._current]
 
-    def _session_now(self) -> aiohttp.ClientSession:
+    def _pool_now(self) -> Pool:
         if self._closed:
             raise RendezvousConnectionError(f"The etcd client for {self.display} is closed.")
-        if self._session is None:
-            connector = aiohttp.TCPConnector(
-                limit_per_host=self._max_connections,
-                ssl=self.endpoint.ssl_context() or False,
-                enable_cleanup_closed=False,
-            )
-            self._session = aiohttp.ClientSession(
-                connector=connector, json_serialize=json.dumps, skip_auto_headers=("User-Agent",)
-            )
-        return self._session
+        if self._pool is None:
+            self._pool = Pool(self.endpoint.ssl_context())
+        return self._pool
 
     def next_member(self, after: str | None = None) -> None:
         """Talk to the next member (if the current one is still ``after``)."""
@@ -147,20 +138,18 @@ class EtcdClient:
         """How long connecting to a member may take (see :data:`CONNECT_TIMEOUT`)."""
         return min(timeout, CONNECT_TIMEOUT) if len(self._urls) > 1 else timeout
 
-    def _headers(self) -> dict[str, str] | None:
-        return {"Authorization": self._token} if self._token else None
-
-    async def _post(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def _post(
+        self, url: str, requests: list[tuple[str, dict[str, Any]]], timeout: float
+    ) -> list[dict[str, Any] | EtcdError]:
         """One attempt at member ``url`` (see :data:`SLOW` for one that takes long)."""
         term = self._term
-        attempt = asyncio.ensure_future(self._send(url, body, timeout))
+        attempt = asyncio.ensure_future(self._send(url, requests, timeout))
         try:
             while True:
                 done, _ = await asyncio.wait({attempt}, timeout=SLOW)
                 if done:
                     return attempt.result()
-                base = url.split("/v3/", 1)[0]
-                changed = await self._leader_changed(base, term)
+                changed = await self._leader_changed(url, term)
                 if attempt.done():  # answered while the member was asked: never sent again
                     return attempt.result()
                 if changed:
@@ -169,7 +158,7 @@ class EtcdClient:
             if not attempt.done():
                 attempt.cancel()
                 await asyncio.wait({attempt})
-            elif not attempt.cancelled():
+            if not attempt.cancelled():
                 attempt.exception()  # retrieved (what is raised here replaces it)
 
     async def _leader_changed(self, base: str, term: int) -> bool:
@@ -191,34 +180,45 @@ class EtcdClient:
             now = await asyncio.shield(entry[1])
         except Exception:
             return len(self._urls) > 1
-        return now > term or not now
+        # A client that has not heard a term yet (its first request) cannot tell a newer
+        # one: only a member without a leader says the request may be lost.
+        return not now or (term > 0 and now > term)
 
     async def _term_of(self, base: str) -> int:
-        answer = await self._send(base + "/v3/maintenance/status", {}, SLOW)
+        answer = (await self._send(base, [("/v3/maintenance/status", {})], SLOW))[0]
+        if isinstance(answer, EtcdError):
+            raise answer
         return 0 if not answer.get("leader") else int(answer["header"].get("raft_term", 0))
 
-    async def _send(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        session = self._session_now()
-        self.requests += 1
-        limits = aiohttp.ClientTimeout(total=timeout, sock_connect=self._connect_within(timeout))
-        try:
-            async with session.post(
-                url, json=body, headers=self._headers(), timeout=limits
-            ) as response:
-                raw = await response.read()
-                status = response.status
-        except aiohttp.ClientResponseError as exc:  # not HTTP at all (the parser failed)
-            raise NotEtcd(f"an answer that is not HTTP ({exc.message})") from None
-        except aiohttp.ServerDisconnectedError:
-            raise Hangup("it closed the connection without an answer") from None
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            raise Transient(said(exc)) from None
-        answer = decode(raw, status)
-        header = answer.get("header") or answer.get("result", {}).get("header") or {}
-        term = int(header.get("raft_term", 0) or 0)
-        if term > self._term:
-            self._term = term
-        return answer
+    async def _send(
+        self, url: str, requests: list[tuple[str, dict[str, Any]]], timeout: float
+    ) -> list[dict[str, Any] | EtcdError]:
+        """``requests`` in one write to member ``url``: each one's answer, or etcd's error
+        (raised: what the connection or a non-etcd server did)."""
+        pool = self._pool_now()
+        host, port = self._members[url]
+        netloc = url.split("://", 1)[1]
+        data = b"".join(
+            request_bytes(netloc, path, json.dumps(body).encode(), self._token)
+            for path, body in requests
+        )
+        self.requests += len(requests)
+        responses = await pool.exchange(
+            host, port, data, timeout, self._connect_within(timeout), len(requests)
+        )
+        answers: list[dict[str, Any] | EtcdError] = []
+        for response in responses:
+            try:
+                answer = decode(response.body, response.status)
+            except EtcdError as exc:
+                answers.append(exc)
+                continue
+            header = answer.get("header") or answer.get("result", {}).get("header") or {}
+            term = int(header.get("raft_term", 0) or 0)
+            if term > self._term:
+                self._term = term
+            answers.append(answer)
+        return answers
 
     async def call(
         self, path: str, body: dict[str, Any], what: str, within: float | None = None
@@ -236,6 +236,24 @@ class EtcdClient:
                 or etcd refused the login or the permission.
             EtcdError: etcd refused the request itself (``Compacted``, ``LeaseNotFound``...).
         """
+        answer = (await self.call_many(lambda: [(path, body)], what, within))[0]
+        if isinstance(answer, EtcdError):
+            raise answer
+        return answer
+
+    async def call_many(
+        self,
+        make: Callable[[], list[tuple[str, dict[str, Any]]]],
+        what: str,
+        within: float | None = None,
+    ) -> list[dict[str, Any] | EtcdError]:
+        """The requests ``make()`` gives, in one write to a member (etcd carries each out
+        after the one before), with failover and retries as :meth:`call` (each attempt
+        asks ``make`` again); their answers, or etcd's refusals, in order.
+
+        Raises:
+            RendezvousConnectionError: As :meth:`call`.
+        """
         loop = asyncio.get_running_loop()
         budget = self.read_timeout if within is None else within
         delay, tried, relogged, hangups = 0.05, 0, False, 0
@@ -252,20 +270,22 @@ class EtcdClient:
             try:
                 if self.endpoint.username and self._token is None:
                     await self._login(url, remaining)
-                answer = await self._post(url + path, body, remaining)
+                answers = await self._post(url, make(), remaining)
+                for answer in answers:
+                    if isinstance(answer, EtcdError) and refused_by_member(answer):
+                        raise answer
                 self._failing_since = None
-                return answer
+                return answers
             except NotEtcd as exc:
-                raise RendezvousConnectionError(
-                    f"The server at {url} does not answer etcd's v3 API ({what}: {exc}): is "
-                    "it an etcd member (3.4 or newer)? Check the host and port."
-                ) from None
+                raise not_etcd(self.endpoint, url, what, exc) from None
+            except TlsFailure as exc:
+                raise tls_refused(self.endpoint, url, what, exc) from None
             except EtcdError as exc:
                 if exc.code == UNAUTHENTICATED and self.endpoint.username and not relogged:
                     self._token, relogged = None, True  # expired token: log in again
                     continue
                 if exc.code in (UNAUTHENTICATED, PERMISSION) or auth_error(exc):
-                    raise self._auth_failure(what, exc) from None
+                    raise auth_failure(self.endpoint, what, exc) from None
                 if exc.code not in (UNAVAILABLE, DEADLINE) and not retryable(exc):
                     raise
                 error: Exception = exc
@@ -275,10 +295,7 @@ class EtcdClient:
                 # an etcd member (an etcd member that dies refuses connections afterwards).
                 hangups = hangups + 1 if isinstance(exc, Hangup) else 0
                 if hangups >= 3 * len(self._urls):
-                    raise RendezvousConnectionError(
-                        f"The server at {self.display} does not answer etcd's v3 API ({what}: "
-                        f"{exc}): is it an etcd member (3.4 or newer)? Check the host and port."
-                    ) from None
+                    raise not_etcd(self.endpoint, self.display, what, exc) from None
             self.next_member(url)
             tried += 1
             if self._failing_since is None:
@@ -286,10 +303,7 @@ class EtcdClient:
             first_failure = since
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise RendezvousConnectionError(
-                    f"etcd at {self.display} could not be reached within {budget:g} s "
-                    f"({what}): {error} (last tried {url})"
-                ) from None
+                raise unreachable(self.endpoint, budget, what, error, url) from None
             report(
                 BackendRetry(
                     backend="etcd",
@@ -303,13 +317,6 @@ class EtcdClient:
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(delay * 2, 1.0)
 
-    def _auth_failure(self, what: str, exc: EtcdError) -> RendezvousConnectionError:
-        if self.endpoint.username:
-            hint = f"check {ENV_USERNAME} and {ENV_PASSWORD}"
-        else:
-            hint = f"etcd has authentication enabled: set {ENV_USERNAME} and {ENV_PASSWORD}"
-        return RendezvousConnectionError(f"etcd at {self.display} refused {what}: {exc} ({hint}).")
-
     async def _login(self, url: str, within: float) -> None:
         if self._auth_lock is None:
             self._auth_lock = asyncio.Lock()
@@ -317,11 +324,10 @@ class EtcdClient:
             if self._token is not None:
                 return
             body = {"name": self.endpoint.username, "password": self.endpoint.password or ""}
-            try:
-                answer = await self._post(url + "/v3/auth/authenticate", body, within)
-            except EtcdError as exc:
-                if "not enabled" not in str(exc):
-                    raise
+            answer = (await self._post(url, [("/v3/auth/authenticate", body)], within))[0]
+            if isinstance(answer, EtcdError):
+                if "not enabled" not in str(answer):
+                    raise answer
                 self._token = ""  # etcd does not check logins: none is sent
                 return
             token = answer.get("token")
@@ -335,63 +341,44 @@ class EtcdClient:
     async def stream(
         self, path: str, body: dict[str, Any] | bytes, timeout: float | None = None
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
-        """A streamed answer of the current member: its JSON messages, one by one.
+        """A streamed answer of the current member: its JSON messages, one by one (for
+        ``timeout`` seconds at most, when given).
 
         Raises:
             RendezvousConnectionError: The server is not etcd.
             Transient-like errors surface as ``ConnectionError``; etcd's as ``EtcdError``.
         """
-        session = self._session_now()
+        pool = self._pool_now()
         url = self._urls[self._current]
         if self.endpoint.username and self._token is None:
             await self._login(url, self.read_timeout)
-        limits = aiohttp.ClientTimeout(
-            total=timeout, sock_connect=self._connect_within(timeout or self.read_timeout)
-        )
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        host, port = self._members[url]
+        request = request_bytes(url.split("://", 1)[1], path, data, self._token)
+        connect = self._connect_within(timeout or self.read_timeout)
         self.requests += 1
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         try:
-            response = await session.post(
-                url + path, data=data, headers=self._headers(), timeout=limits
-            )
-        except aiohttp.ClientResponseError as exc:
-            raise RendezvousConnectionError(
-                f"The server at {url} does not answer etcd's v3 API ({exc.message})."
-            ) from None
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            raise ConnectionError(f"{url}: {said(exc)}") from None
-        try:
-            if response.status != 200:
-                raw = await response.read()
-                decode(raw, response.status)  # raises etcd's error
-                raise ConnectionError(f"{url}: HTTP {response.status}")
-            yield _messages(response, url)
-        finally:
-            response.close()
+            async with pool.stream(host, port, request, connect) as (status, pieces):
+                if status != 200:
+                    raw = b"".join([piece async for piece in pieces])
+                    decode(raw, status)  # raises etcd's error
+                    raise ConnectionError(f"{url}: HTTP {status}")
+                yield messages(pieces, deadline)
+        except NotEtcd as exc:
+            raise not_etcd(self.endpoint, url, "watch", exc) from None
+        except TlsFailure as exc:
+            raise tls_refused(self.endpoint, url, "watch", exc) from None
+        except Transient as exc:
+            raise ConnectionError(f"{url}: {exc}") from None
 
     async def aclose(self) -> None:
-        """Close the session. Idempotent."""
+        """Close the connections. Idempotent."""
         self._closed = True
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
-
-async def _messages(response: aiohttp.ClientResponse, url: str) -> AsyncIterator[dict[str, Any]]:
-    while True:
-        try:
-            line = await response.content.readline()
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            raise ConnectionError(f"{url}: {said(exc)}") from None
-        if not line:
-            return
-        if not line.strip():
-            continue
-        doc = decode(line, 200)
-        if "error" in doc and isinstance(doc["error"], dict):
-            error = doc["error"]
-            raise etcd_error(str(error.get("message", "")), int(error.get("code", 0)))
-        yield doc.get("result", doc)
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -90,13 +90,23 @@ class EtcdEndpoint:
         """
         if not self.tls:
             return None
-        try:
+        for option, path in (("cacert", self.cacert), ("cert", self.cert), ("key", self.key)):
+            if path and not os.access(path, os.R_OK):
+                raise ValueError(f"The etcd TLS file {option}={path} cannot be read.")
+        try:  # hostname checks on (the default context's): a member's name or IP, as given
             context = ssl.create_default_context(cafile=self.cacert)
             if self.cert:
                 context.load_cert_chain(self.cert, self.key)
         except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"The etcd TLS files cannot be used: {exc}") from None
+            files = ", ".join(f"{k}={v}" for k, v in self.tls_files.items())
+            raise ValueError(f"The etcd TLS files ({files}) cannot be used: {exc}") from None
         return context
+
+    @property
+    def tls_files(self) -> dict[str, str]:
+        """The TLS files given, by their ``--rdzv-conf`` key."""
+        files = {"cacert": self.cacert, "cert": self.cert, "key": self.key}
+        return {k: v for k, v in files.items() if v}
 
 
 def _host(host: str) -> str:

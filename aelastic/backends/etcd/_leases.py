@@ -3,9 +3,12 @@
 How it works: every node has a lease whose time to live is the run's heartbeat window (the
 stored rules', never a requester's) in whole seconds; its keys are attached to it, so etcd
 deletes them when the node is silent for the window (the etcd leader's clock judges: no
-clocks of different machines are compared). A lease is granted before the node's first key
-is written and kept across rounds; renewing it is a keep-alive (etcd's leader keeps leases:
-no Raft entry, no watch event, nobody woken).
+clocks of different machines are compared). A node's first lease is granted in the same
+write as its first join (:meth:`Leases.grant_request`, with an id the node picks: etcd
+carries out the join right after the grant, so the lease's time to live counts from the
+join, as the machine's window counts from a node's join) and kept across rounds; renewing
+it is a keep-alive (etcd's leader keeps leases: no Raft entry, no watch event, nobody
+woken).
 :class:`Deadlines` keeps, per process, when each last call was first seen, so that the
 process times the last call from then.
 """
@@ -13,14 +16,19 @@ process times the last call from then.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import random
 import time
+from typing import Any
 
 from ...core.errors import RendezvousConnectionError
 from ...core.state import NodeDesc
-from ._client import EtcdClient, EtcdError
+from ._client import EtcdClient, EtcdError, LeaseNotFound
 
 __all__ = ["Deadlines", "Leases", "lease_ttl"]
+
+log = logging.getLogger(__name__)
 
 
 def lease_ttl(window_ms: int) -> int:
@@ -79,6 +87,59 @@ class Leases:
         self._ids[node] = (lease, time.monotonic(), ttl)
         return lease
 
+    def grant_request(self, node: NodeDesc, window_ms: int) -> tuple[str, dict[str, Any]]:
+        """A request granting ``node`` a new lease of an id picked here (63 random bits):
+        sent ahead of a write that uses it, in the same write (see the module docstring);
+        :meth:`granted` records it once etcd answered."""
+        lease = random.randrange(1, 2**63)
+        return "/v3/lease/grant", {"TTL": self._ttl_for(window_ms), "ID": str(lease)}
+
+    def granted(self, node: NodeDesc, request: dict[str, Any], answer: Any) -> bool:
+        """Record the lease of ``request`` (a :meth:`grant_request`) if etcd's ``answer``
+        granted it; whether it did."""
+        lease = int(request["ID"])
+        if not isinstance(answer, dict) or int(answer.get("ID", 0)) != lease:
+            return False
+        self._ids[node] = (lease, time.monotonic(), request["TTL"])
+        return True
+
+    def adopt(self, node: NodeDesc, lease: int, window_ms: int) -> None:
+        """``node``'s keys live on ``lease`` (read from etcd: it is alive): renew that one
+        from now on (a write sent again after its answer was lost may have granted another
+        lease than the one its first sending attached)."""
+        entry = self._ids.get(node)
+        if entry is None or entry[0] != lease:
+            self._ids[node] = (lease, 0.0, self._ttl_for(window_ms))
+
+    def renew_request(self, node: NodeDesc) -> tuple[str, dict[str, Any]] | None:
+        """The keep-alive of ``node``'s lease, or ``None`` when there is no lease or it was
+        renewed less than a fifth of its time to live ago (see :meth:`renew`)."""
+        entry = self._ids.get(node)
+        if entry is None or time.monotonic() - entry[1] < entry[2] / 5:
+            return None
+        return "/v3/lease/keepalive", {"ID": entry[0]}
+
+    def renewed(self, node: NodeDesc, answer: Any) -> bool:
+        """Record etcd's ``answer`` to :meth:`renew_request`; whether the lease lives."""
+        entry = self._ids.get(node)
+        if isinstance(answer, LeaseNotFound):
+            self.forget(node)
+        if entry is None or not isinstance(answer, dict):
+            if entry is not None:
+                log.warning("etcd did not renew node %s's lease %x: %s", node, entry[0], answer)
+            return False
+        alive = int(answer.get("result", answer).get("TTL", 0)) > 0
+        if alive:
+            self._ids[node] = (entry[0], time.monotonic(), entry[2])
+        else:
+            since = time.monotonic() - entry[1]
+            log.warning(
+                "etcd says node %s's lease %x is gone (renewed %.1f s ago, time to live %d s): %s",
+                node, entry[0], since, entry[2], answer,
+            )  # fmt: skip
+            self.forget(node)
+        return alive
+
     async def ensure(self, node: NodeDesc, window_ms: int) -> int:
         """``node``'s lease for the run's window ``window_ms`` (a lease of another time to
         live, granted for a request the run refused, is replaced)."""
@@ -91,18 +152,12 @@ class Leases:
         """Renew ``node``'s lease; whether it was still alive. A lease renewed less than a
         fifth of its time to live ago is not renewed again (a join's beat right after its
         grant)."""
-        entry = self._ids.get(node)
-        if entry is None:
+        if node not in self._ids:
             return False
-        if time.monotonic() - entry[1] < entry[2] / 5:
+        request = self.renew_request(node)
+        if request is None:
             return True
-        answer = await self._client.call("/v3/lease/keepalive", {"ID": entry[0]}, "keep-alive")
-        alive = int(answer.get("result", answer).get("TTL", 0)) > 0
-        if alive:
-            self._ids[node] = (entry[0], time.monotonic(), entry[2])
-        else:
-            self.forget(node)
-        return alive
+        return self.renewed(node, await self._client.call(*request, "keep-alive"))
 
     async def revoke_all(self) -> None:
         ids, self._ids = [entry[0] for entry in self._ids.values()], {}

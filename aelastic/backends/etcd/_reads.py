@@ -80,6 +80,8 @@ class RunReads:
         self._deadlines = deadlines
         self._cut_hint = cut_hint
         self._where_of: dict[NodeDesc, str | None] = {}
+        #: The revision each node's last request read or wrote the run at.
+        self.revision_of: dict[NodeDesc, int] = {}
         self.where = f"The rendezvous state of run '{keys.run_id}' at {client.display}"
 
     @property

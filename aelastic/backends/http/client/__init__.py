@@ -11,14 +11,13 @@ session, shared through :mod:`aelastic.backends._shared`, or its own with
 ``share_connections=false``); :meth:`HttpBackend.aclose` gives it back. Failures that may
 be transient are retried with backoff for ``read_timeout`` seconds (config key, default
 60), then raise ``RendezvousConnectionError`` naming the server; a refused token (401)
-raises at once.
+raises at once. The members' key-value store (the ``kv_*`` methods) is :mod:`._store`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -37,15 +36,10 @@ from ....core.wire import (
 )
 from ... import _shared
 from ..._watch import RunWatch
-from ..wire import (
-    DEFAULT_PORT,
-    MAX_LISTED_RUNS,
-    SchemaError,
-    b64decode,
-    b64encode,
-)
+from ..wire import DEFAULT_PORT, MAX_LISTED_RUNS
 from ._endpoint import parse_endpoint, resolve_token
 from ._feed import LONG_POLL, RunFeed
+from ._store import HttpStore
 from ._transport import Connection
 
 __all__ = ["DEFAULT_PORT", "HttpBackend", "create_backend", "parse_endpoint"]
@@ -56,7 +50,7 @@ _RECHECK = 5.0
 _private = itertools.count()
 
 
-class HttpBackend:
+class HttpBackend(HttpStore):
     """Rendezvous state and store of one run on an aelastic HTTP rendezvous server.
 
     Args:
@@ -300,94 +294,6 @@ class HttpBackend:
         answer = await conn.call("DELETE", self._path, self._read_timeout, idempotent=False)
         assert answer is not None
         return answer[1].get("deleted") is True
-
-    # -- key-value store ------------------------------------------------------------------
-
-    async def _kv(self, op: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        conn, _ = self._open()
-        answer = await conn.call(
-            "POST", f"{self._path}/kv/{op}", self._read_timeout, body=body,
-            accept=frozenset({200, 409}), idempotent=op in ("get", "wait"),
-        )  # fmt: skip
-        assert answer is not None
-        if answer[0] == 409 and op != "add":
-            raise conn.protocol_error(f"409 to kv/{op}")
-        return answer
-
-    def _value(self, value: Any) -> bytes:
-        if not isinstance(value, str):
-            raise self._open()[0].protocol_error("a value that is not base64 text")
-        try:
-            return b64decode(value, "value")
-        except SchemaError as exc:
-            raise self._open()[0].protocol_error(str(exc)) from None
-
-    async def kv_set(self, key: str, value: bytes) -> None:
-        """Set ``key`` to ``value``."""
-        await self._kv("set", {"key": key, "value": b64encode(bytes(value))})
-
-    async def kv_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Values of ``keys`` in order, ``None`` for each missing key."""
-        wanted = list(keys)
-        if not wanted:
-            return []
-        _, doc = await self._kv("get", {"keys": wanted})
-        values = doc.get("values")
-        if not isinstance(values, list) or len(values) != len(wanted):
-            raise self._open()[0].protocol_error("a kv/get answer without one value per key")
-        return [None if v is None else self._value(v) for v in values]
-
-    async def kv_add(self, key: str, amount: int) -> int:
-        """Add ``amount`` to the integer at ``key`` (missing: 0); the new value.
-
-        Raises:
-            ValueError: The stored value is not an integer, or the sum leaves the signed
-                64-bit range.
-        """
-        status, doc = await self._kv("add", {"key": key, "amount": int(amount)})
-        if status == 409:
-            raise ValueError(
-                str(doc.get("error") or f"The value of key {key!r} is not an integer.")
-            )
-        value = doc.get("value")
-        if type(value) is not int:
-            raise self._open()[0].protocol_error("a kv/add answer without an integer")
-        return value
-
-    async def kv_compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
-        """Set ``key`` to ``desired`` if it holds ``expected`` (``None``: if missing)."""
-        body = {
-            "key": key,
-            "expected": None if expected is None else b64encode(bytes(expected)),
-            "desired": b64encode(bytes(desired)),
-        }
-        _, doc = await self._kv("compare_set", body)
-        return self._value(doc.get("value"))
-
-    async def kv_delete(self, key: str) -> bool:
-        """Delete ``key``; whether it existed."""
-        _, doc = await self._kv("delete", {"key": key})
-        return doc.get("deleted") is True
-
-    async def kv_wait(self, keys: Sequence[str], timeout: float) -> bool:
-        """Wait until every key in ``keys`` exists; ``False`` if ``timeout`` passed first."""
-        wanted = list(keys)
-        if not wanted:
-            return True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(timeout, 0.0)
-        while True:
-            hold = min(max(deadline - loop.time(), 0.0), LONG_POLL)
-            conn, _ = self._open()
-            answer = await conn.call(
-                "POST", f"{self._path}/kv/wait", self._read_timeout,
-                body={"keys": wanted, "timeout": round(hold, 3)}, hold=hold,
-            )  # fmt: skip
-            assert answer is not None
-            if answer[1].get("ready") is True:
-                return True
-            if loop.time() >= deadline:
-                return False
 
     async def aclose(self) -> None:
         """Release this backend's share of the session and feed. Idempotent. Cancelling

@@ -1,0 +1,83 @@
+"""How a run of the agent ends: success past the exit barrier, and the cleanup after any end.
+
+How it works: :func:`finish` takes the workers' return values, sweeps what is left of them,
+waits at the exit barrier (:func:`~._round.exit_barrier`) and, once the barrier saw every
+member done, closes the rendezvous: the job is over. :func:`shutdown` runs after whatever
+ended ``run()`` (a return, an error, a cancellation; the caller shields it): standbys and
+the in-place channel closed, workers stopped (SIGTERM, grace, SIGKILL) and reaped, the
+master port released, the rendezvous left (closed first after a failure when
+``close_on_failure``), the fork server closed, the run's scratch and disposable log
+directories removed, ``Finished`` published. Both act on the agent's own state, as its
+methods would; they live here so that :mod:`.agent` keeps to its loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from contextlib import suppress
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ..core.errors import RendezvousError
+from ._aio import quietly
+from ._round import exit_barrier
+from ._services import last_word
+from ._unkillable import WorkersUnkillable
+from .api import RunResult, WorkerState
+from .errors import logs_disposable
+from .events import Finished
+
+if TYPE_CHECKING:
+    from .agent import ElasticAgent
+
+__all__ = ["finish", "shutdown"]
+
+log = logging.getLogger("aelastic.agent")
+
+
+async def finish(agent: ElasticAgent) -> RunResult:
+    """End the run of ``agent`` whose workers all succeeded: their return values."""
+    assert agent._workers is not None
+    values = agent._workers.return_values()
+    await agent._stop_workers(WorkerState.SUCCEEDED)  # reaped already; sweeps leftovers
+    complete = await exit_barrier(
+        agent._handler, agent._group, agent._round, agent._events, agent._spec.exit_barrier_timeout
+    )
+    if complete:
+        with anyio.move_on_after(last_word(agent._handler)), suppress(RendezvousError):
+            await agent._handler.set_closed()
+    log.info("workers of role '%s' succeeded", agent._spec.role)
+    return RunResult(WorkerState.SUCCEEDED, return_values=values)
+
+
+async def shutdown(agent: ElasticAgent, result: RunResult | None) -> None:
+    """Stop and reap every worker, leave the rendezvous, release what the run made."""
+    try:
+        await agent._standbys.aclose()
+        await agent._peer.channel.aclose()
+        with suppress(WorkersUnkillable):  # told already; leave all the same
+            await agent._stop_workers(WorkerState.STOPPED)
+        agent._port.release()
+        if agent._joined:
+            agent._joined = False
+            failed = result is not None and result.is_failed()
+            if failed and agent._spec.close_on_failure:
+                with anyio.move_on_after(last_word(agent._handler)):
+                    await quietly(agent._handler.set_closed(), "close the rendezvous")
+            succeeded = result is not None and result.state is WorkerState.SUCCEEDED
+            await agent._heal.leaving(agent._round)  # on purpose: not a lost host
+            with anyio.move_on_after(last_word(agent._handler)):
+                await quietly(agent._handler.leave(finished=succeeded), "leave the rendezvous")
+    finally:
+        forks, agent._forks = agent._forks, None
+        if forks is not None:
+            await forks.aclose()
+        for path in (agent._scratch, logs_disposable(agent._spec) and agent._own_log_root):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+        agent._scratch = None
+        reason = "cancelled or error" if result is None else result.state.value
+        agent._events.publish(Finished, reason=reason)
+        agent._events.close()
