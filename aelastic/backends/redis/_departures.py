@@ -1,27 +1,28 @@
 """The Redis backend's departures: named connections, and the survivor's report.
 
-How it works: once a node's join succeeded the backend keeps that node's named connection
-(:class:`~._presence.Presence`); a lost one that comes back makes the backend send the
-node's beat at once (the last keep-alive it knows: the node's rules and secret). When a
-worker's collective broke, :meth:`NamedConnections.report_departures` lists the clients of
-the run's server, reports each member whose name is gone as a departure (the operator's
-word: whoever holds this Redis' credentials may close the run anyway), and applies it again
-once the machine's grace has passed, so that a dead member is lost about a second after the
-check rather than after the heartbeat window. See :mod:`._presence` for what is and is not
-reported.
+How it works: once a node's join succeeded its process's named connection to the run
+(:class:`~._presence.Presence`, one per client and run, shared by the nodes of the process)
+carries it; a lost one that comes back makes the backend send the node's beat at once (the
+last keep-alive it knows: the node's rules and secret). When a worker's collective broke,
+:meth:`NamedConnections.report_departures` lists the clients of the run's server, reports
+each member whose name is gone as a departure (the operator's word: whoever holds this
+Redis' credentials may close the run anyway), and applies it again once the machine's grace
+has passed, so that a dead member is lost about a second after the check rather than after
+the heartbeat window. See :mod:`._presence` for what is and is not reported.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import ResponseError
 
 from ...core.errors import RendezvousConnectionError
 from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Snapshot, Transition
-from ._presence import Presence, absent_members, connection_name, parse_client_list
+from ._presence import Presence, absent_members, parse_client_list
 
 __all__ = ["NamedConnections"]
 
@@ -31,6 +32,10 @@ log = logging.getLogger("aelastic.backends.redis")
 #: moment ago may not be read by a busy server yet (nothing waits on the later checks: the
 #: agent waits for the group change anyway).
 _CHECKS = (0.0, 0.25, 0.75)
+
+
+#: The named connections of each client, by run (``RunKeys.base``).
+_presences: weakref.WeakKeyDictionary[Any, dict[str, Presence]] = weakref.WeakKeyDictionary()
 
 
 class NamedConnections:
@@ -56,36 +61,50 @@ class NamedConnections:
         return f"{self._keys.base}:named"
 
     def _after_reply(self, request: Request, reply: Reply) -> None:
-        """Keep the named connection of a node that joined; remember its beat."""
+        """A node that joined is carried by its process's named connection; its beat is
+        remembered (sent again when that connection is named again)."""
         if request.op is Op.JOIN and reply.outcome in (Outcome.FINISH, Outcome.WAIT):
             self._beat = Request(Op.KEEP_ALIVE, request.node, request.rules, secret=request.secret)
             if self._presence_node != request.node:
-                self._start_presence(request.node)
+                self._carry(request.node)
 
-    def _start_presence(self, node: NodeDesc) -> None:
-        client = self._client_now()
+    def _carry(self, node: NodeDesc) -> None:
+        client = getattr(self, "_client", None)
         if client is None:
             return
-        old, self._presence = self._presence, None
-        if old is not None:
-            asyncio.get_running_loop().create_task(old.aclose())
-        self._presence_node = node
-        marker = (self._named_key, node.key, self._ttl_ms)
-        name = connection_name(self._keys.base, node)
-        self._presence = Presence(client.server, name, marker, self._keys.state, self._beat_again)
-        self._presence.start()
-
-    def _client_now(self) -> Any:
-        return getattr(self, "_client", None)
+        runs = _presences.setdefault(client, {})
+        presence = runs.get(self._keys.base)
+        if presence is None:
+            marker = (self._named_key, self._ttl_ms)
+            presence = Presence(client.server, self._keys.base, marker, self._keys.state)
+            runs[self._keys.base] = presence
+        old, self._presence, self._presence_node = self._presence_node, presence, node
+        presence.add(node, self._beat_again)
+        if old is not None and old != node:  # (the same run: the same presence)
+            presence.nodes.pop(old.key, None)
 
     async def _beat_again(self) -> None:
         beat = self._beat
         if beat is not None:
             await self.apply(beat)
 
+    def _drop_node(self) -> Presence | None:
+        """Stop carrying this backend's node; the presence if nobody else uses it."""
+        presence, node = self._presence, self._presence_node
+        self._presence, self._presence_node = None, None
+        if presence is None or node is None:
+            return None
+        presence.nodes.pop(node.key, None)
+        if presence.nodes:
+            return None
+        client = getattr(self, "_client", None)
+        runs = _presences.get(client) if client is not None else None
+        if runs is not None and runs.get(self._keys.base) is presence:
+            del runs[self._keys.base]
+        return presence
+
     async def _stop_presence(self) -> None:
-        presence, self._presence, self._presence_node = self._presence, None, None
-        if presence is not None:
+        if (presence := self._drop_node()) is not None:
             await presence.aclose()
 
     async def report_departures(self, me: NodeDesc) -> list[NodeDesc]:
@@ -116,7 +135,7 @@ class NamedConnections:
             replies = await asyncio.gather(
                 client.command("TIME", within=within, route=route),
                 client.command("CLIENT", "LIST", "TYPE", "normal", within=within, route=route),
-                client.command("HKEYS", self._named_key, within=within),
+                client.command("HGETALL", self._named_key, within=within),
             )
             return replies[0], replies[1], replies[2]
 
@@ -134,17 +153,20 @@ class NamedConnections:
             return None
         since = int(time_[0]) * 1000 + int(time_[1]) // 1000 - 1
         text = listing.decode(errors="replace") if isinstance(listing, bytes) else str(listing)
-        keys = [k.decode() if isinstance(k, bytes) else str(k) for k in named]
+        flat = named if isinstance(named, list) else []
+        odd, even = flat[::2], flat[1::2]
+        pairs = named.items() if isinstance(named, dict) else zip(odd, even, strict=False)
+        said = {_text(k): _text(v) for k, v in pairs}
         snapshot = await self.snapshot()
         if snapshot is None:
             return None
         members = [e.node for e in snapshot.members()]
         listed = parse_client_list(text)
-        absent = absent_members(listed, keys, members, me, self._keys.base)
+        absent = absent_members(listed, said, members, me)
         log.info(
             "run %s: %d of %d members' connections named, %d of them gone",
             self._keys.tag,
-            len(keys),
+            len(said),
             len(members),
             len(absent),
         )
@@ -168,3 +190,7 @@ class NamedConnections:
             if absent:
                 await asyncio.sleep(due / 1000 + 0.005)
         return lost
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

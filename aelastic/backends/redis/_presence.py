@@ -1,13 +1,15 @@
 """A node's named connection to Redis, and a survivor's check for the members whose went.
 
-How it works: a node that joined a run keeps one connection of its own to the server that
-holds the run (the primary of a standalone server or a Sentinel service; the primary of the
-run's slot in a Cluster), named ``CLIENT SETNAME <prefix>:{run}:n:<node key>``
-(:func:`connection_name`), and says in the run's ``named`` hash that it carries one. The
+How it works: a process whose nodes joined a run keeps one connection of its own to the
+server that holds the run (the primary of a standalone server or a Sentinel service; the
+primary of the run's slot in a Cluster), named ``CLIENT SETNAME
+<prefix>:{run}:p:<host>_<pid>_<random>`` (:func:`connection_name`), and each of its nodes
+says in the run's ``named`` hash which name it carries (nodes of one process share it, as
+they share the client: they die together). The
 connection sends nothing but a ``PING`` now and then; when it is lost (the agent's process
 died: its kernel closed the socket and Redis dropped the client at once; or the network cut
-it) a live node opens it again at once, names it again, and then beats (the ``on_restored``
-hook), so that a departure reported meanwhile finds it heard from.
+it) a live process opens it again at once, names it again, and then its nodes beat, so that
+a departure reported meanwhile finds them heard from.
 
 A survivor whose worker's collective broke asks :func:`absent_members`: one round trip,
 ``TIME`` then ``CLIENT LIST TYPE normal`` on that same server, gives the members (of a
@@ -32,6 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
+import socket
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -51,10 +56,10 @@ PING_INTERVAL = 5.0
 _MAX_BACKOFF = 0.5
 
 
-def connection_name(base: str, node: NodeDesc) -> str:
-    """The client name of ``node``'s connection in the run whose keys start with ``base``
-    (characters ``CLIENT SETNAME`` refuses, spaces among them, become ``?``)."""
-    name = f"{base}:n:{node.key}"
+def connection_name(base: str) -> str:
+    """A new client name for this process's connection to the run whose keys start with
+    ``base`` (characters ``CLIENT SETNAME`` refuses, spaces among them, become ``?``)."""
+    name = f"{base}:p:{socket.gethostname()}_{os.getpid()}_{secrets.token_hex(4)}"
     return "".join(c if "!" <= c <= "~" else "?" for c in name)
 
 
@@ -71,55 +76,54 @@ def parse_client_list(text: str) -> dict[str, int]:
 
 
 def absent_members(
-    listed: dict[str, int],
-    named: Iterable[str],
-    members: Iterable[NodeDesc],
-    me: NodeDesc,
-    base: str,
+    listed: dict[str, int], named: dict[str, str], members: Iterable[NodeDesc], me: NodeDesc
 ) -> list[NodeDesc]:
-    """Of ``members``, those that said they carry a name (``named``: their keys) and whose
-    name is not ``listed``; none when ``me``'s own name is missing or younger than 1 s."""
-    if listed.get(connection_name(base, me), 0) < 1:
+    """Of ``members``, those that said they carry a name (``named``: node key -> the name
+    of its connection) and whose name is not ``listed``; none when ``me``'s own name is
+    missing or younger than 1 s."""
+    mine = named.get(me.key)
+    if mine is None or listed.get(mine, 0) < 1:
         return []
-    said = set(named)
-    return [
-        n for n in members if n != me and n.key in said and connection_name(base, n) not in listed
-    ]
+    return [n for n in members if n != me and named.get(n.key, mine) not in listed]
 
 
 class Presence:
-    """One node's named connection (see the module docstring).
+    """The named connection of one process to one run's server, for the nodes of that
+    process in the run (see the module docstring).
 
     Args:
         server: The client's server object (``dial``, ``presence_address``, ``address_now``).
-        name: The connection's name.
-        marker: ``(hash, field, ttl ms)``: where the node says it carries a name.
+        base: The run's key prefix (the name starts with it).
+        marker: ``(hash, ttl ms)``: where each node says which name it carries.
         route: The run's state key (a Cluster's slot).
-        on_restored: Called after the connection was opened again and named (a beat).
     """
 
-    def __init__(
-        self,
-        server: Any,
-        name: str,
-        marker: tuple[str, str, str],
-        route: str,
-        on_restored: Callable[[], Awaitable[object]],
-    ) -> None:
+    def __init__(self, server: Any, base: str, marker: tuple[str, str], route: str) -> None:
         self._server = server
-        self._name = name
+        self.name = connection_name(base)
         self._marker = marker
         self._route = route
-        self._on_restored = on_restored
+        #: The nodes whose connection this is -> their beat (sent when it is named again).
+        self.nodes: dict[str, Callable[[], Awaitable[object]]] = {}
         self._task: asyncio.Task[None] | None = None
-        #: The connection is named (set) or being (re)opened (clear).
-        self.named = asyncio.Event()
+        self._conn: Any = None
+
+    def add(self, node: NodeDesc, on_restored: Callable[[], Awaitable[object]]) -> None:
+        """Carry ``node``'s name too (said at once if the connection is up)."""
+        self.nodes[node.key] = on_restored
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            key, ttl = self._marker
+            commands = [("HSET", key, node.key, self.name), ("PEXPIRE", key, ttl)]
+            with contextlib.suppress(Exception):
+                conn.call(b"".join(pack(c) for c in commands), 2, _ignored)
+        self.start()
 
     def start(self) -> None:
         """Open and keep the named connection (a task on the running loop)."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(
-                self._keep(), name=f"aelastic-redis-presence-{self._name}"
+                self._keep(), name=f"aelastic-redis-presence-{self.name}"
             )
 
     async def _keep(self) -> None:
@@ -137,29 +141,31 @@ class Presence:
                 )
                 return
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
-                log.debug("opening the named connection %s: %s", self._name, exc)
+                if getattr(self._server, "_closed", False):
+                    return  # the client is closed: nothing to name any more
+                log.debug("opening the named connection %s: %s", self.name, exc)
                 delay = min(max(delay * 2, 0.05), _MAX_BACKOFF)
                 continue
-            delay = 0.0
-            self.named.set()
-            if not first:
-                with contextlib.suppress(Exception):  # a beat is sent again later anyway
-                    await self._on_restored()
+            delay, self._conn = 0.0, conn
+            if not first:  # the nodes beat now: after the name is back (see the docstring)
+                beats = [beat() for beat in list(self.nodes.values())]
+                await asyncio.gather(*beats, return_exceptions=True)
             first = False
             await self._hold(conn)
-            self.named.clear()
-            log.info("the named connection %s was lost: opening it again", self._name)
+            self._conn = None
+            log.info("the named connection %s was lost: opening it again", self.name)
 
     async def _open(self) -> Any:
         address = await self._server.presence_address(self._route)
         conn = await self._server.dial(address)
-        key, field, ttl = self._marker
-        commands = [("CLIENT", "SETNAME", self._name), ("HSET", key, field, "1")]
-        commands.append(("PEXPIRE", key, ttl))
-        try:
-            replies = await asyncio.wait_for(
-                conn.request(b"".join(pack(c) for c in commands), len(commands)), 10.0
-            )
+        key, ttl = self._marker
+        commands: list[tuple[str, ...]] = [("CLIENT", "SETNAME", self.name)]
+        if self.nodes:
+            pairs = [x for k in self.nodes for x in (k, self.name)]
+            commands += [("HSET", key, *pairs), ("PEXPIRE", key, ttl)]
+        try:  # (no asyncio.wait_for: it may swallow a cancellation; the connection's own
+            # watchdog closes it when an answer does not come)
+            replies = await conn.request(b"".join(pack(c) for c in commands), len(commands))
         except BaseException:
             conn.close()
             raise
@@ -172,18 +178,27 @@ class Presence:
         return conn
 
     async def _hold(self, conn: Any) -> None:
+        """Until ``conn`` is lost (a ``PING`` now and then: an unanswered one closes it)."""
         lost = asyncio.Event()
         conn.on_lost(lambda _: lost.set())
+        loop = asyncio.get_running_loop()
+        timer: asyncio.TimerHandle | None = None
+
+        def tick() -> None:
+            nonlocal timer
+            if self._server.address_now(self._route) not in (None, conn.address):
+                conn.close()  # a failover: the commands go to another server now
+                return
+            with contextlib.suppress(RedisError):
+                conn.call(_PING, 1, _ignored)
+            timer = loop.call_later(PING_INTERVAL, tick)
+
+        timer = loop.call_later(PING_INTERVAL, tick)
         try:
-            while not lost.is_set():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(lost.wait(), PING_INTERVAL)
-                if lost.is_set():
-                    break
-                if self._server.address_now(self._route) not in (None, conn.address):
-                    break  # a failover: the commands go to another server now
-                conn.ping()
+            await lost.wait()
         finally:
+            if timer is not None:
+                timer.cancel()
             conn.close()
 
     async def aclose(self) -> None:
@@ -191,8 +206,17 @@ class Presence:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                conn.close()
+            await asyncio.wait({task}, timeout=2.0)
+
+
+_PING = pack(("PING",))
+
+
+def _ignored(replies: Any, error: BaseException | None) -> None:
+    """A reply nobody waits for."""
 
 
 class _Refused(Exception):
