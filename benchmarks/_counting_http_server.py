@@ -1,13 +1,13 @@
 """aelastic's HTTP rendezvous server with traffic counters, for ``rdzv_scale.py``.
 
 Serves the same application as ``aelastic serve`` (``create_app()``, no token, no
-persistence) on a loopback port, with one more middleware, outermost, that counts every
-answered request and the bytes of its answer: the body exactly, the head (status line and
-headers) as aiohttp writes it, up to a few bytes; opening a rendezvous channel (a WebSocket)
-is a request (its ``101`` answer the bytes), and so is each answer on it (its frame the
-bytes). ``GET /_bench/stats`` (not counted itself) answers ``{"requests", "bytes_out",
-"connections"}``, where ``connections`` is the number of distinct client sockets that sent
-a request.
+persistence; the same event loop and collector settings) on a loopback port, with one more
+middleware, outermost, that counts every answered request and the bytes of its answer: the
+body exactly, the head (status line and headers) as aiohttp writes it, up to a few bytes;
+opening a rendezvous channel (a WebSocket) is a request (its ``101`` answer the bytes), and
+so is each answer on it (its frame the bytes). ``GET /_bench/stats`` (not counted itself)
+answers ``{"requests", "bytes_out", "connections"}``, where ``connections`` is the number of
+distinct client sockets that sent a request.
 
 Run: ``python -m benchmarks._counting_http_server [--port 0]``; prints
 ``listening on http://127.0.0.1:PORT`` once it accepts connections, serves until SIGTERM.
@@ -26,6 +26,7 @@ from aiohttp import http, web
 
 from aelastic.backends.http.server import create_app
 from aelastic.backends.http.server._channel import TAPS
+from aelastic.backends.http.server._loop import run
 from aelastic.backends.http.wire import CHANNEL_PATH
 from benchmarks._scale_node import raise_fd_limit
 
@@ -124,7 +125,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
     raise_fd_limit()
-    asyncio.run(serve(args.port))
+    run(serve(args.port))  # as aelastic serve runs: uvloop when installed, its collector
     return 0
 
 

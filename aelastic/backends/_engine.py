@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..core.brief import short_beat
 from ..core.machine import snapshot_of, status_of, step
 from ..core.protocol import INT64_MAX, INT64_MIN
 from ..core.state import NodeDesc, Reply, Request, RunState, Snapshot, Status, Transition
@@ -151,6 +152,18 @@ class Engine:
             if reply.transition not in _QUIET:
                 self._changed(run_id, run)
             return reply
+
+    def short_beat(
+        self, run_id: str, node: NodeDesc, secret: str, key: str, now: int
+    ) -> tuple[int, int] | None:
+        """A plain keep-alive's brief answer ``(now, oldest)`` (:func:`~aelastic.core.brief.
+        short_beat`: nothing but the node's time moves, nobody is woken), or ``None``, the
+        run untouched, when :meth:`apply` must answer it."""
+        with self.lock:
+            run = self.runs.get(run_id)
+            if run is None or run.state is None:
+                return None
+            return short_beat(run.state, node, secret, key, now)
 
     def knows(self, run_id: str, node: NodeDesc) -> bool:
         """Whether ``node`` is in the run's state."""

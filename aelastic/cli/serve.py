@@ -79,6 +79,12 @@ def build_parser(prog: str = "aelastic serve") -> argparse.ArgumentParser:
         help="nodes one client address may have in the runs; a join past it gets 429 "
         "(default 1024; loopback clients exempt; 0: no limit)",
     )
+    p.add_argument(
+        "--loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="event loop (default auto: uvloop when installed, else asyncio's)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log the server's info lines")
     return p
 
@@ -123,7 +129,12 @@ def main(argv: Sequence[str]) -> int:
         if value is not None and not 0 < value < float("inf"):
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     try:
-        from ..backends.http.server import PersistenceError, resolve_token, run_server
+        from ..backends.http.server import (
+            PersistenceError,
+            resolve_loop,
+            resolve_token,
+            run_server,
+        )
         from ..web.pages import serve_pages
     except ImportError as exc:
         print(
@@ -139,6 +150,10 @@ def main(argv: Sequence[str]) -> int:
         resolve_token(None)  # a token that could never match is refused at once
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    try:
+        resolve_loop(args.loop)
+    except ValueError as exc:
+        raise UsageError(f"--loop: {exc}") from None
     names = ("run_ttl", "max_body", "max_runs", "max_connections", "read_timeout")
     kwargs: dict[str, Any] = {
         name: getattr(args, name)
@@ -147,7 +162,14 @@ def main(argv: Sequence[str]) -> int:
     }
     kwargs["trusted_proxies"] = trusted_proxies(args.trusted_proxy)
     try:
-        run_server(args.host, args.port, persist_path=args.persist, pages=serve_pages, **kwargs)
+        run_server(
+            args.host,
+            args.port,
+            persist_path=args.persist,
+            pages=serve_pages,
+            loop=args.loop,
+            **kwargs,
+        )
     except PersistenceError as exc:
         print(f"aelastic serve: error: {exc}", file=sys.stderr)
         return 2

@@ -12,16 +12,24 @@ the whole reply again with :func:`brief_reply`, exactly the reply
 token: the counts of lost, finished, waiting and redundant nodes; the participants of a
 complete round are its world minus the lost and finished). Any other case gets the whole
 reply, so the brief form is an encoding, not another rule.
+
+:func:`short_beat` is that case for an in-process backend (the HTTP server), as the Redis
+script's short path is for Redis: it records the beat and makes the brief answer straight
+from the state, without the whole step (no prune scan, no status, no reply object); it
+declines, changing nothing, whenever :func:`~.machine.step` could answer otherwise. The
+property tests hold it to ``step``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 from typing import Any
 
-from .state import Outcome, Reply, Status, Transition
+from .state import NodeDesc, Outcome, Reply, RunState, Status, Transition
+from .token import make
 
-__all__ = ["beat_key", "brief_reply", "brief_to_json", "is_brief"]
+__all__ = ["beat_key", "brief_reply", "brief_to_json", "is_brief", "short_beat"]
 
 
 def beat_key(status: Status | None) -> str:
@@ -49,6 +57,33 @@ def brief_to_json(reply: Reply) -> list[int]:
     """The brief form of ``reply`` (one for which :func:`is_brief` holds)."""
     assert reply.oldest_beat_ms is not None
     return [reply.status.now_ms, reply.oldest_beat_ms]
+
+
+def short_beat(
+    state: RunState, node: NodeDesc, secret: str, key: str, now_ms: int
+) -> tuple[int, int] | None:
+    """A plain keep-alive of ``node`` (sent with beat key ``key``) applied to ``state`` at
+    ``now_ms``: its brief answer ``(now, oldest)``, exactly as :func:`~.machine.step`
+    followed by :func:`is_brief` and :func:`brief_to_json` would give it; ``None`` (the
+    state untouched) when the answer would not be brief: then ``step`` answers it."""
+    rules = state.rules
+    if not key or rules is None or not state.complete:
+        return None
+    stored = state.secrets.get(node)
+    if stored is None or not hmac.compare_digest(stored.encode(), secret.encode()):
+        return None  # not listed under this secret (every listed node has a beat)
+    beats = state.beats
+    if next(iter(beats.values())) < now_ms - rules.window_ms:
+        return None  # someone is silent past the window: step prunes
+    mine = (
+        f"{make(state.epoch, state.generation)}|{state.lost}|{state.finished}|"
+        f"{len(state.wait_list)}|{len(state.redundancy_list)}"
+    )
+    if mine != key:
+        return None  # the node has not seen this status: the whole answer
+    del beats[node]
+    beats[node] = now_ms  # last in order: the newest beat (as machine._beat)
+    return now_ms, next(iter(beats.values()))
 
 
 def brief_reply(doc: Any, base: Status) -> Reply:

@@ -18,6 +18,7 @@ different machines are never compared.
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -314,7 +315,10 @@ class RunState:
     ``participants`` maps a node to its join sequence number while the round forms, to its
     rank once it is complete (dicts keep insertion order, which is join order).
     ``beats`` is ordered by heartbeat: a beat moves its node to the end, so the oldest is
-    first and finding the silent nodes costs nothing while nobody is silent. ``rules`` is
+    first and finding the silent nodes costs nothing while nobody is silent (an
+    ``OrderedDict``: a plain dict's iteration skips the slots its moved entries left, as many
+    as hundreds per beat at thousands of nodes, until it is resized; measured 3.3 us against
+    1.0 us a beat at 4,096 nodes). ``rules`` is
     ``None`` until a join makes the run (a state without rules is not stored); ``secrets``
     holds each listed node's secret (never shown); ``vacated_ms`` when a closed run's last
     node left (the run can be reused :func:`~.machine.reuse_grace_ms` later).
@@ -337,7 +341,7 @@ class RunState:
     ports: dict[NodeDesc, int] = field(default_factory=dict)
     wait_list: set[NodeDesc] = field(default_factory=set)
     redundancy_list: set[NodeDesc] = field(default_factory=set)
-    beats: dict[NodeDesc, int] = field(default_factory=dict)
+    beats: OrderedDict[NodeDesc, int] = field(default_factory=OrderedDict)
     secrets: dict[NodeDesc, str] = field(default_factory=dict, repr=False)
     #: When the last node of a closed run left (``None``: open, or nodes are still in it).
     vacated_ms: int | None = None

@@ -312,7 +312,7 @@ async def test_a_busy_member_is_waited_for_and_never_sent_a_request_twice(
 ) -> None:
     """The only member stops answering for longer than a request's patience and its status
     probe's (SIGSTOP): the write is waited for, not sent again (a busy etcd must not be
-    given twice the work): one request and one status probe."""
+    given twice the work): one request, at most one status probe, one version more."""
     client = EtcdClient(parse_endpoint(server.endpoint, {}), read_timeout=30)
     key = b64("/busy/k")
     try:
@@ -327,7 +327,8 @@ async def test_a_busy_member_is_waited_for_and_never_sent_a_request_twice(
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
         await asyncio.wait_for(put, PROMPT)
-        assert client.requests - sent == 2
+        # The write once, and the probe unless a starved loop sent it after the member woke.
+        assert client.requests - sent in (1, 2)
     finally:
         await client.aclose()
     assert server.call("/v3/kv/range", {"key": key})["kvs"][0]["version"] == "2"

@@ -12,6 +12,7 @@ import json
 import resource
 import selectors
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -333,6 +334,23 @@ async def test_a_client_gone_mid_body_is_no_error_in_the_log() -> None:
             with socket.create_connection(("127.0.0.1", server.port)) as sock:
                 sock.sendall(head + body[:5])
                 await asyncio.sleep(0.2)
+        await asyncio.sleep(0.5)
+        status, doc = post(server.url + "/v1/runs/r/kv/get", {"keys": ["k"]})
+        assert (status, doc) == (200, {"values": [None]})
+        assert_clean_log(server)
+
+
+async def test_a_client_gone_in_its_channels_handshake_is_no_error_in_the_log() -> None:
+    upgrade = (
+        b"GET /v1/channel HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    with HttpServer() as server:
+        for _ in range(20):  # a node killed as its channel opens: the handshake meets a reset
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            sock.sendall(upgrade)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
         await asyncio.sleep(0.5)
         status, doc = post(server.url + "/v1/runs/r/kv/get", {"keys": ["k"]})
         assert (status, doc) == (200, {"values": [None]})

@@ -163,3 +163,26 @@ def test_status_watch_ends_on_sigint(tmp_path: Path, run_id: str, inherited: str
 def test_serve_refuses_bad_client_limits(tmp_path: Path, flags: list[str], said: str) -> None:
     code, out = run_cli(["serve", "--port", "0", *flags], tmp_path)
     assert code == 2 and said in out, out
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "auto"])
+def test_serve_runs_on_the_event_loop_asked(tmp_path: Path, run_id: str, loop: str) -> None:
+    from tests._http_server import HttpServer
+
+    with HttpServer(extra_args=("--loop", loop)) as server:
+        code, out = _status(tmp_path, server.endpoint, run_id)
+    assert code == 0 and "no rendezvous state" in out, out
+
+
+def test_serve_refuses_an_unknown_event_loop(tmp_path: Path) -> None:
+    code, out = run_cli(["serve", "--port", "0", "--loop", "trio"], tmp_path)
+    assert code == 2 and "invalid choice: 'trio'" in out, out
+
+
+def test_the_server_s_loop_names_what_it_needs() -> None:
+    from aelastic.backends.http.server import resolve_loop
+
+    assert resolve_loop("asyncio") == "asyncio"
+    assert resolve_loop("auto") == "uvloop"  # installed with the http extra
+    with pytest.raises(ValueError, match="unknown event loop 'tornado'"):
+        resolve_loop("tornado")

@@ -22,10 +22,11 @@ from tests._ports import free_port
 from ._proc import Cli, alive
 
 # Says it started, then sleeps until stopped (SIGINT, as torchrun forwards it, too).
+# The write is in the try: a starved worker may take the SIGINT before its next line.
 SLEEP = """
 import os, time
-os.write(1, f"worker pid={os.getpid()}\\n".encode())
 try:
+    os.write(1, f"worker pid={os.getpid()}\\n".encode())
     time.sleep(300)
 except KeyboardInterrupt:
     pass

@@ -98,6 +98,8 @@ from ._guard import (
     quiet_accept_errors,
     raise_open_file_limit,
 )
+from ._loop import resolve as resolve_loop
+from ._loop import run as run_loop
 from ._operator import is_loopback
 from ._quota import DEFAULT_MAX_NODES_PER_CLIENT
 from ._runs import PersistenceError
@@ -121,6 +123,7 @@ __all__ = [
     "create_app",
     "is_loopback",
     "parse_networks",
+    "resolve_loop",
     "resolve_token",
     "run_server",
     "serve",
@@ -243,6 +246,7 @@ def run_server(
     trusted_proxies: Sequence[str] = (),
     max_nodes_per_client: int = DEFAULT_MAX_NODES_PER_CLIENT,
     pages: Pages | None = None,
+    loop: str = "auto",
 ) -> None:
     """Run the rendezvous server until SIGINT or SIGTERM (blocking).
 
@@ -259,12 +263,15 @@ def run_server(
         run_ttl: Seconds after which an unchanged, unwatched run is forgotten (0: never).
         max_runs, max_connections, read_timeout, keepalive_timeout, trusted_proxies,
             max_nodes_per_client, pages: As for :func:`serve`.
+        loop: The event loop: ``auto`` (uvloop when it is installed), ``asyncio`` or
+            ``uvloop``.
 
     Raises:
         PersistenceError: The persistence file cannot be loaded.
         OSError: The address cannot be bound.
-        ValueError: A limit or timeout is out of range.
+        ValueError: A limit or timeout is out of range, or the loop is unknown or missing.
     """
+    resolve_loop(loop)
     raise_open_file_limit()
 
     async def main() -> None:
@@ -291,4 +298,4 @@ def run_server(
             pages=pages,
         )
 
-    asyncio.run(main())
+    run_loop(main(), loop)

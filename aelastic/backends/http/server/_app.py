@@ -104,6 +104,9 @@ async def _answer(request: web.Request, handler: _Handler) -> web.StreamResponse
         return _error(exc.status, exc.reason)
     except (asyncio.CancelledError, RunLimitError):
         raise  # a full server is answered (and logged, rate-limited) one level up
+    except ConnectionError as exc:  # the client went away, e.g. in a WebSocket's handshake
+        log.debug("the client of %s %s went away: %s", request.method, request.path, exc)
+        return _error(400, "the connection was lost")  # nobody reads it: aiohttp drops it
     except Exception:
         log.exception("internal error answering %s %s", request.method, request.path)
         return _error(500, "internal server error")

@@ -46,7 +46,7 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from ....core.state import NodeDesc, Op, Reply
+from ....core.state import NodeDesc, Op, Reply, Request
 from ....core.wire import WireError, request_from_json
 from ..wire import (
     CHANNEL_PATH,
@@ -62,6 +62,7 @@ from ._departures import Departures
 from ._guard import DEFAULT_KEEPALIVE_TIMEOUT
 from ._held import Held, HeldBeats, encode, start
 from ._quota import QUOTA, NodeQuotaError
+from ._repeat import repeat_id, tail
 from ._runs import RunStore
 
 __all__ = ["MAX_IN_FLIGHT", "TAPS", "add_channel"]
@@ -74,6 +75,7 @@ _MAX_ID = 2**53
 #: Seconds the held answers get to go out at shutdown before the channels close.
 _SHUTDOWN_GRACE = 2.0
 _FIELDS = frozenset({"id", "run", "request", "hold", "seen", "beat"})
+_TOO_MANY = f"more than {MAX_IN_FLIGHT} requests held"
 _MAX_BEAT_KEY = 256
 
 #: Called with the status (200 or the error's) and the bytes of each answer sent on a
@@ -123,6 +125,8 @@ class _Channel:
         self.beats: dict[int, Held] = {}  # keep-alives held without a task
         self._held_beats = held_beats
         self._by_id: dict[int, asyncio.Task[None]] = {}  # requests being answered
+        # The last keep-alive taken, checked: its text after the id, and its fields.
+        self._repeat: tuple[str, str, Request, float, str | None, str] | None = None
         self._loop = asyncio.get_running_loop()
         # Idle: one timer a channel, pushed back lazily (a timeout on every receive cost
         # a tenth of the server's time per message, measured).
@@ -142,9 +146,32 @@ class _Channel:
         self.closed_here = True
         self._closer = self._loop.create_task(self.ws.close(code=WSCloseCode.OK, message=b"idle"))
 
-    def take(self, msg_id: int, doc: dict[str, Any]) -> None:
+    def take_text(self, data: str) -> None:
+        """Take one text message (see :meth:`take`).
+
+        A keep-alive whose text is the channel's last keep-alive's but for its id (a node's
+        every beat, until its status moves) is taken with that one's checked fields, not
+        parsed nor checked again (:mod:`._repeat`).
+
+        Raises:
+            _Closed: The message breaks the channel's rules.
+        """
+        repeat = self._repeat
+        if repeat is not None:
+            msg_id = repeat_id(data, repeat[0])
+            if msg_id is not None:
+                if len(self.held) + len(self.beats) >= MAX_IN_FLIGHT:
+                    self._later(self._error(msg_id, 503, _TOO_MANY))
+                else:
+                    self._dispatch(msg_id, *repeat[1:])
+                return
+        msg_id, doc = _parse(data)
+        self.take(msg_id, doc, data)
+
+    def take(self, msg_id: int, doc: dict[str, Any], data: str | None = None) -> None:
         """Answer the request in ``doc`` (in a task of its own: it may be held), or cancel
-        request ``msg_id`` (``{"id", "cancel": true}``: its node gave up on it)."""
+        request ``msg_id`` (``{"id", "cancel": true}``: its node gave up on it); ``data``:
+        the message's text, kept for its repeats when it is a keep-alive."""
         if doc.get("cancel") is True and len(doc) == 2:
             task = self._by_id.get(msg_id)
             if task is not None:
@@ -154,7 +181,7 @@ class _Channel:
                 self._held_beats.drop(beat)
             return
         if len(self.held) + len(self.beats) >= MAX_IN_FLIGHT:
-            self._later(self._error(msg_id, 503, f"more than {MAX_IN_FLIGHT} requests held"))
+            self._later(self._error(msg_id, 503, _TOO_MANY))
             return
         try:
             unknown = set(doc) - _FIELDS
@@ -177,6 +204,15 @@ class _Channel:
         except NodeQuotaError as exc:
             self._later(self._error(msg_id, 429, str(exc)))
             return
+        if request.op is Op.KEEP_ALIVE and data is not None:  # (only joins count in quotas)
+            known = tail(data, msg_id)
+            if known is not None:
+                self._repeat = (known, run_id, request, hold, seen, key)
+        self._dispatch(msg_id, run_id, request, hold, seen, key)
+
+    def _dispatch(
+        self, msg_id: int, run_id: str, request: Request, hold: float, seen: str | None, key: str
+    ) -> None:
         if request.op is Op.LEAVE:
             self.nodes.pop((run_id, request.node), None)
         else:
@@ -286,7 +322,7 @@ async def _serve(
             channel.last = loop.time()
             if msg.type is WSMsgType.TEXT:
                 try:
-                    channel.take(*_parse(msg.data))
+                    channel.take_text(msg.data)
                 except _Closed as exc:
                     channel.closed_here = True
                     await ws.close(code=exc.code, message=str(exc).encode())

@@ -32,7 +32,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -201,9 +201,10 @@ class _Refused(asyncio.Protocol):
     """A connection past the limit: answered 503, then closed."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(_BUSY % (len(_BUSY_BODY), _BUSY_BODY))
-        transport.close()
+        # A stream transport (uvloop's is not registered as asyncio.WriteTransport).
+        writer = cast(asyncio.WriteTransport, transport)
+        writer.write(_BUSY % (len(_BUSY_BODY), _BUSY_BODY))
+        writer.close()
 
 
 class ConnectionGuard:

@@ -68,12 +68,11 @@ class _Metrics:
             "Requests being answered, held long-polls and heartbeats included.",
             registry=self.registry,
         )
-        self.channel_answers = Counter(
-            "aelastic_server_channel_answers",
-            "Rendezvous requests answered on channels (WebSockets), by status.",
-            ["status"],
-            registry=self.registry,
-        )
+        # Counted in a plain dict, read at each scrape: a labelled Counter's ``labels().inc()``
+        # per answer (a lock, a label lookup) was a twentieth of the server's CPU per held
+        # heartbeat (measured, benchmarks/beat_cost_http.py).
+        self.channel_answers: dict[int, int] = {}
+        self.registry.register(_ChannelCollector(self.channel_answers))
         self.persist = Histogram(
             "aelastic_server_persist_seconds",
             "Duration of a write of the runs to the --persist journal.",
@@ -101,7 +100,8 @@ class _Metrics:
             self.requests.labels(_route(request), request.method, str(status)).inc()
 
     def channel_answer(self, status: int, size: int) -> None:
-        self.channel_answers.labels(str(status)).inc()
+        answers = self.channel_answers
+        answers[status] = answers.get(status, 0) + 1
 
     async def scrape(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -118,6 +118,28 @@ def _route(request: web.Request) -> str:
     resource = getattr(route, "resource", None)
     canonical = getattr(resource, "canonical", None)
     return canonical if isinstance(canonical, str) else "unmatched"
+
+
+class _ChannelCollector:
+    """The answers on channels, by status, read at each scrape."""
+
+    def __init__(self, answers: dict[int, int]) -> None:
+        self._answers = answers
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily(
+            "aelastic_server_channel_answers",
+            "Rendezvous requests answered on channels (WebSockets), by status.",
+            labels=["status"],
+        )
+        for status, count in sorted(self._answers.items()):
+            family.add_metric([str(status)], count)
+        yield family
 
 
 class _RunsCollector:
