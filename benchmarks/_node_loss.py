@@ -32,7 +32,7 @@ A variant whose ranks make no step within ``AFTER_KILL`` seconds of the kill cou
 ``inf`` (did not resume).
 
 ``python _node_loss.py node ENDPOINT RUN_ID VARIANT`` runs one aelastic node (HTTP
-rendezvous).
+rendezvous, or Redis when ENDPOINT is a ``redis://`` URL).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def node(argv: Sequence[str]) -> int:
     from aelastic.rendezvous import RendezvousParameters, create_handler
 
     endpoint, run_id, variant = argv
-    params = RendezvousParameters("http", endpoint, run_id, 2, 2, local_addr=LOOPBACK, **CONF)
+    backend = "redis" if endpoint.startswith(("redis://", "rediss://")) else "http"
+    params = RendezvousParameters(backend, endpoint, run_id, 2, 2, local_addr=LOOPBACK, **CONF)
     spec = WorkerSpec(
         role="default",
         local_world_size=1,

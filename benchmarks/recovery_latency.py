@@ -113,7 +113,7 @@ NODE_LOSS = {
 }
 
 
-def node_loss(repeat: int) -> dict[str, float]:
+def node_loss(repeat: int, backend: str = "http") -> dict[str, float]:
     """The median of each variant of the node-loss case, measured in turns."""
     times: dict[str, list[float]] = {variant: [] for variant in NODE_LOSS}
     loads: list[float] = []
@@ -123,7 +123,7 @@ def node_loss(repeat: int) -> dict[str, float]:
             if variant == "torch":
                 seconds = _node_loss.measure(variant, f"{LOOPBACK}:{free_port()}", run_id)
             else:
-                with server_endpoint("http") as endpoint:
+                with server_endpoint(backend) as endpoint:
                     seconds = _node_loss.measure(variant, endpoint, run_id)
             times[variant].append(seconds)
             load = os.getloadavg()[0]
@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     panels = []
     title = f"Recovery latency, median of {args.repeat} (lower is better)"
     if "node-loss" in cases:
-        loss = node_loss(args.repeat)
+        loss = node_loss(args.repeat, args.backend)
         rows = [(f"node lost: {v}", loss["torch"], loss[v], "s") for v in NODE_LOSS]
         print(table(f"{title}: node lost -> every rank finished its next step", rows[1:]))
         bound = _node_loss.AFTER_KILL

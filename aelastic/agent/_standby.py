@@ -4,15 +4,17 @@ How it works: the agent runs ``python [flags] .../aelastic/agent/_standby.py FD`
 script, so that ``ps`` shows one short line and nothing of the ``aelastic`` package gets
 imported (the worker must find the interpreter as a cold start leaves it). The standby takes
 its own directory off ``sys.path``, imports the modules listed in its optional second
-argument (``torch``: a spare's workers are ready but for their ranks; an import that fails
-is left for the script to fail), and blocks on the Unix socket ``FD`` until the agent
-sends one message: the worker's full environment, its argv, and descriptors for stdout and
-stderr (SCM_RIGHTS). It applies them, empties ``__main__`` and runs the script there as
-``python script.py`` would (``sys.path[0]``, ``__file__``, ``sys.argv``), or the module as
-``python -m`` does. End-of-file on the socket (the agent closed it, or is gone) makes it
-exit 0. Everything happens inside one function with local imports, so that emptying
-``__main__`` leaves nothing of the standby behind but the few standard modules it imported.
-An uncaught error of the worker is printed as Python prints it, without the standby's frames.
+argument (``torch``: a spare's workers are ready but for their ranks; with it
+``torch._dynamo``, which torch's first optimizer imports, seconds on a loaded machine; an
+import that fails is left for the script to fail), and blocks on the Unix socket ``FD``
+until the agent sends one message: the worker's full environment, its argv, and descriptors
+for stdout and stderr (SCM_RIGHTS). It applies them, empties ``__main__`` and runs the
+script there as ``python script.py`` would (``sys.path[0]``, ``__file__``, ``sys.argv``), or
+the module as ``python -m`` does. End-of-file on the socket (the agent closed it, or is
+gone) makes it exit 0. Everything happens inside one function with local imports, so that
+emptying ``__main__`` leaves nothing of the standby behind but the few standard modules it
+imported. An uncaught error of the worker is printed as Python prints it, without the
+standby's frames.
 """
 
 
@@ -27,10 +29,12 @@ def _serve() -> None:
         del sys.path[0]  # this file's directory: the worker's own entry comes at release
     ctl = socket.socket(fileno=int(sys.argv[1]))
     for name in filter(None, (sys.argv[2] if len(sys.argv) > 2 else "").split(",")):
-        try:  # noqa: SIM105 - nothing more imported than the preload itself
-            __import__(name)
-        except Exception:  # the script's own import of it shows the error
-            pass
+        # torch's first optimizer imports torch._dynamo (and sympy): seconds, done now too
+        for module in (name, "torch._dynamo") if name == "torch" else (name,):
+            try:  # noqa: SIM105 - nothing more imported than the preload itself
+                __import__(module)
+            except Exception:  # the script's own import of it shows the error
+                pass
     try:
         msg, fds, _flags, _addr = socket.recv_fds(ctl, 1 << 22, 2)
     except OSError:

@@ -107,7 +107,10 @@ async def supervise(
             if not inplace.broken_workers(workers.processes):
                 inplace.broken.clear()  # those that said so joined their group since
                 continue
-            await anyio.sleep(grace)  # a peer's loss ends the supervision first
+            async with anyio.create_task_group() as tasks:  # a peer's loss ends it first
+                tasks.start_soon(round_group.report_departures)
+                await anyio.sleep(grace)
+                tasks.cancel_scope.cancel()
             failing = inplace.broken_workers(workers.processes)
             log.warning("no peer was lost: workers %s fail with their own error", failing)
             inplace.fail(failing)  # their exits are failures

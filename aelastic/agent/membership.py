@@ -131,8 +131,18 @@ class RoundGroup:
                     return observation
 
         with anyio.move_on_after(grace):
-            return await explained()
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(self.report_departures)
+                found = await explained()
+                tasks.cancel_scope.cancel()
+            return found
         return None
+
+    async def report_departures(self) -> None:
+        """Have the backend report the members whose connections ended, where it can tell
+        (a worker's collective broke: a peer may be gone)."""
+        if lost := await self._handler.report_departures():
+            log.info("%d member(s) lost: their connections to the rendezvous ended", lost)
 
     async def mark_leaving(self, node: NodeDesc) -> None:
         """Say that ``node`` leaves the round to restart or rescale (it is not lost)."""

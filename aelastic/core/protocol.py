@@ -27,13 +27,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from .state import Reply, Request, Snapshot, Status
+from .state import NodeDesc, Reply, Request, Snapshot, Status
 from .token import NO_STATE, Token
 
 __all__ = [
     "INT64_MAX",
     "INT64_MIN",
     "NO_STATE",
+    "DepartureReporter",
     "KeyValueBackend",
     "RendezvousBackend",
     "RunLister",
@@ -149,6 +150,24 @@ class RunLister(Protocol):
 
         Returns:
             ``(run id, status)`` pairs sorted by run id.
+
+        Raises:
+            RendezvousConnectionError: The backend could not be reached.
+        """
+
+
+@runtime_checkable
+class DepartureReporter(Protocol):
+    """A backend that can tell, when asked, which members' connections ended (Redis: their
+    named connections are gone from the server's client list) and report each as a
+    departure (:meth:`~.state.Request.departure`; the machine decides)."""
+
+    async def report_departures(self, me: NodeDesc) -> list[NodeDesc]:
+        """Report the members (``me`` excepted) whose connection ended; once the machine's
+        grace has passed, apply the reports again.
+
+        Returns:
+            The members lost by these reports.
 
         Raises:
             RendezvousConnectionError: The backend could not be reached.

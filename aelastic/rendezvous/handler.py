@@ -23,7 +23,7 @@ import logging
 from ..core.errors import RendezvousClosedError, RendezvousError, reason
 from ..core.events import RendezvousEvent
 from ..core.params import RendezvousInfo, RendezvousSettings, RendezvousStoreInfo
-from ..core.protocol import RendezvousBackend
+from ..core.protocol import DepartureReporter, RendezvousBackend
 from ..core.race import first_of
 from ..core.state import NodeDesc, Op, Outcome
 from ..core.store import Store
@@ -213,6 +213,23 @@ class DynamicRendezvousHandler(NodeRequests):
         self._round, self._joined = None, False
         if not self._released:
             await self._request(Op.LEAVE, finished=finished)
+
+    async def report_departures(self) -> int:
+        """Ask the backend which members' connections ended and report them (a worker's
+        collective broke: a peer may be gone). Backends that see it by themselves (the HTTP
+        server) or cannot tell (etcd, memory) do nothing: the heartbeat window decides.
+
+        Returns:
+            How many members these reports made lost (``0`` on a backend failure, logged).
+        """
+        backend = self._backend
+        if self._released or not isinstance(backend, DepartureReporter):
+            return 0
+        try:
+            return len(await backend.report_departures(self._node))
+        except RendezvousError as exc:
+            log.warning("checking which members' connections ended failed: %s", reason(exc))
+            return 0
 
     async def aclose(self) -> None:
         """Stop heartbeats and release the backend (the shared state is left as it is)."""

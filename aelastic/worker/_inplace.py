@@ -23,7 +23,9 @@ import json
 import os
 import queue
 import socket
+import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -64,6 +66,17 @@ _TORCH_DIST = os.path.join("torch", "distributed", "")
 _DIST_ERRORS = frozenset({"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"})
 
 _T = TypeVar("_T")
+
+#: Set (to anything but ``0``): each step of a recovery is written to stderr with the wall
+#: time (``aelastic-inplace <time> <pid> <what>``), to see where a recovery's time goes.
+ENV_TRACE = "AELASTIC_INPLACE_TRACE"
+_TRACING = os.environ.get(ENV_TRACE, "0") not in ("", "0")
+
+
+def _trace(what: str) -> None:
+    if _TRACING:
+        sys.stderr.write(f"aelastic-inplace {time.time():.3f} {os.getpid()} {what}\n")
+        sys.stderr.flush()
 
 
 class GroupChanged(Exception):
@@ -266,7 +279,9 @@ class InPlace:
         kwargs = dict(self._init_kwargs)
         if self._timeout is not None:
             kwargs["timeout"] = timedelta(seconds=self._timeout)
+        _trace(f"init_process_group rank {os.environ.get('RANK')} gen {self._number}")
         dist.init_process_group(self._backend, **kwargs)
+        _trace("group made")
         self.round = _env_round(self._number, recovered)
         source = self._source(dist, recovered)
         self.round = Round(**{**self.round.__dict__, "source": source})
@@ -275,6 +290,7 @@ class InPlace:
                 self._handover_hook(self.round)
             elif self.state is not None:
                 self._broadcast_state(dist, source)
+        _trace(f"state handed over (source {source})")
         if self._channel is not None:
             self._channel.send(op="joined", gen=self._number, pid=os.getpid())
 
@@ -307,6 +323,7 @@ class InPlace:
 
     def _leave(self, exc: BaseException) -> None:
         assert self._channel is not None
+        _trace(f"group broken: {type(exc).__name__}")
         self._channel.send(op="broken", pid=os.getpid(), error=str(exc)[:500], gen=self._number)
         import torch.distributed as dist
 
@@ -323,5 +340,6 @@ class InPlace:
             message = rounds.get()  # a newer round came meanwhile: only the newest counts
         if message.get("op") != "round" or int(message["gen"]) <= self._number:
             raise error  # "fail" (no peer was lost) or "gone" (the agent ended)
+        _trace(f"round {message['gen']} received")
         os.environ.update({k: str(v) for k, v in message["env"].items() if k in ROUND_KEYS})
         self._number = int(message["gen"])

@@ -22,7 +22,8 @@ def main() -> int:
         logging.basicConfig(level=logging.INFO, format=f"%(created).3f {os.getpid()} %(message)s")
     endpoint, run_id, mode, *conf = sys.argv[1:]
     config = dict(item.split("=", 1) for item in conf)
-    params = RendezvousParameters("http", endpoint, run_id, 2, 2, local_addr="127.0.0.1", **config)
+    backend = "redis" if endpoint.startswith("redis://") else "http"
+    params = RendezvousParameters(backend, endpoint, run_id, 2, 2, local_addr="127.0.0.1", **config)
     worker = str(Path(__file__).with_name("_spare_train.py"))
     spec = WorkerSpec(
         "trainer",

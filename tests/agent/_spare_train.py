@@ -10,16 +10,22 @@ rank, world size, pid, the agent's pid, restart count, loss); the end too (``don
 
 from __future__ import annotations
 
-import datetime
-import glob
-import json
 import os
-import socket
 import sys
 import time
 
+if os.environ.get("AELASTIC_INPLACE_TRACE"):
+    sys.stderr.write(f"aelastic-inplace {time.time():.3f} {os.getpid()} script starts\n")
+import datetime
+import glob
+import json
+import socket
+
 import torch
 import torch.distributed as dist
+
+if os.environ.get("AELASTIC_INPLACE_TRACE"):
+    sys.stderr.write(f"aelastic-inplace {time.time():.3f} {os.getpid()} torch imported\n")
 
 STEPS = int(os.environ.get("TRAIN_STEPS", "30"))
 PAUSE = float(os.environ.get("TRAIN_PAUSE", "0.05"))

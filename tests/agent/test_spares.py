@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from tests._http_server import HttpServer
+from tests._redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -61,14 +62,15 @@ class Reports:
 
 @contextmanager
 def three_nodes(
-    mode: str, tmp_path: Path
+    mode: str, tmp_path: Path, conf: dict[str, str] = CONF, redis: bool = False
 ) -> Iterator[tuple[list[subprocess.Popen[bytes]], Reports]]:
     reports = Reports()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAIN_ADDR": reports.addr}
     env.update(TRAIN_DIR=str(tmp_path), TRAIN_STEPS=str(STEPS), TRAIN_LOGS=str(tmp_path / "logs"))
-    with HttpServer() as server:
-        args = [sys.executable, NODE, server.endpoint, f"spare-{mode}", mode]
-        args += [f"{k}={v}" for k, v in CONF.items()]
+    with RedisServer() if redis else HttpServer() as server:
+        endpoint = server.url if isinstance(server, RedisServer) else server.endpoint
+        args = [sys.executable, NODE, endpoint, f"spare-{mode}", mode]
+        args += [f"{k}={v}" for k, v in conf.items()]
         nodes = [subprocess.Popen(args, env=env, cwd=ROOT) for _ in range(3)]
         try:
             yield nodes, reports
@@ -97,6 +99,7 @@ def _lose_a_member(
     [victim] = [n for n in nodes if n.pid == last[0]["agent"]]
     killed = time.time()
     victim.send_signal(signal.SIGKILL)
+    print(f"{killed:.3f} killed {victim.pid}", file=sys.stderr)
     return victim, last, killed
 
 
@@ -155,3 +158,27 @@ def test_without_opt_in_the_survivor_restarts_from_its_checkpoint_spending_no_re
     assert survivor["agent"] in {r["agent"] for r in after}  # by the same agent
     assert {r["restart"] for r in reports.seen} == {0}  # its broken collective spent none
     assert min(r["step"] for r in after) > 1  # from the checkpoint, not from scratch
+
+
+def test_over_redis_survivors_learn_of_a_killed_member_long_before_the_window(
+    tmp_path: Path,
+) -> None:
+    """A 12 s heartbeat window: the survivor's broken collective makes its agent check the
+    members' named connections, so the group goes on seconds before the window ends."""
+    pytest.importorskip("torch.distributed")
+    window = 12.0
+    conf = {**CONF, "keep_alive_interval": "2", "keep_alive_max_attempt": "6"}
+    with three_nodes("inplace", tmp_path, conf, redis=True) as (nodes, reports):
+        victim, _, killed = _lose_a_member(nodes, reports)
+        resumed = reports.until(
+            lambda r: (
+                r["event"] == "step"
+                and r["t"] > killed
+                and r["agent"] != victim.pid
+                and r["gen"] >= 1
+            )
+        )
+        done = _finish(nodes, victim, reports)
+    assert all(d["ok"] for d in done), done
+    assert resumed["t"] - killed < window - 4.0, resumed["t"] - killed
+    assert {r["restart"] for r in reports.seen} == {0}

@@ -95,6 +95,7 @@ async def test_a_rendezvous_and_the_store_run_under_the_node_user(
         await store.wait(["k", "n"], 5)  # (a wait: EXISTS, woken by the channel)
         assert await store.delete_key("n")
         assert await handlers[0].num_nodes_waiting() == 0
+        assert await handlers[0].report_departures() == 0  # CLIENT LIST, nobody gone
         await handlers[0].set_closed()
         assert await handlers[1].is_closed()
     async with backend(url(acl_server, "aelastic-operator"), run_id) as operator:
@@ -173,3 +174,24 @@ async def test_on_a_cluster_the_node_user_needs_two_more(run_id: str) -> None:
             assert_one_group(infos, 2)
             await infos[0].store.set("k", b"v")
             assert await infos[1].store.get("k", 5) == b"v"
+
+
+async def test_a_user_without_client_commands_leaves_departures_to_the_window(
+    run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "aelastic.backends.redis")
+    with RedisServer() as server:
+        client = server.client()
+        try:
+            args = documented_acl()["aelastic-node"]
+            client.execute_command(
+                "ACL", "SETUSER", "aelastic-node", *args, "-client|setname", "-client|list"
+            )
+        finally:
+            client.close()
+        async with handler_group("redis", url(server, "aelastic-node"), run_id, 2, 2, 2) as hs:
+            assert_one_group(await join_all(hs), 2)
+            assert await hs[0].report_departures() == 0
+            assert await hs[0].num_nodes_waiting() == 0  # the run goes on
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "refused to name" in said and "refused CLIENT LIST" in said, said

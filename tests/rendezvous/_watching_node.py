@@ -3,7 +3,9 @@
 ``python _watching_node.py BACKEND ENDPOINT RUN_ID KEY=VALUE...``: joins a round of two nodes
 and prints one JSON line per event: ``{"event": "ready", "rank": r, "pid": p}`` once the
 round is complete, then ``{"event": "changed", "lost": n, "removed": b, "at": wall time}``
-each time the group changes. Ends when stdin closes (then it leaves).
+each time the group changes. A line ``check`` on stdin makes it ask the backend which members'
+connections ended (as an agent does when a worker's collective broke) and print
+``{"event": "checked", "lost": n}``. Ends when stdin closes (then it leaves).
 """
 
 from __future__ import annotations
@@ -29,16 +31,24 @@ async def main(backend: str, endpoint: str, run_id: str, conf: dict[str, str]) -
         info = await handler.next_rendezvous()
         say(event="ready", rank=info.rank, pid=os.getpid())
         loop = asyncio.get_running_loop()
-        closed = loop.run_in_executor(None, sys.stdin.read)
-        since = None
-        while not closed.done():
-            watching = asyncio.ensure_future(handler.watch(0.0, since))
-            await asyncio.wait([watching, closed], return_when=asyncio.FIRST_COMPLETED)
-            if not watching.done():
-                watching.cancel()
-                break
-            since = watching.result()
-            say(event="changed", lost=since.lost_count, removed=since.removed, at=time.time())
+        stdin: asyncio.Future[str] = loop.run_in_executor(None, sys.stdin.readline)
+
+        async def commands() -> None:
+            nonlocal stdin
+            while line := await stdin:
+                stdin = loop.run_in_executor(None, sys.stdin.readline)
+                if line.strip() == "check":
+                    say(event="checked", lost=await handler.report_departures())
+
+        async def changes() -> None:
+            since = None
+            while True:
+                since = await handler.watch(0.0, since)
+                say(event="changed", lost=since.lost_count, removed=since.removed, at=time.time())
+
+        watching = asyncio.ensure_future(changes())
+        await commands()
+        watching.cancel()
         await handler.leave()
 
 

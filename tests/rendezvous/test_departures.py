@@ -1,9 +1,11 @@
 """A member whose process dies is known lost well before the heartbeat window ends; a member
 that pauses, or whose connection is cut and comes back, is not dropped.
 
-Real processes: two nodes of a ``2:2`` round on a real rendezvous server, each in a
-process of its own, with a 10 s heartbeat window (2 s beats, 5 missed). The machine's grace
-for a node whose connection ended is then 1 s.
+Real processes: two nodes of a ``2:2`` round on a real rendezvous server (the HTTP server,
+or redis-server, where a survivor checks the members' named connections as an agent does
+when a worker's collective broke), each in a process of its own, with a 10 s heartbeat
+window (2 s beats, 5 missed). The machine's grace for a node whose connection ended is
+then 1 s.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import pytest
 
 from tests._http_server import HttpServer
+from tests._redis_server import RedisServer
 from tests._tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(120)
@@ -131,5 +134,96 @@ def test_a_member_whose_connection_is_cut_for_good_is_lost_long_before_the_windo
             change = survivor.line(WINDOW + 5.0)
             assert change is not None and change["lost"] == 1, change
             assert change["at"] - cut < FAST
+    finally:
+        proxy.close()
+
+
+# -- Redis: a survivor checks the members' named connections ----------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+def _lines(node: Node, want: set[str], timeout: float) -> dict[str, dict[str, Any]]:
+    """The first line of each event in ``want`` that ``node`` prints within ``timeout``."""
+    seen: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while want - seen.keys() and (left := deadline - time.monotonic()) > 0:
+        line = node.line(left)
+        if line is not None:
+            seen.setdefault(line["event"], line)
+    return seen
+
+
+def _check(node: Node) -> None:
+    assert node.proc.stdin is not None
+    node.proc.stdin.write(b"check\n")
+    node.proc.stdin.flush()
+
+
+def _named(redis_server: RedisServer) -> dict[str, int]:
+    """The named clients of the server: name -> id."""
+    with redis_server.client() as client:
+        return {c["name"]: int(c["id"]) for c in client.client_list() if c.get("name")}
+
+
+def _wait_named(redis_server: RedisServer, count: int) -> None:
+    deadline = time.monotonic() + 30.0
+    while len([n for n in _named(redis_server) if ":p:" in n]) < count:
+        assert time.monotonic() < deadline, _named(redis_server)
+        time.sleep(0.05)
+    time.sleep(1.1)  # names younger than a second are not trusted yet
+
+
+def test_redis_a_killed_member_is_lost_when_a_survivor_checks(redis_server: RedisServer) -> None:
+    with two_nodes("redis", redis_server.url) as (survivor, victim):
+        _wait_named(redis_server, 2)
+        killed = time.time()
+        victim.proc.kill()
+        victim.proc.wait()
+        _check(survivor)
+        seen = _lines(survivor, {"changed", "checked"}, WINDOW + 5.0)
+        assert seen.get("checked", {}).get("lost") == 1, seen
+        assert seen["changed"]["lost"] == 1 and seen["changed"]["at"] - killed < FAST, seen
+
+
+def test_redis_a_member_whose_connection_is_killed_is_not_dropped(
+    redis_server: RedisServer,
+) -> None:
+    with two_nodes("redis", redis_server.url) as (survivor, victim):
+        _wait_named(redis_server, 2)
+        name = next(n for n in _named(redis_server) if f"_{victim.proc.pid}_" in n)
+        with redis_server.client() as client:
+            client.client_kill_filter(_id=_named(redis_server)[name])
+        _check(survivor)
+        seen = _lines(survivor, {"checked"}, 10.0)
+        assert seen["checked"]["lost"] == 0, seen
+        assert survivor.line(2.0) is None and victim.line(0.1) is None
+        assert name in _named(redis_server)  # named again
+
+
+def test_redis_a_member_whose_connection_is_cut_and_restored_is_not_dropped(
+    redis_server: RedisServer,
+) -> None:
+    proxy = TcpProxy(redis_server.port)
+    try:
+        second = f"redis://{proxy.endpoint}/0"
+        with two_nodes("redis", redis_server.url, second=second) as (survivor, cut):
+            _wait_named(redis_server, 2)
+            name = next(n for n in _named(redis_server) if f"_{cut.proc.pid}_" in n)
+            proxy.cut()
+            deadline = time.monotonic() + 5.0
+            while name in _named(redis_server):  # the server dropped the client
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            _check(survivor)  # it reports the departure; the node comes back within the grace
+            time.sleep(0.2)
+            proxy.listen()
+            seen = _lines(survivor, {"checked"}, 10.0)
+            assert seen["checked"]["lost"] == 0, seen
+            assert survivor.line(3.0) is None and cut.line(0.1) is None
     finally:
         proxy.close()

@@ -39,6 +39,7 @@ from ...core.wire import (
 )
 from . import _scripts as lua
 from ._calls import RedisCalls
+from ._departures import NamedConnections
 from ._endpoint import RedisEndpoint
 
 __all__ = ["RedisBackend"]
@@ -50,7 +51,7 @@ _OP_TTL_MS = 10 * 60 * 1000
 _DURABLE = frozenset({Op.JOIN, Op.LEAVE, Op.CLOSE})
 
 
-class RedisBackend(RedisCalls):
+class RedisBackend(RedisCalls, NamedConnections):
     """Rendezvous state and store of one run on a Redis server.
 
     Backends of one event loop and endpoint share connections (unless
@@ -210,6 +211,7 @@ class RedisBackend(RedisCalls):
             raise RendezvousStateError(f"Redis at {self.endpoint} answered {exc}") from None
         self._last = reply.status
         watch.on_reply(reply.status, mark)
+        self._after_reply(request, reply)
         return reply
 
     async def _status_now(self) -> Status:
@@ -399,4 +401,5 @@ class RedisBackend(RedisCalls):
         """Release this backend's share of the connections. Idempotent. Cancelling the
         caller lets the release finish first."""
         if not self._closed:
+            await uncancellable(self._stop_presence())
             await uncancellable(self._unbind())

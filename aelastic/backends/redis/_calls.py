@@ -67,7 +67,8 @@ T = TypeVar("T")
 NODE_ACL = (
     "+hello +ping +select +evalsha +eval +time +info +publish +subscribe +unsubscribe "
     "+exists +wait +type +get +set +del +incrby +pexpire +pttl +hget +hmget +hset +hsetnx +hdel "
-    "+sadd +srem +scard +sismember +smembers +zadd +zrem +zcard +zscore +zrange +zrangebyscore"
+    "+sadd +srem +scard +sismember +smembers +zadd +zrem +zcard +zscore +zrange +zrangebyscore "
+    "+hgetall +client|setname +client|list"
 )
 #: What ``aelastic status --list/--reset`` and ``aelastic dashboard`` need beyond a node's.
 OPERATOR_ACL = "+scan +unlink"

@@ -115,6 +115,19 @@ class Cluster(Standalone):
         self._turn += 1
         return addresses[self._turn % len(addresses)]
 
+    async def presence_address(self, route: str) -> tuple[str, int]:
+        """The primary of ``route``'s slot."""
+        await self.redis.initialize()
+        node = self.redis.get_node_from_key(route)
+        return str(node.host), int(node.port)
+
+    def address_now(self, route: str) -> tuple[str, int] | None:
+        try:
+            node = self.redis.get_node_from_key(route)
+        except (RedisError, RedisClusterException, AttributeError, IndexError, KeyError):
+            return None  # no slot map at hand: not a reason to move
+        return None if node is None else (str(node.host), int(node.port))
+
     async def explain(self, exc: BaseException) -> str | None:
         if isinstance(exc, RedisClusterException) and not _unreachable(exc):
             said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -221,6 +221,15 @@ class Standalone:
         """Where the listener subscribes next."""
         return self.endpoint.host, self.endpoint.port
 
+    async def presence_address(self, route: str) -> tuple[str, int]:
+        """Where a node's named connection goes: the server holding the key ``route``."""
+        return await self._primary()
+
+    def address_now(self, route: str) -> tuple[str, int] | None:
+        """Where the commands on ``route`` go now, as known without asking (``None``: the
+        one place there is)."""
+        return None
+
     async def explain(self, exc: BaseException) -> str | None:
         """A one-line message when ``exc`` is a failure that retrying cannot fix."""
         return None
@@ -269,6 +278,9 @@ class SentinelPrimary(Standalone):
     async def pubsub_address(self) -> tuple[str, int]:
         """The primary that the sentinels name now."""
         return await self._discover()
+
+    def address_now(self, route: str) -> tuple[str, int] | None:
+        return self._at
 
     async def _discover(self) -> tuple[str, int]:
         assert self.endpoint.service is not None
