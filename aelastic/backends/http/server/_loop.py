@@ -77,5 +77,6 @@ def run(main: Coroutine[Any, Any, T], kind: str = "auto") -> T:
     if resolved == "uvloop":
         import uvloop
 
-        return uvloop.run(main)
+        result: T = uvloop.run(main)  # typed Any: uvloop is optional, not type-checked
+        return result
     return asyncio.run(main)
