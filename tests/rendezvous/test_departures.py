@@ -50,15 +50,25 @@ class Node:
         self.proc = subprocess.Popen(
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=ROOT
         )
+        self._pending = b""
 
     def line(self, timeout: float) -> dict[str, Any] | None:
-        """The next line it prints within ``timeout`` seconds, or ``None``."""
+        """The next line it prints within ``timeout`` seconds, or ``None``. (Read from the
+        pipe's descriptor into a buffer of its own: lines that came in one read wait there,
+        where a ``select`` on the pipe would not see them.)"""
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            return None
-        text = self.proc.stdout.readline()
-        return json.loads(text) if text else None
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0.0))
+            if not ready:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                return None
+            self._pending += chunk
+        text, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(text)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
