@@ -10,6 +10,7 @@ then 1 s.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -237,3 +238,24 @@ def test_redis_a_member_whose_connection_is_cut_and_restored_is_not_dropped(
             assert survivor.line(3.0) is None and cut.line(0.1) is None
     finally:
         proxy.close()
+
+
+def test_redis_survivors_checking_at_once_list_the_clients_once(
+    redis_server: RedisServer,
+) -> None:
+    """Every survivor's collective breaks when a member dies; one of them lists the server's
+    clients (an O(clients) command), the others leave it to that one."""
+    from tests._rendezvous_helpers import handler_group
+
+    async def scenario() -> list[int]:
+        run_id = f"depart-{os.getpid()}-{next(_runs)}"
+        async with handler_group("redis", redis_server.url, run_id, 3, 3, 3, **CONF) as nodes:
+            await asyncio.gather(*(node.next_rendezvous() for node in nodes))
+            with redis_server.client() as client:
+                client.config_resetstat()
+            return list(await asyncio.gather(*(node.report_departures() for node in nodes)))
+
+    assert asyncio.run(scenario()) == [0, 0, 0]  # nobody is gone
+    with redis_server.client() as client:
+        listed = client.info("commandstats").get("cmdstat_client|list", {}).get("calls", 0)
+    assert listed == 3  # one survivor's three looks (0, 0.25 and 1 s after its check began)

@@ -33,6 +33,11 @@ log = logging.getLogger("aelastic.backends.redis")
 #: agent waits for the group change anyway).
 _CHECKS = (0.0, 0.25, 0.75)
 
+#: How long one survivor's check keeps the others of the run from checking too (ms): when a
+#: member dies every survivor's collective breaks at once, and each ``CLIENT LIST`` is
+#: O(clients): N survivors listing N clients would make a loss cost the server O(N^2).
+_CLAIM_MS = "2000"
+
 
 #: The named connections of each client, by run (``RunKeys.base``).
 _presences: weakref.WeakKeyDictionary[Any, dict[str, Presence]] = weakref.WeakKeyDictionary()
@@ -112,16 +117,30 @@ class NamedConnections:
         :mod:`._presence`) and, once the machine's grace has passed, apply the reports again.
 
         Returns:
-            The members lost by these reports.
+            The members lost by these reports (none when another survivor of the run checks
+            at the same time: its report's loss wakes this one too).
         """
+        if not await self._claim_check(me):
+            return []
         for pause in _CHECKS:
             await asyncio.sleep(pause)
             found = await self._check_names(me)
             if found is None:
                 return []
-            if found:
-                return await self._depart(*found)
+            absent, since = found
+            if absent:
+                return await self._depart(absent, since)
         return []
+
+    async def _claim_check(self, me: NodeDesc) -> bool:
+        """Whether this survivor is the one of the run to check now (``SET NX``)."""
+        client, _ = await self._bind()
+        key = f"{self._keys.base}:checking"
+
+        async def claim(within: float) -> Any:
+            return await client.command("SET", key, me.key, "NX", "PX", _CLAIM_MS, within=within)
+
+        return await self._call("departure check", claim) is not None
 
     async def _check_names(self, me: NodeDesc) -> tuple[list[NodeDesc], int] | None:
         """The members whose names are gone and the moment to report (``None``: the
