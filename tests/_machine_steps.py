@@ -60,6 +60,8 @@ class Step:
     operator: bool = False
     #: A departure: its moment, this long before the step's time.
     since_ago_ms: int = 0
+    #: A departure a member backs (no grace).
+    confirmed: bool = False
 
     @property
     def secret(self) -> str:
@@ -69,7 +71,9 @@ class Step:
         if self.op is Op.DEPART:
             since = now_ms - self.since_ago_ms
             secret = "" if self.operator else self.secret
-            return Request.departure(NODES[self.node], since, secret=secret)
+            return Request.departure(
+                NODES[self.node], since, secret=secret, confirmed=self.confirmed
+            )
         if self.operator:
             return Request.operator_close()
         return Request(
@@ -121,6 +125,7 @@ departures = st.builds(
     forged=st.sampled_from([False] * 3 + [True]),
     operator=st.booleans(),
     since_ago_ms=st.one_of(st.just(0), st.integers(0, 3_000)),
+    confirmed=st.booleans(),
 )
 departure_scenarios = st.tuples(
     rules(), st.lists(st.one_of(steps, steps, departures), min_size=1, max_size=60)

@@ -28,7 +28,9 @@ same random interleavings. Its semantics are torch's ``DynamicRendezvousHandler`
   connection gone). A connection also ends on a network fault while the node lives, so
   the report only shortens the node's window: answered *wait* until
   :func:`departure_grace_ms` after ``since_ms``, then the node is lost if nothing was
-  heard from it since (a live node's client reconnects and beats at once).
+  heard from it since (a live node's client reconnects and beats at once). A *confirmed*
+  departure (a member said its collective broke since: the loss is seen from two sides,
+  the store's and the workers') has no grace.
 
 One set of rules per run: the join that makes a run fixes its rules (node bounds, last
 call, heartbeat window), and every later decision uses them, whoever asks; a join whose
@@ -336,7 +338,7 @@ def _depart(state: RunState, req: Request, now_ms: int) -> _Answer:
     assert state.rules is not None
     if req.since_ms is None:
         return _Answer(Outcome.FINISH)  # no moment: nothing to decide
-    due = req.since_ms + departure_grace_ms(state.rules)
+    due = req.since_ms + (0 if req.confirmed else departure_grace_ms(state.rules))
     if now_ms < due:
         return _Answer(Outcome.WAIT, wake_at_ms=due)  # ask again then
     if state.beats[req.node] > req.since_ms:

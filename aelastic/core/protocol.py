@@ -158,16 +158,17 @@ class RunLister(Protocol):
 
 @runtime_checkable
 class DepartureReporter(Protocol):
-    """A backend that can tell, when asked, which members' connections ended (Redis: their
-    named connections are gone from the server's client list) and report each as a
-    departure (:meth:`~.state.Request.departure`; the machine decides)."""
+    """A backend that can act, when a member's workers' collective broke, on the members
+    whose connections ended (Redis: their named connections are gone from the server's
+    client list, reported as departures, :meth:`~.state.Request.departure`; HTTP: the
+    server saw their channels end and is told to confirm them). The machine decides."""
 
-    async def report_departures(self, me: NodeDesc) -> list[NodeDesc]:
+    async def report_departures(self, me: NodeDesc) -> int:
         """Report the members (``me`` excepted) whose connection ended; once the machine's
         grace has passed, apply the reports again.
 
         Returns:
-            The members lost by these reports.
+            How many members these reports made lost.
 
         Raises:
             RendezvousConnectionError: The backend could not be reached.

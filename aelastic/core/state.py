@@ -153,6 +153,9 @@ class Request:
             never sent by a node.
         since_ms: A departure's moment (the backend's time): when the node's connection
             was last known to work. The node is lost if it was not heard from after it.
+        confirmed: A departure a member backs: one of the run's members, heard since, said
+            its workers' collective broke after the connection ended (the backend checked
+            both); no grace then.
     """
 
     op: Op
@@ -165,10 +168,16 @@ class Request:
     secret: str = field(default="", repr=False)
     operator: bool = False
     since_ms: int | None = None
+    confirmed: bool = False
 
     @classmethod
     def departure(
-        cls, node: NodeDesc, since_ms: int, secret: str = "", now_ms: int | None = None
+        cls,
+        node: NodeDesc,
+        since_ms: int,
+        secret: str = "",
+        now_ms: int | None = None,
+        confirmed: bool = False,
     ) -> Request:
         """A backend's report that ``node``'s connection ended at ``since_ms`` (its time).
 
@@ -184,6 +193,7 @@ class Request:
             secret=secret,
             operator=not secret,
             since_ms=since_ms,
+            confirmed=confirmed,
         )
 
     @classmethod

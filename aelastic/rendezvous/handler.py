@@ -216,8 +216,8 @@ class DynamicRendezvousHandler(NodeRequests):
 
     async def report_departures(self) -> int:
         """Ask the backend which members' connections ended and report them (a worker's
-        collective broke: a peer may be gone). Backends that see it by themselves (the HTTP
-        server) or cannot tell (etcd, memory) do nothing: the heartbeat window decides.
+        collective broke: a peer may be gone). Backends that cannot tell (etcd, memory) do
+        nothing: the heartbeat window decides.
 
         Returns:
             How many members these reports made lost (``0`` on a backend failure, logged).
@@ -226,7 +226,7 @@ class DynamicRendezvousHandler(NodeRequests):
         if self._released or not isinstance(backend, DepartureReporter):
             return 0
         try:
-            return len(await backend.report_departures(self._node))
+            return await backend.report_departures(self._node)
         except RendezvousError as exc:
             log.warning("checking which members' connections ended failed: %s", reason(exc))
             return 0

@@ -55,7 +55,7 @@ def _lua_step(
         "1" if req.operator else "0", beat_key(base),
     ]  # fmt: skip
     if req.since_ms is not None:
-        args.append(req.since_ms)
+        args += [req.since_ms, "1" if req.confirmed else "0"]
     return json.loads(c.eval(_lua.OP, len(keys.rendezvous), *keys.rendezvous, *args))
 
 

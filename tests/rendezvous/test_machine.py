@@ -382,6 +382,17 @@ def test_a_departed_member_heard_from_since_stays() -> None:
     assert reply.transition is Transition.NONE and s.knows(B) and s.lost == 0
 
 
+def test_a_confirmed_departure_has_no_grace_but_spares_a_node_heard_since() -> None:
+    s, _ = _pair()
+    gone = T0 + 100
+    reply = step(s, Request.departure(B, gone, secret="", confirmed=True), gone + 5)
+    assert reply.transition is Transition.REMOVE and not s.knows(B)
+    s, r = _pair()
+    ask(s, B, Op.KEEP_ALIVE, now=gone + 1, r=r)  # its client reconnected and beat
+    reply = step(s, Request.departure(B, gone, secret="", confirmed=True), gone + 5)
+    assert reply.transition is Transition.NONE and s.knows(B)
+
+
 def test_a_short_window_halves_the_grace() -> None:
     assert departure_grace_ms(Rules(1, 2, 1, 600)) == 300
     assert departure_grace_ms(Rules(1, 2, 1, 15_000)) == 1_000

@@ -195,6 +195,7 @@ class RedisBackend(RedisCalls, NamedConnections):
             args.append(key)
         if request.since_ms is not None:
             args.append(request.since_ms)
+            args.append("1" if request.confirmed else "0")
         raw = await self._script(
             request.op.value,
             lua.OP,

@@ -112,25 +112,25 @@ class NamedConnections:
         if (presence := self._drop_node()) is not None:
             await presence.aclose()
 
-    async def report_departures(self, me: NodeDesc) -> list[NodeDesc]:
+    async def report_departures(self, me: NodeDesc) -> int:
         """Report the members whose named connection is gone from the run's server (see
         :mod:`._presence`) and, once the machine's grace has passed, apply the reports again.
 
         Returns:
-            The members lost by these reports (none when another survivor of the run checks
-            at the same time: its report's loss wakes this one too).
+            How many members these reports made lost (none when another survivor of the run
+            checks at the same time: its report's loss wakes this one too).
         """
         if not await self._claim_check(me):
-            return []
+            return 0
         for pause in _CHECKS:
             await asyncio.sleep(pause)
             found = await self._check_names(me)
             if found is None:
-                return []
+                return 0
             absent, since = found
             if absent:
-                return await self._depart(absent, since)
-        return []
+                return len(await self._depart(absent, since))
+        return 0
 
     async def _claim_check(self, me: NodeDesc) -> bool:
         """Whether this survivor is the one of the run to check now (``SET NX``)."""

@@ -38,7 +38,8 @@ __all__ = ["OP", "SNAPSHOT", "STATUS"]
 #: ARGV: op, node, min, max, last call ms, window ms, expired, finished, port, now ms or '',
 #: new epoch, ttl ms, channel, '1' to follow the primary's replication id, the node's
 #: secret, '1' for an operator's close or departure, the beat key of a keep-alive ('' or
-#: absent: none; see :mod:`._lua_beat`), a departure's moment (ms). -> reply JSON | brief
+#: absent: none; see :mod:`._lua_beat`), a departure's moment (ms), '1' for a confirmed
+#: departure (no grace). -> reply JSON | brief
 #: answer JSON | error JSON.
 OP = (
     _HEADER
@@ -299,7 +300,8 @@ end
 local function depart()
   local since = tonumber(ARGV[18] or '')
   if not since then return 'finish', 'none' end
-  local due = since + math.min(math.floor(h.rules.window / 2), 1000)
+  local due = since
+  if ARGV[19] ~= '1' then due = since + math.min(math.floor(h.rules.window / 2), 1000) end
   if now < due then return 'wait', 'none', due end
   if tonumber(redis.call('ZSCORE', B, node)) > since then return 'finish', 'none' end
   remove(node, now)

@@ -25,7 +25,7 @@ from ....core.brief import beat_key, brief_reply
 from ....core.errors import RendezvousConnectionError, RendezvousStateError
 from ....core.params import RendezvousParameters
 from ....core.race import uncancellable
-from ....core.state import FORMAT_VERSION, Op, Reply, Request, Snapshot, Status
+from ....core.state import FORMAT_VERSION, NodeDesc, Op, Reply, Request, Snapshot, Status
 from ....core.token import Token
 from ....core.wire import (
     WireError,
@@ -95,6 +95,7 @@ class HttpBackend(HttpStore):
         self._share_key = ("http", key if share_connections else (key, next(_private)))
         self._channel = channel
         self._last: Status | None = None  # of the last reply (a keep-alive's beat key)
+        self._beat: Request | None = None  # the last keep-alive (a broken collective's report)
         self._label = label
         self._conn: Connection | None = None
         self._feed: RunFeed | None = None
@@ -188,7 +189,9 @@ class HttpBackend(HttpStore):
         # beat per node, a held join); over HTTP when the channel cannot carry it.
         # A keep-alive sends the beat key of the last status: a plain beat is then answered
         # briefly (``core/brief.py``), on the channel.
-        base = self._last if request.op is Op.KEEP_ALIVE else None
+        base = None
+        if request.op is Op.KEEP_ALIVE:
+            base, self._beat = self._last, request
         doc: dict[str, Any] | list[Any] | None = None
         if self._channel:
             doc = await conn.channel.send(self._run_id, body, hold, seen, beat_key(base))
@@ -214,6 +217,23 @@ class HttpBackend(HttpStore):
         self._last = reply.status
         feed.watch.on_status(reply.status)
         return reply
+
+    async def report_departures(self, me: NodeDesc) -> int:
+        """Say on the channel that ``me``'s workers' collective broke (its last keep-alive,
+        marked): the server then loses the members whose channels it saw end, without the
+        rest of their grace (``server/_departures.py``). Nothing without a channel (plain
+        HTTP requests are not tied to a connection: the heartbeat window decides).
+
+        Returns:
+            How many members the server lost on it.
+        """
+        beat = self._beat
+        if not self._channel or beat is None or beat.node != me:
+            return 0
+        conn, _ = self._open()
+        doc = await conn.channel.send(self._run_id, request_to_json(beat), 0, None, broken=True)
+        departed = doc.get("departed") if isinstance(doc, dict) else None
+        return departed if type(departed) is int else 0
 
     async def _poll(self, token: str, hold: float) -> Status:
         query = {"token": token, "wait": f"{hold:g}"} if hold else None

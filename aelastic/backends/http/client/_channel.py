@@ -74,10 +74,18 @@ class Channel:
         self._closed = False
 
     async def send(
-        self, run_id: str, request: dict[str, Any], hold: float, seen: str | None, beat: str = ""
+        self,
+        run_id: str,
+        request: dict[str, Any],
+        hold: float,
+        seen: str | None,
+        beat: str = "",
+        broken: bool = False,
     ) -> dict[str, Any] | list[Any] | None:
         """Send one rendezvous request; its reply's JSON (a list: the brief answer to a
-        keep-alive sent with its beat key ``beat``), or ``None`` to send it over HTTP.
+        keep-alive sent with its beat key ``beat``; the whole answer, ``{"departed": n}``,
+        to a keep-alive saying the node's collective ``broken``), or ``None`` to send it
+        over HTTP.
 
         Raises:
             RendezvousConnectionError: The server refused the request (4xx).
@@ -95,6 +103,8 @@ class Channel:
                 message["seen"] = seen
         if beat:
             message["beat"] = beat
+        if broken:
+            message["broken"] = True
         if socket.reader is None or socket.reader.done():
             return None  # closed meanwhile: nobody would hand the answer out
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -120,6 +130,8 @@ class Channel:
         reply = doc.get("reply")
         if isinstance(reply, dict):
             return reply
+        if broken and type(doc.get("departed")) is int:
+            return doc
         brief = doc.get("brief")
         if beat and isinstance(brief, list):
             return brief

@@ -6,7 +6,9 @@ request: ``{"id": <int>, "run": <run id>, "request": {...}, "hold": <s>, "seen":
 "beat": <key>}`` (``hold`` and ``seen`` optional, as the query of ``POST .../rendezvous``;
 ``beat``, a keep-alive's beat key, ``core/brief.py``); ``{"id": <int>, "cancel": true}``
 withdraws a request still held (its node gave up on it, as a client closing its HTTP
-connection: a held join is never applied again). The server answers each request with
+connection: a held join is never applied again); a keep-alive with ``"broken": true`` says
+that the node's workers' collective broke (answered ``{"id": <same>, "departed": <n>}``,
+the nodes that made lost: :mod:`._departures`). The server answers each request with
 ``{"id": <same>, "reply": {...}}`` (a plain heartbeat whose beat key is the status's:
 ``{"id": <same>, "brief": [<now>, <oldest beat>]}``), or ``{"id": <same>, "status": <int>,
 "error": <text>}`` when it cannot (400 for a request that does not fit the schema, 503 at
@@ -74,7 +76,7 @@ MAX_IN_FLIGHT = 4096
 _MAX_ID = 2**53
 #: Seconds the held answers get to go out at shutdown before the channels close.
 _SHUTDOWN_GRACE = 2.0
-_FIELDS = frozenset({"id", "run", "request", "hold", "seen", "beat"})
+_FIELDS = frozenset({"id", "run", "request", "hold", "seen", "beat", "broken"})
 _TOO_MANY = f"more than {MAX_IN_FLIGHT} requests held"
 _MAX_BEAT_KEY = 256
 
@@ -115,8 +117,10 @@ class _Channel:
         store: RunStore,
         idle: float,
         held_beats: HeldBeats,
+        departures: Departures,
     ) -> None:
         self.ws = ws
+        self.departures = departures
         self.upgrade = upgrade  # the channel's HTTP request: who its client is
         self.store = store
         self.taps = upgrade.app[TAPS]
@@ -197,12 +201,19 @@ class _Channel:
                 request = request_from_json(require_object(doc.get("request")))
             except WireError as exc:
                 raise SchemaError(str(exc)) from None
+            broken = doc.get("broken", False)
+            if broken is not False and (broken is not True or request.op is not Op.KEEP_ALIVE):
+                raise SchemaError("'broken' is true, with a keep-alive, or absent")
             self.upgrade.app[QUOTA].admit(self.upgrade, run_id, request)
         except SchemaError as exc:
             self._later(self._error(msg_id, 400, str(exc)))
             return
         except NodeQuotaError as exc:
             self._later(self._error(msg_id, 429, str(exc)))
+            return
+        if broken:
+            self.nodes[(run_id, request.node)] = request.secret
+            self._later(self._broken(msg_id, run_id, request))
             return
         if request.op is Op.KEEP_ALIVE and data is not None:  # (only joins count in quotas)
             known = tail(data, msg_id)
@@ -277,6 +288,17 @@ class _Channel:
             return
         self.send_text(encode(msg_id, reply, key), 200)
 
+    async def _broken(self, msg_id: int, run_id: str, request: Request) -> None:
+        """The node's keep-alive, saying its workers' collective broke: applied (its secret
+        proves it a member), then the run's waiting departures are confirmed."""
+        try:
+            reply = await answer(self.store, run_id, request, 0, None, lambda: self.ws.closed)
+        except Exception as exc:  # told to the client, as over HTTP
+            await self._failed(msg_id, exc)
+            return
+        lost = self.departures.confirm(run_id, request.node) if reply.known else 0
+        await self._send({"id": msg_id, "departed": lost}, 200)
+
     async def _error(self, msg_id: int, status: int, message: str) -> None:
         await self._send({"id": msg_id, "status": status, "error": message}, status)
 
@@ -312,7 +334,7 @@ async def _serve(
 ) -> web.StreamResponse:
     ws = web.WebSocketResponse(compress=False, max_msg_size=max_msg, timeout=1.0)
     await ws.prepare(request)
-    channel = _Channel(ws, request, store, idle, held_beats)
+    channel = _Channel(ws, request, store, idle, held_beats, departures)
     channels.add(channel)
     loop = asyncio.get_running_loop()
     abrupt = False

@@ -9,7 +9,12 @@ requests carried (so a client can report only nodes it proved to hold) and the m
 channel ended. The machine (``core.machine``) answers *wait* until its grace has passed,
 and the report is applied again then (one loop timer per report): a node heard from since
 (a live node's client reconnects and sends its held beat again at once) stays, a silent
-one is lost at once rather than after the heartbeat window.
+one is lost at once rather than after the heartbeat window. A member whose workers'
+collective broke says so on its own channel (:meth:`Departures.confirm`, its own
+keep-alive: its secret proves it a member): the departures of its run still waiting are
+then applied *confirmed*, without the rest of the grace, unless they are more than half of
+the run's nodes (a cut of many channels at once is the network, not deaths; they keep
+their grace).
 
 Why this fact: when a process dies the kernel closes its sockets, so the server reads the
 end of the channel within a round trip of the death. A network fault that cuts the
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from ....core.state import NodeDesc, Outcome, Request, Transition
 from ..._engine import now_ms
@@ -35,6 +41,9 @@ log = logging.getLogger("aelastic.backends.http.server")
 
 #: The nodes of one channel: (run id, node) -> the secret its requests carried.
 Nodes = dict[tuple[str, NodeDesc], str]
+#: A channel that ends this long (ms) after a member of its run said its collective broke
+#: is confirmed at once too (the member's workers saw the peer's go first).
+RECENT_MS = 1000
 
 
 class Departures:
@@ -42,26 +51,70 @@ class Departures:
 
     def __init__(self, store: RunStore) -> None:
         self._store = store
-        self._timers: dict[tuple[str, NodeDesc], asyncio.TimerHandle] = {}
+        # The departures waiting for their grace: the timer, and the request it applies.
+        self._timers: dict[tuple[str, NodeDesc], tuple[asyncio.TimerHandle, Request]] = {}
+        # The last report of a broken collective in each run: (its time, ms; the reporter).
+        self._broken: dict[str, tuple[int, NodeDesc]] = {}
 
     def report(self, nodes: Nodes) -> None:
-        """The channel that carried ``nodes`` ended now without a goodbye."""
+        """The channel that carried ``nodes`` ended now without a goodbye (confirmed at once
+        when a member of the run said its collective broke less than :data:`RECENT_MS`
+        ago: the two facts came in the other order)."""
         since = now_ms()
         for (run_id, node), secret in nodes.items():
             self._apply(run_id, Request.departure(node, since, secret=secret))
+        for run_id in {run_id for run_id, _ in nodes}:
+            at, reporter = self._broken.get(run_id, (-RECENT_MS, None))
+            if reporter is not None and since - at <= RECENT_MS:
+                self._confirm(run_id, reporter)
 
-    def _apply(self, run_id: str, request: Request) -> None:
+    def confirm(self, run_id: str, reporter: NodeDesc) -> int:
+        """Member ``reporter`` of ``run_id`` (its own request proved it) says its workers'
+        collective broke: apply the run's waiting departures confirmed. Returns how many
+        nodes that made lost."""
+        now = now_ms()
+        self._broken = {r: b for r, b in self._broken.items() if now - b[0] <= RECENT_MS}
+        self._broken[run_id] = now, reporter
+        return self._confirm(run_id, reporter)
+
+    def _confirm(self, run_id: str, reporter: NodeDesc) -> int:
+        waiting = [(key, req) for key, (_, req) in self._timers.items() if key[0] == run_id]
+        waiting = [(key, req) for key, req in waiting if key[1] != reporter]
+        if not waiting:
+            return 0
+        status = self._store.engine.status(run_id, now_ms())
+        nodes = status.participants + status.waiting + status.redundant
+        if 2 * len(waiting) > nodes:
+            log.info(
+                "run %r: %d of its %d nodes' channels ended at once: left to their grace",
+                run_id,
+                len(waiting),
+                nodes,
+            )
+            return 0
+        lost = 0
+        for key, request in waiting:
+            timer, _ = self._timers.pop(key)
+            timer.cancel()
+            lost += self._apply(run_id, replace(request, confirmed=True))
+        return lost
+
+    def _apply(self, run_id: str, request: Request) -> int:
         store, node = self._store, request.node
         self._timers.pop((run_id, node), None)
         if store.closing or not store.engine.knows(run_id, node):
-            return
+            return 0
         reply = store.engine.apply(run_id, request, now_ms())
         if reply.transition is Transition.REMOVE:
-            log.info("node %s of run %r: its channel ended and it was not heard from", node, run_id)
-        elif reply.outcome is Outcome.WAIT and reply.wake_at_ms is not None:
+            how = "a member's collective broke since" if request.confirmed else "not heard from"
+            log.info("node %s of run %r: its channel ended, %s", node, run_id, how)
+            return 1
+        if reply.outcome is Outcome.WAIT and reply.wake_at_ms is not None:
             delay = max(reply.wake_at_ms - reply.status.now_ms, 0) / 1000 + 0.002
             loop = asyncio.get_running_loop()
-            self._timers[(run_id, node)] = loop.call_later(delay, self._due, run_id, request)
+            timer = loop.call_later(delay, self._due, run_id, request)
+            self._timers[(run_id, node)] = timer, request
+        return 0
 
     def _due(self, run_id: str, request: Request) -> None:
         try:
@@ -71,6 +124,6 @@ class Departures:
 
     def close(self) -> None:
         """Forget the departures not yet decided (the server stops)."""
-        for timer in self._timers.values():
+        for timer, _ in self._timers.values():
             timer.cancel()
         self._timers.clear()
