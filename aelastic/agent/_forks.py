@@ -34,6 +34,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..core.race import wait_within
 from ..worker._site import _aelastic_worker as progress_runtime
 from ._call import call
 from .api import WorkerSpec
@@ -187,8 +188,8 @@ class ForkServer:
 
         loop.add_reader(process.sentinel, on_exit)
         try:
-            await asyncio.wait_for(gone, _SERVER_EXIT)
-        except asyncio.TimeoutError:
+            await wait_within(gone, _SERVER_EXIT)
+        except TimeoutError:
             process.kill()
         finally:
             loop.remove_reader(process.sentinel)

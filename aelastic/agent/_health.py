@@ -30,6 +30,8 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
+from ..core.race import wait_within
+
 __all__ = ["PORT_VAR", "TIMEOUT", "HealthServer", "health_port"]
 
 log = logging.getLogger("aelastic.agent")
@@ -104,7 +106,7 @@ class HealthServer:
         if server is not None:
             server.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), 1.0)
+                await wait_within(server.wait_closed(), 1.0)
 
     def body(self) -> dict[str, object]:
         """The answer's JSON document."""
@@ -118,8 +120,8 @@ class HealthServer:
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT)
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError):
+                head = await wait_within(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT)
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
                 head = b""
             if not head:
                 return  # a TCP probe (connect, close) or a client that said nothing

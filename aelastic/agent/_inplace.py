@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..core.race import Signal
+from ..core.race import Signal, wait_within
 from ..worker._inplace import ENV_SOCKET, ROUND_KEYS
 from .process import WorkerProcess
 
@@ -174,7 +174,7 @@ class InPlaceChannel:
         if server is not None:
             server.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), 1.0)
+                await wait_within(server.wait_closed(), 1.0)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

@@ -43,6 +43,24 @@ def fail_after(seconds: float) -> AbstractAsyncContextManager[Any]:
     return _AnyioDeadline(seconds)  # pragma: no cover (Python 3.10)
 
 
+async def wait_within(awaitable: Awaitable[_T], seconds: float) -> _T:
+    """``await awaitable``, for ``seconds`` at most (then ``TimeoutError``). Use it, not
+    ``asyncio.wait_for``: on Python 3.11 that returns the awaitable's outcome when a
+    cancellation from outside comes as it finishes, and the cancellation is lost (a task
+    that retries on errors then never stops)."""
+    async with fail_after(seconds):
+        return await awaitable
+
+
+def cancelling() -> bool:
+    """Whether the current task was asked to stop (Python 3.11+; ``False`` before): a
+    retry loop that caught an error checks it, in case a library lost the cancellation."""
+    if sys.version_info < (3, 11):  # pragma: no cover (Python 3.10)
+        return False
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class _AnyioDeadline:  # pragma: no cover (Python 3.10)
     def __init__(self, seconds: float) -> None:
         self._scope = anyio.fail_after(seconds)

@@ -21,7 +21,6 @@ session, the pages' ``GET`` streams included.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import re
@@ -35,6 +34,7 @@ from aiohttp import web
 
 from ..backends.http.server import AuthThrottle, Clients
 from ..backends.http.wire import SchemaError, require_run_id
+from ..core.race import wait_within
 
 __all__ = [
     "COOKIE",
@@ -91,8 +91,8 @@ async def login_form(request: web.Request) -> dict[str, str]:
     if (request.content_length or 0) > _MAX_FORM:
         raise SchemaError("the form is too large for a login")
     try:
-        raw = await asyncio.wait_for(_body(request), _FORM_TIMEOUT)
-    except asyncio.TimeoutError:
+        raw = await wait_within(_body(request), _FORM_TIMEOUT)
+    except TimeoutError:
         raise SchemaError(f"the form did not arrive within {_FORM_TIMEOUT:g} s") from None
     try:
         fields = parse_qs(

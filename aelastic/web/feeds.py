@@ -21,6 +21,7 @@ from typing import Any
 
 from ..core.errors import RendezvousError
 from ..core.health import HEALTH_KEY, JobHealth, failed_key
+from ..core.race import wait_within
 from .model import MAX_LISTED, History, health_view, run_view, runs_view
 from .sources import RunSource
 
@@ -35,7 +36,7 @@ LINGER = 300.0
 #: Runs watched at once, at most.
 MAX_FEEDS = 64
 #: What a failed read may raise (the page shows it, the feed tries again).
-_READ_ERRORS = (RendezvousError, OSError, ValueError, asyncio.TimeoutError)
+_READ_ERRORS = (RendezvousError, OSError, ValueError, TimeoutError)
 
 
 class FeedLimitError(RuntimeError):
@@ -80,8 +81,8 @@ class Feed:
         ``timeout`` s or when the feed stopped."""
         if self.version <= seen or self.view is None:
             news = self._news
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(news.wait(), timeout)
+            with contextlib.suppress(TimeoutError):
+                await wait_within(news.wait(), timeout)
         if self.stopped or self.version <= seen or self.view is None:
             return None
         return self.version, self.view

@@ -98,6 +98,9 @@ class Cli:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
+            self._reader.join(5.0)
+            while self._pump(0):  # what it printed before it was killed
+                pass
             raise AssertionError("aelastic did not exit:\n" + self.output) from None
         self._reader.join(timeout)
         while self._pump(0):

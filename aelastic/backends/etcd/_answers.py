@@ -17,6 +17,8 @@ import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ...core.race import wait_within
+
 __all__ = [
     "DEADLINE",
     "PERMISSION",
@@ -193,10 +195,10 @@ async def messages(
             if deadline is None:
                 piece = await iterator.__anext__()
             else:
-                piece = await asyncio.wait_for(iterator.__anext__(), deadline - loop.time())
+                piece = await wait_within(iterator.__anext__(), deadline - loop.time())
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Transient("the stream's time ran out") from None
         buffer += piece
         *lines, buffer = buffer.split(b"\n")

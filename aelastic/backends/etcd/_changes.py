@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
-from ...core.race import cancel_and_wait
+from ...core.race import cancel_and_wait, cancelling
 from ...core.state import Status
 from .._watch import RunWatch
 from ._client import EtcdClient, EtcdError, b64, unb64
@@ -214,6 +214,8 @@ class RunStream:
             except Exception:
                 log.exception("the watch of run '%s' failed", self._keys.run_id)
                 failing = True
+            if cancelling():  # a cancellation lost on the way: still the end
+                raise asyncio.CancelledError
             self.live_from = None
             self.watch.on_lost()
             if not self._restart.is_set():

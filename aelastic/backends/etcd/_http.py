@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import NamedTuple
 
+from ...core.race import wait_within
 from ._answers import Hangup, NotEtcd, Transient, tls_failure
 
 __all__ = ["Pool", "Response", "request_bytes"]
@@ -270,14 +271,14 @@ class Pool:
     async def _connect(self, host: str, port: int, within: float) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
-            _, connection = await asyncio.wait_for(
+            _, connection = await wait_within(
                 loop.create_connection(
                     _Connection, host, port, ssl=self._ssl,
                     server_hostname=host if self._ssl else None,
                 ),
                 within,
             )  # fmt: skip
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Transient(f"no connection within {within:g} s") from None
         except (OSError, ssl.SSLError) as exc:
             failure = tls_failure(exc)
@@ -331,8 +332,8 @@ class Pool:
             for answer in answers:
                 left = deadline - loop.time()
                 try:
-                    responses.append(await asyncio.wait_for(asyncio.shield(answer.done), left))
-                except asyncio.TimeoutError:
+                    responses.append(await wait_within(asyncio.shield(answer.done), left))
+                except TimeoutError:
                     raise Transient(f"no answer within {timeout:g} s") from None
             kept = connection.idle
             return responses

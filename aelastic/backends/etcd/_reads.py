@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
+from ...core.race import wait_within
 from ...core.state import MemberEntry, NodeDesc, Snapshot, Status
 from ._client import Compacted, EtcdClient, EtcdError, b64, unb64
 from ._layout import RunKeys, decode_header, member_parts, node_of, prefix_end
@@ -354,8 +355,8 @@ async def _until(messages: Any, idle: float) -> Any:
     iterator = messages.__aiter__()
     while True:
         try:
-            yield await asyncio.wait_for(iterator.__anext__(), idle)
-        except (StopAsyncIteration, asyncio.TimeoutError):
+            yield await wait_within(iterator.__anext__(), idle)
+        except (StopAsyncIteration, TimeoutError):
             return
 
 

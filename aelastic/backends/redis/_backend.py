@@ -27,7 +27,7 @@ from redis.exceptions import ResponseError
 
 from ...core.brief import beat_key, brief_reply
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
-from ...core.race import uncancellable
+from ...core.race import uncancellable, wait_within
 from ...core.state import FORMAT_VERSION, Op, Reply, Request, Snapshot, Status, Transition
 from ...core.token import Token, new_epoch
 from ...core.wire import (
@@ -260,7 +260,7 @@ class RedisBackend(RedisCalls, NamedConnections):
         pattern = lua.RunKeys.state_pattern(prefix)
 
         async def scan(within: float) -> list[str]:
-            keys = await asyncio.wait_for(client.scan(pattern, limit), within)
+            keys = await wait_within(client.scan(pattern, limit), within)
             tags = {lua.RunKeys.tag_of_state(k.decode(errors="replace"), prefix) for k in keys}
             return sorted(t for t in tags if t is not None)[:limit]
 

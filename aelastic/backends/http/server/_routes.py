@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ....core.race import wait_within
 from ....core.state import FORMAT, FORMAT_VERSION, Request, Transition
 from ....core.wire import (
     WireError,
@@ -130,8 +131,8 @@ async def _json(request: web.Request) -> Any:
         return _parse(await request.read())
     timeout = request.app[BODY_TIMEOUT]
     try:
-        raw = await asyncio.wait_for(request.read(), timeout)
-    except asyncio.TimeoutError:
+        raw = await wait_within(request.read(), timeout)
+    except TimeoutError:
         raise web.HTTPRequestTimeout(
             text=f"the request body did not arrive within {timeout:g} s"
         ) from None
