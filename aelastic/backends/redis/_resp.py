@@ -36,7 +36,6 @@ import asyncio
 import collections
 import contextlib
 import socket
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +48,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ...core.race import wait_within
 from ._codec import PING, Incomplete, Push, pack, parse
 from ._endpoint import RedisEndpoint
 
@@ -264,13 +264,6 @@ def _dropped(replies: list[Any] | None, error: BaseException | None) -> None:
     pass
 
 
-async def _within(awaitable: Any, seconds: float) -> Any:
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(seconds):
-            return await awaitable
-    return await asyncio.wait_for(awaitable, seconds)  # pragma: no cover (Python 3.10)
-
-
 class Dialer:
     """Opens connections to the data nodes of an endpoint (same options for every node).
 
@@ -331,7 +324,7 @@ class Dialer:
         where = f"{host}:{port}"
         conn = RespConnection((host, port), None)
         try:
-            await _within(self._connect(conn, host, port, resp3), CONNECT_TIMEOUT)
+            await wait_within(self._connect(conn, host, port, resp3), CONNECT_TIMEOUT)
         except asyncio.TimeoutError:
             conn.close()
             raise RedisTimeoutError("Timeout connecting to server") from None
