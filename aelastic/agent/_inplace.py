@@ -4,7 +4,7 @@ How it works: the agent listens on a Unix socket in a private directory (mode 07
 gives its path to every worker (``AELASTIC_INPLACE_SOCKET``). A worker that uses
 :class:`aelastic.worker.InPlace` connects and says ``hello`` (its pid); scripts that do not
 never connect, and the agent treats them exactly as before. When the group changes and every
-local worker of the attempt is alive and said hello, the agent keeps them
+local worker of the attempt is alive, said hello and made its current group, the agent keeps them
 (:meth:`InPlaceChannel.hold`: each is told ``changing``), re-rendezvouses, and sends each its
 new ranks and master (:meth:`resume`, one JSON line); each answers ``joined`` once its new
 process group is made and the state handed over. A worker whose collective broke says
@@ -115,6 +115,14 @@ class InPlaceChannel:
         """Whether every worker of ``processes`` is alive and recovers in place."""
         return bool(processes) and all(
             p.returncode is None and p.pid in self._workers for p in processes
+        )
+
+    def settled(self, processes: Iterable[WorkerProcess]) -> bool:
+        """Whether every worker of ``processes`` made its group of the current generation.
+        One still making it is blocked in torch's store (its rank 0's, up to its timeout)
+        and cannot follow a newer round: it is started again rather than kept."""
+        return all(
+            (w := self._workers.get(p.pid)) is not None and w.joined >= self.gen for p in processes
         )
 
     def broken_workers(self, processes: Iterable[WorkerProcess]) -> list[int]:

@@ -65,13 +65,16 @@ class PeerLoss:
         return explained
 
     def hold(self, decision: Decision, workers: WorkerSet | None) -> bool:
-        """Whether the workers are kept through this rescale (all alive and opted in); if
-        so, they are told to leave their group now."""
+        """Whether the workers are kept through this rescale (all alive, opted in, and in
+        the group of the current round); if so, they are told to leave their group now."""
         self.held = (
             decision.action is Action.RESCALE
             and workers is not None
             and self.channel.opted_in(workers.processes)
         )
+        if self.held and workers is not None and not self.channel.settled(workers.processes):
+            log.info("a worker is still making its group: starting the workers again")
+            self.held = False
         if self.held:
             assert workers is not None
             self.channel.hold(workers.processes)

@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(150)]
 
 FAULTY = str(Path(__file__).with_name("_inplace_fault.py"))
 # A window of 0.8 s: shorter ones let a starved live node be pruned on a loaded machine, and
-# the churn that follows keeps workers waiting for masters of rounds already gone.
+# the churn that follows (rounds re-formed; workers making their group then started again,
+# tests/agent/test_inplace_channel.py) slows the test down.
 BEAT = {"keep_alive_interval": 0.4, "keep_alive_max_attempt": 2}
 
 
