@@ -446,7 +446,9 @@ async def test_a_member_woken_by_the_completion_renews_its_lease_with_its_rank(
     its rank, however recently it renewed before: its heartbeats start after that answer
     (the first at a random point of the interval), so a lease left to count from the
     member's beat before the completion went that long, the completion's reads and up to an
-    interval unrenewed, and under load ran out. Window 20 s: a fifth of it is 4 s."""
+    interval unrenewed, and under load ran out. A heartbeat renews whenever it comes (a
+    first one soon after the completion was skipped: another interval). Window 20 s: a
+    fifth of it is 4 s."""
     rules = Rules(2, 2, last_call_ms=100, window_ms=20_000)
     first, second = NodeDesc("10.0.0.1", 1, 0), NodeDesc("10.0.0.2", 1, 0)
     run = "renew-at-completion"
@@ -469,6 +471,10 @@ async def test_a_member_woken_by_the_completion_renews_its_lease_with_its_rank(
         raw = server.call("/v3/kv/range", {"key": b64(a.keys.member("p", first))})["kvs"][0]
         lease = server.call("/v3/lease/timetolive", {"ID": raw["lease"]})
         assert int(lease["TTL"]) >= 18, lease  # counts from the completion, not 2.5 s before
+        assert a._leases is not None  # a heartbeat right after renews too
+        renewed = a._leases._ids[first][1]
+        beat = await a.apply(Request(Op.KEEP_ALIVE, first, rules, secret="a" * 32))
+        assert beat.known and a._leases._ids[first][1] > renewed
 
 
 async def test_a_node_renews_the_lease_its_keys_are_on(server: EtcdServer) -> None:

@@ -332,10 +332,13 @@ class RunPort(RunReads):
                 f"{self.where}: the run changed under {_ATTEMPTS} attempts of {request.op.value}"
             )
         if plan.beat:
-            # A join that completes renews at once (the node's heartbeats start after it).
+            # A heartbeat, and a join that completes (the heartbeats start after it),
+            # renew at once (see ._leases).
             completes = request.op is Op.JOIN and plan.outcome is Outcome.FINISH
             try:
-                alive = await self._leases.renew(node, at_once=completes)
+                alive = await self._leases.renew(
+                    node, at_once=completes or request.op is Op.KEEP_ALIVE
+                )
             except LeaseNotFound:
                 alive = False
             if not alive and request.op is Op.KEEP_ALIVE:

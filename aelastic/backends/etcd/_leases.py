@@ -9,15 +9,17 @@ carries out the join right after the grant, so the lease's time to live counts f
 join, as the machine's window counts from a node's join) and kept across rounds; renewing
 it is a keep-alive (etcd's leader keeps leases: no Raft entry, no watch event, nobody
 woken).
-The join that completes a node's round always renews its lease (in the same write as the
-read of its rank): the node's heartbeats start after that answer, the first at a random
-point of the interval, so a lease left as the node's last beat before the completion had
-it (a fifth of its time to live ago at most) went that long, plus the completion's burst
-of reads, plus up to an interval without a renewal. Measured at 256 nodes on the shared
-2-core machine: up to 2 s between a node's renewals right after the completion, where a
-beat every interval leaves 1 s; with etcd's own delays at that moment (a keep-alive waits
-up to 1 s on the leader for etcd to apply what it committed), a few leases of a 3 s window
-ran out and the round lost those members (docs/benchmarks.md, the etcd section).
+A join that waits renews the lease only when a fifth of its time to live passed (not right
+after the write that granted it); the join that completes a node's round always renews it
+(in the same write as the read of its rank), and so does every heartbeat: the node's
+heartbeats start after that answer, the first at a random point of the interval, so a
+lease left as the node's last beat before the completion had it (up to a fifth of its time
+to live before) went that long, plus the completion's burst of reads, plus up to an
+interval without a renewal, and a first heartbeat that fell within that fifth was skipped
+(another interval). Measured at 256 nodes on the shared 2-core machine: up to 2 s between
+a node's renewals right after the completion, where a beat every interval leaves 1 s; with
+etcd's own delays at that moment, a few leases of a 3 s window ran out and the round lost
+those members (docs/benchmarks.md, the etcd section).
 :class:`Deadlines` keeps, per process, when each last call was first seen, so that the
 process times the last call from then.
 """
@@ -163,8 +165,8 @@ class Leases:
     async def renew(self, node: NodeDesc, at_once: bool = False) -> bool:
         """Renew ``node``'s lease; whether it was still alive. A lease renewed less than a
         fifth of its time to live ago is not renewed again (a join's beat right after its
-        grant), unless ``at_once``: the beat of a join that completes (see the module
-        docstring)."""
+        grant), unless ``at_once``: a heartbeat, or the beat of a join that completes (see
+        the module docstring)."""
         if node not in self._ids:
             return False
         request = self.renew_request(node, at_once)
