@@ -32,34 +32,6 @@ def _note_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
         _skipped.append(f"{report.nodeid}: {reason}")
 
 
-# The files whose tests take longest (real multi-node jobs with torch workers): run first,
-# so that the workers' last tests are short ones and the run does not end waiting for one
-# long test (pytest-xdist hands the tests out in this order). Whole files move, in order.
-_LONG_FIRST = (
-    "tests/examples/test_elastic_demo.py",
-    "tests/examples/test_ddp_train.py",
-    "tests/examples/test_inplace_recovery.py",
-    "tests/agent/test_spares.py",
-    "tests/examples/test_frameworks.py",
-    "tests/agent/test_inplace_faults.py",
-    "tests/cli/test_etcd_run.py",
-    "tests/cli/test_redis_failover.py",
-    "tests/chaos/test_chaos.py",
-    "tests/agent/test_gloo_heal.py",
-    "tests/cli/test_console_stall.py",
-    "tests/cli/test_torchrun_plugin.py",
-    "tests/backends/test_redis_ha.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid.split("::", 1)[0]
-        return _LONG_FIRST.index(path) if path in _LONG_FIRST else len(_LONG_FIRST)
-
-    items.sort(key=rank)  # stable: the rest keep their order
-
-
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _note_skip(report)
 

@@ -120,7 +120,7 @@ async def run_both(client: EtcdClient, rules: Rules, steps: list[Step]) -> None:
         await leases.revoke_all()
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
           HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(scenarios)
 def test_port_and_python_agree_on_every_reply_and_state(

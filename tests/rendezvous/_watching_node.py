@@ -5,7 +5,7 @@ and prints one JSON line per event: ``{"event": "ready", "rank": r, "pid": p}`` 
 round is complete, then ``{"event": "changed", "lost": n, "removed": b, "at": wall time}``
 each time the group changes. A line ``check`` on stdin makes it ask the backend which members'
 connections ended (as an agent does when a worker's collective broke) and print
-``{"event": "checked", "lost": n}``. Ends when stdin closes (then it leaves).
+``{"event": "checked", "lost": n, "took": seconds}``. Ends when stdin closes (then it leaves).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ async def main(backend: str, endpoint: str, run_id: str, conf: dict[str, str]) -
             while line := await stdin:
                 stdin = loop.run_in_executor(None, sys.stdin.readline)
                 if line.strip() == "check":
-                    say(event="checked", lost=await handler.report_departures())
+                    began = time.monotonic()
+                    lost = await handler.report_departures()
+                    say(event="checked", lost=lost, took=time.monotonic() - began)
 
         async def changes() -> None:
             since = None

@@ -6,9 +6,14 @@ carries it; a lost one that comes back makes the backend send the node's beat at
 last keep-alive it knows: the node's rules and secret). When a worker's collective broke,
 :meth:`NamedConnections.report_departures` lists the clients of the run's server, reports
 each member whose name is gone as a departure (the operator's word: whoever holds this
-Redis' credentials may close the run anyway), and applies it again once the machine's grace
-has passed, so that a dead member is lost about a second after the check rather than after
-the heartbeat window. See :mod:`._presence` for what is and is not reported.
+Redis' credentials may close the run anyway). A name still gone when looked for again a
+moment later (:data:`_CONFIRM_AFTER`), of at most half the members, is a *confirmed*
+departure: the member is lost at once unless heard from since the first look (a live node's
+connection is named again at once and its beat follows it). Otherwise (more than half gone:
+a server that restarted or failed over, or names coming back) the report is applied again
+once the machine's grace has passed, so that a dead member is lost about a second after the
+check rather than after the heartbeat window. See :mod:`._presence` for what is and is not
+reported.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ log = logging.getLogger("aelastic.backends.redis")
 #: moment ago may not be read by a busy server yet (nothing waits on the later checks: the
 #: agent waits for the group change anyway).
 _CHECKS = (0.0, 0.25, 0.75)
+
+#: Seconds before a name found gone is looked for again: still gone then, the departure is
+#: confirmed (a survivor's collective broke, and the member's connection stays gone).
+_CONFIRM_AFTER = 0.25
 
 #: How long one survivor's check keeps the others of the run from checking too (ms): when a
 #: member dies every survivor's collective breaks at once, and each ``CLIENT LIST`` is
@@ -127,10 +136,23 @@ class NamedConnections:
             found = await self._check_names(me)
             if found is None:
                 return 0
-            absent, since = found
+            absent, since, members = found
             if absent:
-                return len(await self._depart(absent, since))
+                return len(await self._confirm_or_depart(me, absent, since, members))
         return 0
+
+    async def _confirm_or_depart(
+        self, me: NodeDesc, absent: list[NodeDesc], since: int, members: int
+    ) -> list[NodeDesc]:
+        """Names still gone a moment later, of at most half the members, are confirmed (a
+        live node's connection is named again at once, and its beat follows); the rest
+        take the grace."""
+        await asyncio.sleep(_CONFIRM_AFTER)
+        again = await self._check_names(me)
+        if again is None or 2 * len(absent) > members:
+            return await self._depart(absent, since)
+        still = [n for n in absent if n in again[0]]
+        return await self._depart(still, since, confirmed=True) if still else []
 
     async def _claim_check(self, me: NodeDesc) -> bool:
         """Whether this survivor is the one of the run to check now (``SET NX``)."""
@@ -142,9 +164,9 @@ class NamedConnections:
 
         return await self._call("departure check", claim) is not None
 
-    async def _check_names(self, me: NodeDesc) -> tuple[list[NodeDesc], int] | None:
-        """The members whose names are gone and the moment to report (``None``: the
-        server cannot tell)."""
+    async def _check_names(self, me: NodeDesc) -> tuple[list[NodeDesc], int, int] | None:
+        """The members whose names are gone, the moment to report, and how many members
+        there are (``None``: the server cannot tell)."""
         if self._list_refused:
             return None
         client, _ = await self._bind()
@@ -189,13 +211,15 @@ class NamedConnections:
             len(members),
             len(absent),
         )
-        return absent, since
+        return absent, since, len(members)
 
-    async def _depart(self, absent: list[NodeDesc], since: int) -> list[NodeDesc]:
+    async def _depart(
+        self, absent: list[NodeDesc], since: int, confirmed: bool = False
+    ) -> list[NodeDesc]:
         lost: list[NodeDesc] = []
         while absent:
             replies = await asyncio.gather(
-                *(self.apply(Request.departure(n, since)) for n in absent)
+                *(self.apply(Request.departure(n, since, confirmed=confirmed)) for n in absent)
             )
             waiting, due = [], 0
             for node, reply in zip(absent, replies, strict=True):

@@ -49,20 +49,16 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from ....core.state import NodeDesc, Op, Reply, Request
-from ....core.wire import WireError, request_from_json
 from ..wire import (
     CHANNEL_PATH,
     MAX_BODY,
     SchemaError,
-    require_object,
-    require_run_id,
-    require_seconds,
-    require_token,
 )
 from ._answer import answer, failure
 from ._departures import Departures
 from ._guard import DEFAULT_KEEPALIVE_TIMEOUT
 from ._held import Held, HeldBeats, encode, start
+from ._message import Closed, parse, read_message
 from ._quota import QUOTA, NodeQuotaError
 from ._repeat import repeat_id, tail
 from ._runs import RunStore
@@ -73,38 +69,14 @@ log = logging.getLogger("aelastic.backends.http.server")
 
 #: Requests held on one channel at most; more are answered 503.
 MAX_IN_FLIGHT = 4096
-_MAX_ID = 2**53
 #: Seconds the held answers get to go out at shutdown before the channels close.
 _SHUTDOWN_GRACE = 2.0
-_FIELDS = frozenset({"id", "run", "request", "hold", "seen", "beat", "broken"})
 _TOO_MANY = f"more than {MAX_IN_FLIGHT} requests held"
-_MAX_BEAT_KEY = 256
 
 #: Called with the status (200 or the error's) and the bytes of each answer sent on a
 #: channel (the metrics count them).
 Tap = Callable[[int, int], None]
 TAPS: web.AppKey[list[Tap]] = web.AppKey("aelastic_channel_taps", list)
-
-
-class _Closed(Exception):
-    """A message broke the channel's rules: close it with this code and reason."""
-
-    def __init__(self, code: int, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-
-
-def _parse(data: str) -> tuple[int, dict[str, Any]]:
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
-        raise _Closed(WSCloseCode.INVALID_TEXT, "a message that is not JSON") from None
-    if not isinstance(doc, dict):
-        raise _Closed(WSCloseCode.INVALID_TEXT, "a message that is not a JSON object")
-    msg_id = doc.get("id")
-    if type(msg_id) is not int or not 0 <= msg_id < _MAX_ID:
-        raise _Closed(WSCloseCode.INVALID_TEXT, "a message without a valid 'id'")
-    return msg_id, doc
 
 
 class _Channel:
@@ -158,7 +130,7 @@ class _Channel:
         parsed nor checked again (:mod:`._repeat`).
 
         Raises:
-            _Closed: The message breaks the channel's rules.
+            Closed: The message breaks the channel's rules.
         """
         repeat = self._repeat
         if repeat is not None:
@@ -169,7 +141,7 @@ class _Channel:
                 else:
                     self._dispatch(msg_id, *repeat[1:])
                 return
-        msg_id, doc = _parse(data)
+        msg_id, doc = parse(data)
         self.take(msg_id, doc, data)
 
     def take(self, msg_id: int, doc: dict[str, Any], data: str | None = None) -> None:
@@ -188,22 +160,8 @@ class _Channel:
             self._later(self._error(msg_id, 503, _TOO_MANY))
             return
         try:
-            unknown = set(doc) - _FIELDS
-            if unknown:
-                raise SchemaError(f"unknown field(s): {', '.join(sorted(map(repr, unknown)))}")
-            run_id = require_run_id(doc.get("run"))
-            hold = require_seconds(doc.get("hold", 0), "'hold'")
-            seen = None if doc.get("seen") is None else require_token(doc["seen"], "'seen'")
-            key = doc.get("beat", "")
-            if not isinstance(key, str) or len(key) > _MAX_BEAT_KEY:
-                raise SchemaError(f"'beat' must be a string of at most {_MAX_BEAT_KEY} characters")
-            try:
-                request = request_from_json(require_object(doc.get("request")))
-            except WireError as exc:
-                raise SchemaError(str(exc)) from None
-            broken = doc.get("broken", False)
-            if broken is not False and (broken is not True or request.op is not Op.KEEP_ALIVE):
-                raise SchemaError("'broken' is true, with a keep-alive, or absent")
+            message = read_message(doc)
+            run_id, request, hold, seen, key = message[:5]
             self.upgrade.app[QUOTA].admit(self.upgrade, run_id, request)
         except SchemaError as exc:
             self._later(self._error(msg_id, 400, str(exc)))
@@ -211,7 +169,7 @@ class _Channel:
         except NodeQuotaError as exc:
             self._later(self._error(msg_id, 429, str(exc)))
             return
-        if broken:
+        if message.broken:
             self.nodes[(run_id, request.node)] = request.secret
             self._later(self._broken(msg_id, run_id, request))
             return
@@ -345,7 +303,7 @@ async def _serve(
             if msg.type is WSMsgType.TEXT:
                 try:
                     channel.take_text(msg.data)
-                except _Closed as exc:
+                except Closed as exc:
                     channel.closed_here = True
                     await ws.close(code=exc.code, message=str(exc).encode())
                     break
