@@ -130,12 +130,14 @@ async def test_a_departed_node_heard_from_since_stays(run_id: str) -> None:
         assert (await status(url, run_id)).lost == 0
 
 
-async def test_the_client_reports_with_its_last_keep_alive(run_id: str) -> None:
+@pytest.mark.parametrize("sent", [Op.JOIN, Op.KEEP_ALIVE])
+async def test_the_client_reports_as_its_node(run_id: str, sent: Op) -> None:
+    """With its last keep-alive, or its join's secret before its first beat."""
     async with three_members(run_id) as (url, seen, _):
         backend = HttpBackend(run_id, url)
         try:
-            assert await backend.report_departures(node(0)) == 0  # no beat sent yet
-            await backend.apply(Request(Op.KEEP_ALIVE, node(0), RULES, secret=SECRET))
+            assert await backend.report_departures(node(0)) == 0  # nothing sent yet
+            await backend.apply(Request(sent, node(0), RULES, secret=SECRET))
             seen.channels[2].abort()
             await anyio.sleep(0.05)
             assert await backend.report_departures(node(1)) == 0  # not its node

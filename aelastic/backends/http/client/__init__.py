@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
@@ -215,6 +216,9 @@ class HttpBackend(HttpStore):
         except ValueError as exc:  # WireError included
             raise self._fits("a reply", WireError(str(exc))) from None
         self._last = reply.status
+        if request.op is Op.JOIN and reply.known:
+            # Its keep-alive, before the first one is sent (a broken collective's report).
+            self._beat = replace(request, op=Op.KEEP_ALIVE, expired=False, port=0)
         feed.watch.on_status(reply.status)
         return reply
 
