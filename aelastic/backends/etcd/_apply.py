@@ -241,7 +241,7 @@ class RunPort(RunReads):
     ) -> Reply | None:
         """The join of a participant whose round the watch says completed (``header``, at
         revision ``cut``): its rank and the round's bootstrap address, read at the cut in
-        one small transaction (its keep-alive in the same write, when due), instead of a
+        one small transaction (its keep-alive in the same write), instead of a
         full read; what the full read would add is the pruning that the round's sentinels
         do anyway (:mod:`._changes`). ``None`` when the node's key was not in the round or
         its lease is gone (the request is then carried out in full)."""
@@ -254,7 +254,7 @@ class RunPort(RunReads):
             ]
         }
         requests = [("/v3/kv/txn", read)]
-        renew = self._leases.renew_request(node)
+        renew = self._leases.renew_request(node, at_once=True)  # see ._leases
         if renew is not None:
             requests.insert(0, renew)
         try:
@@ -332,8 +332,13 @@ class RunPort(RunReads):
                 f"{self.where}: the run changed under {_ATTEMPTS} attempts of {request.op.value}"
             )
         if plan.beat:
+            # A heartbeat, and a join that completes (the heartbeats start after it),
+            # renew at once (see ._leases).
+            completes = request.op is Op.JOIN and plan.outcome is Outcome.FINISH
             try:
-                alive = await self._leases.renew(node)
+                alive = await self._leases.renew(
+                    node, at_once=completes or request.op is Op.KEEP_ALIVE
+                )
             except LeaseNotFound:
                 alive = False
             if not alive and request.op is Op.KEEP_ALIVE:

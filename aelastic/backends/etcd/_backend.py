@@ -218,7 +218,7 @@ class EtcdBackend:
             return None
         assert self._leases is not None
         try:
-            alive = await self._leases.renew(node)
+            alive = await self._leases.renew(node, at_once=op is Op.KEEP_ALIVE)
         except LeaseNotFound:
             alive = False
         if not alive:

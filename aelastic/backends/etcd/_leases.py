@@ -9,6 +9,17 @@ carries out the join right after the grant, so the lease's time to live counts f
 join, as the machine's window counts from a node's join) and kept across rounds; renewing
 it is a keep-alive (etcd's leader keeps leases: no Raft entry, no watch event, nobody
 woken).
+A join that waits renews the lease only when a fifth of its time to live passed (not right
+after the write that granted it); the join that completes a node's round always renews it
+(in the same write as the read of its rank), and so does every heartbeat: the node's
+heartbeats start after that answer, the first at a random point of the interval, so a
+lease left as the node's last beat before the completion had it (up to a fifth of its time
+to live before) went that long, plus the completion's burst of reads, plus up to an
+interval without a renewal, and a first heartbeat that fell within that fifth was skipped
+(another interval). Measured at 256 nodes on the shared 2-core machine: up to 2 s between
+a node's renewals right after the completion, where a beat every interval leaves 1 s; with
+etcd's own delays at that moment, a few leases of a 3 s window ran out and the round lost
+those members (docs/benchmarks.md, the etcd section).
 :class:`Deadlines` keeps, per process, when each last call was first seen, so that the
 process times the last call from then.
 """
@@ -111,11 +122,14 @@ class Leases:
         if entry is None or entry[0] != lease:
             self._ids[node] = (lease, 0.0, self._ttl_for(window_ms))
 
-    def renew_request(self, node: NodeDesc) -> tuple[str, dict[str, Any]] | None:
+    def renew_request(
+        self, node: NodeDesc, at_once: bool = False
+    ) -> tuple[str, dict[str, Any]] | None:
         """The keep-alive of ``node``'s lease, or ``None`` when there is no lease or it was
-        renewed less than a fifth of its time to live ago (see :meth:`renew`)."""
+        renewed less than a fifth of its time to live ago (see :meth:`renew`; ``at_once``:
+        renewed whenever it was last)."""
         entry = self._ids.get(node)
-        if entry is None or time.monotonic() - entry[1] < entry[2] / 5:
+        if entry is None or (not at_once and time.monotonic() - entry[1] < entry[2] / 5):
             return None
         return "/v3/lease/keepalive", {"ID": entry[0]}
 
@@ -148,13 +162,14 @@ class Leases:
             return entry[0]
         return await self.grant(node, window_ms)
 
-    async def renew(self, node: NodeDesc) -> bool:
+    async def renew(self, node: NodeDesc, at_once: bool = False) -> bool:
         """Renew ``node``'s lease; whether it was still alive. A lease renewed less than a
         fifth of its time to live ago is not renewed again (a join's beat right after its
-        grant)."""
+        grant), unless ``at_once``: a heartbeat, or the beat of a join that completes (see
+        the module docstring)."""
         if node not in self._ids:
             return False
-        request = self.renew_request(node)
+        request = self.renew_request(node, at_once)
         if request is None:
             return True
         return self.renewed(node, await self._client.call(*request, "keep-alive"))
