@@ -66,6 +66,7 @@ from .state import (
 
 __all__ = [
     "beat_due_ms",
+    "confirmable",
     "departure_grace_ms",
     "expiry_ms",
     "prune",
@@ -97,6 +98,14 @@ def departure_grace_ms(rules: Rules) -> int:
     a second covers that on a loaded machine, and half the window keeps the report worth
     making when the window is short."""
     return min(rules.window_ms // 2, 1000)
+
+
+def confirmable(departing: int, nodes: int) -> bool:
+    """Whether ``departing`` nodes of a run of ``nodes`` whose connections ended may be
+    confirmed lost once a member's collective broke: at most half of them (many connections
+    ending at once is the network, or a store that restarted, not deaths: they keep the
+    grace)."""
+    return 2 * departing <= nodes
 
 
 def _signature(state: RunState) -> tuple[object, ...]:

@@ -6,6 +6,7 @@ import pytest
 
 from aelastic.core.machine import (
     beat_due_ms,
+    confirmable,
     departure_grace_ms,
     expiry_ms,
     reuse_grace_ms,
@@ -391,6 +392,11 @@ def test_a_confirmed_departure_has_no_grace_but_spares_a_node_heard_since() -> N
     ask(s, B, Op.KEEP_ALIVE, now=gone + 1, r=r)  # its client reconnected and beat
     reply = step(s, Request.departure(B, gone, secret="", confirmed=True), gone + 5)
     assert reply.transition is Transition.NONE and s.knows(B)
+
+
+def test_departures_are_confirmable_for_at_most_half_the_nodes() -> None:
+    assert confirmable(1, 2) and confirmable(1, 3) and confirmable(2, 4)
+    assert not confirmable(2, 3) and not confirmable(3, 4) and not confirmable(1, 1)
 
 
 def test_a_short_window_halves_the_grace() -> None:

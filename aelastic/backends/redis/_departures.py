@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import ResponseError
 
 from ...core.errors import RendezvousConnectionError
+from ...core.machine import confirmable
 from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Snapshot, Transition
 from ._presence import Presence, absent_members, parse_client_list
 
@@ -149,7 +150,7 @@ class NamedConnections:
         take the grace."""
         await asyncio.sleep(_CONFIRM_AFTER)
         again = await self._check_names(me)
-        if again is None or 2 * len(absent) > members:
+        if again is None or not confirmable(len(absent), members):
             return await self._depart(absent, since)
         still = [n for n in absent if n in again[0]]
         return await self._depart(still, since, confirmed=True) if still else []

@@ -31,6 +31,7 @@ import asyncio
 import logging
 from dataclasses import replace
 
+from ....core.machine import confirmable
 from ....core.state import NodeDesc, Outcome, Request, Transition
 from ..._engine import now_ms
 from ._runs import RunStore
@@ -84,7 +85,7 @@ class Departures:
             return 0
         status = self._store.engine.status(run_id, now_ms())
         nodes = status.participants + status.waiting + status.redundant
-        if 2 * len(waiting) > nodes:
+        if not confirmable(len(waiting), nodes):
             log.info(
                 "run %r: %d of its %d nodes' channels ended at once: left to their grace",
                 run_id,
