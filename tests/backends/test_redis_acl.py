@@ -134,18 +134,25 @@ async def test_a_missing_command_is_named(run_id: str, missing: str) -> None:
     assert "node-pw" not in message
 
 
+def node_user_without(server: RedisServer, *commands: str) -> None:
+    """Make the documented node user on ``server``, less ``commands``."""
+    client = server.client()
+    try:
+        args = documented_acl()["aelastic-node"]
+        client.execute_command(
+            "ACL", "SETUSER", "aelastic-node", *args, *(f"-{c}" for c in commands)
+        )
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("missing", ["publish", "info"])
 async def test_a_command_a_script_does_without_is_named_in_a_warning(
     run_id: str, missing: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, "aelastic.backends.redis")
     with RedisServer() as server:
-        client = server.client()
-        try:
-            args = documented_acl()["aelastic-node"]
-            client.execute_command("ACL", "SETUSER", "aelastic-node", *args, f"-{missing}")
-        finally:
-            client.close()
+        node_user_without(server, missing)
         async with handler_group(
             "redis", url(server, "aelastic-node"), run_id, 2, 2, 2, recheck_interval=0.2
         ) as handlers:
@@ -181,14 +188,7 @@ async def test_a_user_without_client_commands_leaves_departures_to_the_window(
 ) -> None:
     caplog.set_level(logging.WARNING, "aelastic.backends.redis")
     with RedisServer() as server:
-        client = server.client()
-        try:
-            args = documented_acl()["aelastic-node"]
-            client.execute_command(
-                "ACL", "SETUSER", "aelastic-node", *args, "-client|setname", "-client|list"
-            )
-        finally:
-            client.close()
+        node_user_without(server, "client|setname", "client|list")
         async with handler_group("redis", url(server, "aelastic-node"), run_id, 2, 2, 2) as hs:
             assert_one_group(await join_all(hs), 2)
             assert await hs[0].report_departures() == 0

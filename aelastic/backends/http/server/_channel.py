@@ -49,11 +49,7 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from ....core.state import NodeDesc, Op, Reply, Request
-from ..wire import (
-    CHANNEL_PATH,
-    MAX_BODY,
-    SchemaError,
-)
+from ..wire import CHANNEL_PATH, MAX_BODY, SchemaError
 from ._answer import answer, failure
 from ._departures import Departures
 from ._guard import DEFAULT_KEEPALIVE_TIMEOUT
@@ -161,15 +157,15 @@ class _Channel:
             return
         try:
             message = read_message(doc)
-            run_id, request, hold, seen, key = message[:5]
-            self.upgrade.app[QUOTA].admit(self.upgrade, run_id, request)
+            self.upgrade.app[QUOTA].admit(self.upgrade, message.run_id, message.request)
         except SchemaError as exc:
             self._later(self._error(msg_id, 400, str(exc)))
             return
         except NodeQuotaError as exc:
             self._later(self._error(msg_id, 429, str(exc)))
             return
-        if message.broken:
+        run_id, request, hold, seen, key, broken = message
+        if broken:
             self.nodes[(run_id, request.node)] = request.secret
             self._later(self._broken(msg_id, run_id, request))
             return
