@@ -42,7 +42,7 @@ fi
 # pytest exits 5 when it collects nothing; set -e turns that into a failure too. Every real
 # part is installed above, so a skipped test fails the run (tests/conftest.py). The tests
 # mostly wait on subprocesses and servers, so four pytest workers share the machine's two
-# cores (on a quiet 2-core machine: 534 s and 551 s, against 588 s with three;
+# cores (on a 2-core machine: 534 to 623 s in four runs, against 588 s in one with three;
 # AELASTIC_TEST_WORKERS=0 runs them in one process); pytest-benchmark, where installed, is
 # kept out (it refuses to run under xdist; the benchmarks are scripts of their own).
 AELASTIC_TESTS_NO_SKIP=1 "$PY" -m pytest -p no:benchmark -n "${AELASTIC_TEST_WORKERS:-4}" \
