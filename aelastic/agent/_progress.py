@@ -84,6 +84,14 @@ class PageReading:
     main_thread: int
     paused: bool = False
 
+    def last_progress(self) -> float | None:
+        """Monotonic time (seconds) of the last progress, or ``None`` when the worker is not
+        watched now: no progress yet, paused, or a page read half-written (steps without
+        the time of the first one)."""
+        if not self.steps or not self.last_ns or self.paused:
+            return None
+        return self.last_ns / 1e9
+
 
 def _shared_dir() -> str | None:
     shm = "/dev/shm"

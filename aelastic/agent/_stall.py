@@ -98,9 +98,7 @@ async def watch_stalls(
     while True:
         running = {p.local_rank: p for p in processes if p.returncode is None}
         readings = {rank: pages.read(rank) for rank in running}
-        last = {
-            r: (x.last_ns / 1e9 if x.steps and not x.paused else None) for r, x in readings.items()
-        }
+        last = {r: x.last_progress() for r, x in readings.items()}
         now = time.monotonic()
         check = check_stalls(last, now, stall_timeout)
         if not check.stalled:

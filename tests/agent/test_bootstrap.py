@@ -107,6 +107,24 @@ def test_progress_goes_to_the_page_and_pausing_and_exiting_stop_the_watch(
     assert int.from_bytes(inside[48:56], sys.byteorder) == 1  # paused inside the block
 
 
+def test_a_page_read_between_the_workers_two_stores_is_not_a_stall() -> None:
+    """The agent may read a page while the worker writes it: steps without a time (the first
+    progress half-written) is "not watched yet", never a stall as old as the machine's
+    uptime; the worker writes the time first, so a full page has both."""
+    from aelastic.agent._progress import PageReading
+    from aelastic.agent.policy import check_stalls
+
+    torn = PageReading(pid=7, steps=1, last_ns=0, stack_signal=0, main_thread=1)
+    assert torn.last_progress() is None
+    assert check_stalls({0: torn.last_progress()}, time.monotonic(), 1.0).stalled == ()
+    whole = PageReading(pid=7, steps=1, last_ns=5_000_000_000, stack_signal=0, main_thread=1)
+    assert whole.last_progress() == 5.0
+    assert PageReading(7, 1, 5, 0, 1, paused=True).last_progress() is None
+    source = Path(sys.modules["aelastic.agent._progress"].runtime.__file__).read_text()
+    body = source[source.index("def progress()") : source.index("def attached()")]
+    assert body.index("page[SLOT_TIME]") < body.index("page[SLOT_STEPS]")
+
+
 @pytest.mark.anyio
 async def test_a_worker_blocked_in_c_dumps_every_thread_on_its_signal(
     tmp_path: Path, pages: ProgressPages

@@ -90,8 +90,10 @@ def progress() -> None:
         if page is None:
             return
     _steps += 1
-    page[SLOT_STEPS] = _steps
+    # The time first: a page with steps always has the time of a progress (the agent may
+    # read between the two stores).
     page[SLOT_TIME] = _monotonic_ns()
+    page[SLOT_STEPS] = _steps
 
 
 def attached() -> bool:
