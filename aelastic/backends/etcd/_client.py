@@ -29,7 +29,7 @@ import asyncio
 import json
 import random
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -57,6 +57,7 @@ from ._answers import (
 from ._endpoint import EtcdEndpoint
 from ._failures import auth_failure, not_etcd, refused_by_member, tls_refused, unreachable
 from ._http import Pool, request_bytes
+from ._renewals import Renewals
 
 __all__ = [
     "Compacted",
@@ -102,6 +103,7 @@ class EtcdClient:
         self._members = dict(zip(self._urls, endpoint.members, strict=True))
         self._current = random.randrange(len(self._urls))
         self._pool: Pool | None = None
+        self._renewals: Renewals | None = None  # the keep-alive stream, once a lease beats
         self._token: str | None = None
         self._auth_lock: asyncio.Lock | None = None
         self._closed = False
@@ -142,8 +144,15 @@ class EtcdClient:
         self, url: str, requests: list[tuple[str, dict[str, Any]]], timeout: float
     ) -> list[dict[str, Any] | EtcdError]:
         """One attempt at member ``url`` (see :data:`SLOW` for one that takes long)."""
+        return await self._patiently(url, self._send(url, requests, timeout))
+
+    async def _patiently(
+        self, url: str, sending: Awaitable[list[dict[str, Any] | EtcdError]]
+    ) -> list[dict[str, Any] | EtcdError]:
+        """Await ``sending``, an attempt at member ``url``: one that takes long is
+        abandoned only if the member's leader changed meanwhile (see :data:`SLOW`)."""
         term = self._term
-        attempt = asyncio.ensure_future(self._send(url, requests, timeout))
+        attempt = asyncio.ensure_future(sending)
         try:
             while True:
                 done, _ = await asyncio.wait({attempt}, timeout=SLOW)
@@ -213,12 +222,16 @@ class EtcdClient:
             except EtcdError as exc:
                 answers.append(exc)
                 continue
-            header = answer.get("header") or answer.get("result", {}).get("header") or {}
-            term = int(header.get("raft_term", 0) or 0)
-            if term > self._term:
-                self._term = term
+            self._saw(answer)
             answers.append(answer)
         return answers
+
+    def _saw(self, answer: dict[str, Any]) -> None:
+        """Note the Raft term of ``answer`` (see ``_leader_changed``)."""
+        header = answer.get("header") or answer.get("result", {}).get("header") or {}
+        term = int(header.get("raft_term", 0) or 0)
+        if term > self._term:
+            self._term = term
 
     async def call(
         self, path: str, body: dict[str, Any], what: str, within: float | None = None
@@ -254,6 +267,46 @@ class EtcdClient:
         Raises:
             RendezvousConnectionError: As :meth:`call`.
         """
+        return await self._retrying(
+            lambda url, remaining: self._post(url, make(), remaining), what, within
+        )
+
+    async def keep_alive(self, lease: int, within: float | None = None) -> dict[str, Any]:
+        """Renew ``lease`` on this client's keep-alive stream (:mod:`._renewals`), with
+        failover and retries as :meth:`call`: etcd's answer (``TTL``: the time to live
+        left; none, the lease is gone).
+
+        Raises:
+            RendezvousConnectionError: As :meth:`call`.
+        """
+
+        async def one(url: str, remaining: float) -> list[dict[str, Any] | EtcdError]:
+            if self._renewals is None:
+                self._renewals = Renewals(self._pool_now)
+            self.requests += 1
+            sending = self._renewals.renew(
+                url, self._members[url], self._token, lease,
+                self._connect_within(remaining), remaining,
+            )  # fmt: skip
+            answer = await sending
+            self._saw(answer)
+            return [answer]
+
+        async def renew(url: str, remaining: float) -> list[dict[str, Any] | EtcdError]:
+            return await self._patiently(url, one(url, remaining))
+
+        answer = (await self._retrying(renew, "keep-alive", within))[0]
+        assert not isinstance(answer, EtcdError)  # the stream's refusals are raised
+        return answer
+
+    async def _retrying(
+        self,
+        attempt: Callable[[str, float], Awaitable[list[dict[str, Any] | EtcdError]]],
+        what: str,
+        within: float | None,
+    ) -> list[dict[str, Any] | EtcdError]:
+        """``attempt(member, seconds)`` until it answers, with failover and retries as
+        :meth:`call`."""
         loop = asyncio.get_running_loop()
         budget = self.read_timeout if within is None else within
         delay, tried, relogged, hangups = 0.05, 0, False, 0
@@ -270,7 +323,7 @@ class EtcdClient:
             try:
                 if self.endpoint.username and self._token is None:
                     await self._login(url, remaining)
-                answers = await self._post(url, make(), remaining)
+                answers = await attempt(url, remaining)
                 for answer in answers:
                     if isinstance(answer, EtcdError) and refused_by_member(answer):
                         raise answer
@@ -376,6 +429,8 @@ class EtcdClient:
     async def aclose(self) -> None:
         """Close the connections. Idempotent."""
         self._closed = True
+        if self._renewals is not None:
+            self._renewals.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()

@@ -30,9 +30,9 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from ...core.race import wait_within
 from ._answers import Hangup, NotEtcd, Transient, tls_failure
@@ -43,6 +43,7 @@ __all__ = ["Pool", "Response", "request_bytes"]
 _MAX_HEAD = 64 * 1024
 _UNTIL_CLOSE = -2  # a body that ends when the server closes the connection
 _CHUNKED = -1
+_P = TypeVar("_P", bound=asyncio.BaseProtocol)
 
 
 class Response(NamedTuple):
@@ -269,11 +270,18 @@ class Pool:
         self._open: set[_Connection] = set()
 
     async def _connect(self, host: str, port: int, within: float) -> _Connection:
+        connection = await self.connect(_Connection, host, port, within)
+        self._open.add(connection)
+        return connection
+
+    async def connect(self, factory: Callable[[], _P], host: str, port: int, within: float) -> _P:
+        """A connection to a member speaking protocol ``factory()`` (TLS as the pool's),
+        errors as :meth:`exchange`'s (a connection made here is its caller's to close)."""
         loop = asyncio.get_running_loop()
         try:
             _, connection = await wait_within(
                 loop.create_connection(
-                    _Connection, host, port, ssl=self._ssl,
+                    factory, host, port, ssl=self._ssl,
                     server_hostname=host if self._ssl else None,
                 ),
                 within,
@@ -289,7 +297,6 @@ class Pool:
             ):  # accepted, then closed during the handshake: a server without TLS does
                 raise Hangup("it closed the connection during the TLS handshake") from None
             raise Transient(str(exc) or type(exc).__name__) from None
-        self._open.add(connection)
         return connection
 
     def _take(self, host: str, port: int) -> _Connection | None:

@@ -172,7 +172,7 @@ class Leases:
         request = self.renew_request(node, at_once)
         if request is None:
             return True
-        return self.renewed(node, await self._client.call(*request, "keep-alive"))
+        return self.renewed(node, await self._client.keep_alive(request[1]["ID"]))
 
     async def revoke_all(self) -> None:
         ids, self._ids = [entry[0] for entry in self._ids.values()], {}
