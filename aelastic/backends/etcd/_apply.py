@@ -131,7 +131,13 @@ class RunPort(RunReads):
         already listed. The read is not in the transaction's failure branch: etcd's gateway
         decodes a request's every JSON object, and the read's eleven ranges made the
         transaction of every node's first join a third larger (measured at 1,024 nodes:
-        decoding requests' JSON took a fifth of etcd's CPU during formation)."""
+        decoding requests' JSON took a fifth of etcd's CPU during formation). Nor does a
+        join that does not create the run count the participants in its write: etcd
+        carries out a write's ranges in its one apply loop and counts a range by walking
+        its index (O(N)); at 1,024 joins that counting was nearly all the loop's work, and
+        a keep-alive on the leader first waits for the loop to catch up. The join reads the
+        count at its own revision afterwards (:meth:`participants_at`): the same count,
+        read beside the loop."""
         k, node, rules = self._keys, request.node, request.rules
         fresh = Header(epoch=epoch, rules=rules)
 
@@ -151,7 +157,7 @@ class RunPort(RunReads):
             counts = [
                 range_op(p, prefix_end(p), count_only=True)
                 for p in (k.participants, k.waiting, k.redundant, k.finished)
-            ]
+            ]  # a run's creator counts its participants in the write (it is the one)
             body = {
                 "compare": [
                     {"key": b64(k.header), "target": "CREATE", "result": "EQUAL",
@@ -170,7 +176,7 @@ class RunPort(RunReads):
                          "version": 1},
                         *absent,
                     ],
-                    "success": [me, range_op(k.header), *counts],
+                    "success": [me, range_op(k.header), *counts[1:]],
                 }}],
             }  # fmt: skip
             return body
@@ -186,7 +192,10 @@ class RunPort(RunReads):
                 return None
         ranges = [r["response_range"] for r in responses if "response_range" in r]
         header = decode_header(members_of(ranges[0].get("kvs", []))[0].value, self.where)
-        np, nw, nr, nq = (int(r.get("count", 0)) for r in ranges[1:5])
+        counts = [int(r.get("count", 0)) for r in ranges[1:]]
+        if len(counts) == 3:  # joined a run: the count its join made, read after it
+            counts.insert(0, await self.participants_at(revision))
+        np, nw, nr, nq = counts
         self._where_of[node] = "p"
         if np == rules.min_nodes or np >= rules.max_nodes:
             # The last call starts or the round completes: what a join does then (the rest

@@ -335,6 +335,29 @@ class RunReads:
 
     # -- writing --------------------------------------------------------------------------
 
+    async def participants_at(self, revision: int) -> int:
+        """How many participants the run had at ``revision``: for a join written at it, the
+        count that join made. Read beside etcd's apply loop, not in it (see
+        :meth:`._apply.RunPort.first_join`): serializable (no wait for the loop), since
+        the member that answered the write applied it; at a member that did not yet (a
+        failover between the two), linearizable."""
+        k = self._keys
+        body: dict[str, Any] = {
+            "key": b64(k.participants), "range_end": b64(prefix_end(k.participants)),
+            "count_only": True, "revision": revision, "serializable": True,
+        }  # fmt: skip
+        try:
+            answer = await self._client.call("/v3/kv/range", body, "count")
+        except Compacted:  # compacted since the write (a second ago): count it now
+            del body["revision"], body["serializable"]
+            answer = await self._client.call("/v3/kv/range", body, "count")
+        except EtcdError as exc:
+            if "future revision" not in str(exc):
+                raise
+            del body["serializable"]
+            answer = await self._client.call("/v3/kv/range", body, "count")
+        return int(answer.get("count", 0))
+
     async def _rank(self, node: NodeDesc, cut: int) -> int:
         k = self._keys
         at = {"revision": cut}
