@@ -213,20 +213,23 @@ class RunPort(RunReads):
     async def _grant_and_join(
         self, node: NodeDesc, window_ms: int, body_of: Callable[[str], dict[str, Any]]
     ) -> dict[str, Any]:
-        """A new lease for ``node`` and the join ``body_of(lease)`` in one write (see
-        :mod:`._leases`), then a renewal of the lease on the keep-alive stream; the join's
-        answer. etcd carries out the two writes one after the other, but a busy etcd takes
-        its time over each (the grant is one too): the renewal, once the join is answered,
-        makes the lease's time to live count from the join."""
+        """A new lease for ``node``, the join ``body_of(lease)`` and a renewal of the lease,
+        in one write (see :mod:`._leases`); the join's answer. etcd carries them out one
+        after the other, but a busy etcd takes its time over each write (the grant is one
+        too): the renewal makes the lease's time to live count from the join. It is a
+        request, not a message on the keep-alive stream: sent after the join's answer
+        (and, at a node's first join, after opening the stream), it came up to 2 s later
+        at 1,024 nodes, and leases ran out."""
         sent: list[dict[str, Any]] = []
 
         def batch() -> list[tuple[str, dict[str, Any]]]:
             path, grant = self._leases.grant_request(node, window_ms)
             sent[:] = [grant]  # each attempt of the call picks another id
-            return [(path, grant), ("/v3/kv/txn", body_of(grant["ID"]))]
+            join = ("/v3/kv/txn", body_of(grant["ID"]))
+            return [(path, grant), join, ("/v3/lease/keepalive", {"ID": grant["ID"]})]
 
         for _ in range(3):
-            granted, answer = await self._client.call_many(batch, "join")
+            granted, answer, renewed = await self._client.call_many(batch, "join")
             if isinstance(granted, EtcdError) and isinstance(answer, dict):
                 # The id was another lease's (odds 1 in 2**63 a pair): the join used it.
                 raise RendezvousConnectionError(
@@ -239,7 +242,7 @@ class RunPort(RunReads):
                 continue  # granted on a leader lost before the grant was applied: again
             if isinstance(answer, EtcdError):
                 raise answer
-            await self._leases.renew(node, at_once=True)
+            self._leases.renewed(node, renewed)
             return answer
         raise RendezvousConnectionError(
             f"{self.where}: etcd dropped node {node}'s new lease three times"

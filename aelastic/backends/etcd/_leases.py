@@ -103,6 +103,7 @@ class Leases:
         sent ahead of a write that uses it, in the same write (see the module docstring);
         :meth:`granted` records it once etcd answered."""
         lease = random.randrange(1, 2**63)
+        self._client.open_keep_alive()  # ready for the lease's renewals (see ._renewals)
         return "/v3/lease/grant", {"TTL": self._ttl_for(window_ms), "ID": str(lease)}
 
     def granted(self, node: NodeDesc, request: dict[str, Any], answer: Any) -> bool:

@@ -160,6 +160,17 @@ class Renewals:
         except TimeoutError:
             raise Transient(f"no keep-alive answer within {timeout:g} s") from None
 
+    def warm(
+        self, url: str, member: tuple[str, int], token: str | None, connect: float, within: float
+    ) -> None:
+        """Start opening the stream to member ``url`` (in the background; a failure is left
+        for the first renewal to meet again), unless it is open or opening."""
+        stream = self._stream
+        if (stream is not None and not stream.ended) or self._opening is not None:
+            return
+        opening = asyncio.ensure_future(self._stream_to(url, member, token, connect, within))
+        opening.add_done_callback(_quiet)
+
     def close(self) -> None:
         """End the stream (every renewal waiting on it fails). Idempotent."""
         stream, self._stream = self._stream, None
@@ -167,3 +178,8 @@ class Renewals:
             stream.end(Transient("the client is closed"))
         if self._opening is not None:
             self._opening.cancel()
+
+
+def _quiet(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: the renewal that needs the stream meets it again
