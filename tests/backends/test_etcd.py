@@ -423,27 +423,28 @@ async def test_a_formation_costs_each_node_a_watch_one_write_to_join_and_one_rea
     server: EtcdServer,
 ) -> None:
     """A node's first join grants its lease, joins and renews the lease in one write (three
-    requests, one round trip: the lease counts from the join); once the round completes,
-    each node reads only its rank at the round's cut, renewing its lease in the same write.
-    Per node: its watch, those three, and those two; the join that completes the round also
-    reads and writes the header."""
+    requests, one round trip: the lease counts from the join), then reads the count its
+    join made (beside etcd's apply loop); once the round completes, each node reads only
+    its rank at the round's cut, renewing its lease on the keep-alive stream meanwhile.
+    Per node: its watch, those three, that one (not the run's creator) and those two; the
+    join that completes the round also reads and writes the header."""
     conf = {"keep_alive_interval": 5, "share_connections": 0}  # no beat falls due meanwhile
     async with group(server.endpoint, "requests", 4, 4, 4, **conf) as handlers:
         infos = await join_all(handlers)
         assert_one_group(infos, 4)
         sent = sorted(h.backend._shared.client.requests for h in handlers)  # type: ignore[attr-defined]
-    # 1 watch + grant/join/renew + renew/rank read = 6; one more status read for a node
-    # whose watch went live only after its join was answered (a loaded machine); a
-    # sentinel (ranks 0-2) opens its watch again to hear of lost members; the completing
-    # join reads and writes the header and renews.
-    assert 6 <= sent[0] <= 7 and sent[-1] <= 7 + 1 + 3, sent
+    # 1 watch + grant/join/renew + count + renew/rank read = 7 (6 for the creator); one
+    # more status read for a node whose watch went live only after its join was answered
+    # (a loaded machine); a sentinel (ranks 0-2) opens its watch again to hear of lost
+    # members; the completing join reads and writes the header and renews.
+    assert 6 <= sent[0] <= 8 and sent[-1] <= 8 + 1 + 3, sent
 
 
 async def test_a_member_woken_by_the_completion_renews_its_lease_with_its_rank(
     server: EtcdServer,
 ) -> None:
-    """A member woken by its round's completion renews its lease in the write that reads
-    its rank, however recently it renewed before: its heartbeats start after that answer
+    """A member woken by its round's completion renews its lease while it reads its rank,
+    however recently it renewed before: its heartbeats start after that answer
     (the first at a random point of the interval), so a lease left to count from the
     member's beat before the completion went that long, the completion's reads and up to an
     interval unrenewed, and under load ran out. A heartbeat renews whenever it comes (a
@@ -467,7 +468,7 @@ async def test_a_member_woken_by_the_completion_renews_its_lease_with_its_rank(
         sent = a._shared.client.requests
         woken = await a.apply(Request(Op.JOIN, first, rules, port=1, secret="a" * 32))
         assert woken.outcome is Outcome.FINISH and woken.rank == 0
-        assert a._shared.client.requests - sent == 2  # the renewal and the rank, one write
+        assert a._shared.client.requests - sent == 2  # the renewal (stream) and the rank
         raw = server.call("/v3/kv/range", {"key": b64(a.keys.member("p", first))})["kvs"][0]
         lease = server.call("/v3/lease/timetolive", {"ID": raw["lease"]})
         assert int(lease["TTL"]) >= 18, lease  # counts from the completion, not 2.5 s before

@@ -29,7 +29,7 @@ import struct
 from collections.abc import Callable
 
 from ...core.race import wait_within
-from ._answers import NotEtcd, Transient
+from ._answers import Hangup, NotEtcd, Transient
 
 __all__ = ["Socket"]
 
@@ -130,7 +130,7 @@ class Socket(asyncio.Protocol):
         if self._transport is not None:
             self._transport.abort()
         if not self._opened.done():
-            refused = exc if isinstance(exc, NotEtcd) else Transient("closed before upgrading")
+            refused = exc if isinstance(exc, NotEtcd) else Hangup("it closed the connection")
             self._opened.set_exception(refused)
             self._opened.exception()  # retrieved: the opener may be gone
         self._on_close(exc if exc is None or isinstance(exc, NotEtcd) else Transient(str(exc)))
@@ -138,8 +138,8 @@ class Socket(asyncio.Protocol):
     def _handshake(self) -> bool:
         end = self._buf.find(b"\r\n\r\n")
         if end < 0:
-            if len(self._buf) > 64 * 1024:
-                raise NotEtcd("an upgrade answer that does not end")
+            if len(self._buf) > 64 * 1024 or not b"HTTP/1.".startswith(bytes(self._buf[:7])):
+                raise NotEtcd(f"an answer that is not HTTP ({bytes(self._buf[:40])!r})")
             return False
         lines = bytes(self._buf[:end]).split(b"\r\n")
         del self._buf[: end + 4]
