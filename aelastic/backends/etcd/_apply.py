@@ -259,16 +259,23 @@ class RunPort(RunReads):
         its lease is gone (the request is then carried out in full)."""
         k = self._keys
         mine = k.member("p", node)
-        read = {
-            "success": [
-                range_op(k.participants, mine, revision=cut, count_only=True),
-                range_op(mine, None, revision=cut, count_only=True),
-            ]
-        }
+
+        def read(serializable: bool) -> dict[str, Any]:
+            # At the cut, which the member whose watch told of it has applied: serializable
+            # (no wait for etcd's apply loop, busy with the completion); linearizable at a
+            # member that has not applied it yet (a failover meanwhile).
+            at = {"revision": cut, "count_only": True, "serializable": serializable}
+            return {"success": [range_op(k.participants, mine, **at), range_op(mine, None, **at)]}
+
         # The renewal (see ._leases) on the keep-alive stream, while the rank is read.
         renewal = asyncio.ensure_future(self._leases.renew(node, at_once=True))
         try:
-            answer = await self._client.call("/v3/kv/txn", read, "rank")
+            try:
+                answer = await self._client.call("/v3/kv/txn", read(True), "rank")
+            except EtcdError as exc:
+                if "future revision" not in str(exc):
+                    raise
+                answer = await self._client.call("/v3/kv/txn", read(False), "rank")
         except BaseException as exc:
             renewal.cancel()
             await asyncio.gather(renewal, return_exceptions=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -57,6 +56,7 @@ from ._answers import (
 from ._endpoint import EtcdEndpoint
 from ._failures import auth_failure, not_etcd, refused_by_member, tls_refused, unreachable
 from ._http import Pool, request_bytes
+from ._probe import leader_changed
 from ._renewals import Renewals
 
 __all__ = [
@@ -81,11 +81,6 @@ LAST_ATTEMPT = 2.0
 #: long to accept a connection, and trying again only adds to its backlog; measured, 1,024
 #: nodes connecting at once to one member on 2 cores had their watches time out 424 times).
 CONNECT_TIMEOUT = 2.0
-
-#: The last status probe of each member, per event loop (see ``_leader_changed``).
-_PROBES: weakref.WeakKeyDictionary[
-    asyncio.AbstractEventLoop, dict[str, tuple[float, asyncio.Future[int]]]
-] = weakref.WeakKeyDictionary()
 
 
 class EtcdClient:
@@ -158,7 +153,7 @@ class EtcdClient:
                 done, _ = await asyncio.wait({attempt}, timeout=SLOW)
                 if done:
                     return attempt.result()
-                changed = await self._leader_changed(url, term)
+                changed = await leader_changed(url, term, len(self._urls) > 1, self._term_of)
                 if attempt.done():  # answered while the member was asked: never sent again
                     return attempt.result()
                 if changed:
@@ -169,29 +164,6 @@ class EtcdClient:
                 await asyncio.wait({attempt})
             if not attempt.cancelled():
                 attempt.exception()  # retrieved (what is raised here replaces it)
-
-    async def _leader_changed(self, base: str, term: int) -> bool:
-        """Whether member ``base`` is in a newer term than ``term`` (or cannot say): one
-        status request per member and second in this process (its event loop), shared by
-        every request waiting on that member (a busy cluster is asked once, not by every
-        node of the process). A member that cannot say is passed over when there are others;
-        the only member is waited for (sending it the request again would only add to what
-        keeps it busy: at 1,024 nodes on 2 cores, hundreds of requests a run were sent again).
-        """
-        loop = asyncio.get_running_loop()
-        probes = _PROBES.setdefault(loop, {})
-        entry = probes.get(base)
-        if entry is None or loop.time() - entry[0] > 1.0:
-            probe = asyncio.ensure_future(self._term_of(base))
-            probe.add_done_callback(_retrieve)  # its waiters may all be gone
-            entry = probes[base] = (loop.time(), probe)
-        try:
-            now = await asyncio.shield(entry[1])
-        except Exception:
-            return len(self._urls) > 1
-        # A client that has not heard a term yet (its first request) cannot tell a newer
-        # one: only a member without a leader says the request may be lost.
-        return not now or (term > 0 and now > term)
 
     async def _term_of(self, base: str) -> int:
         answer = (await self._send(base, [("/v3/maintenance/status", {})], SLOW))[0]
@@ -227,7 +199,7 @@ class EtcdClient:
         return answers
 
     def _saw(self, answer: dict[str, Any]) -> None:
-        """Note the Raft term of ``answer`` (see ``_leader_changed``)."""
+        """Note the Raft term of ``answer`` (see :func:`._probe.leader_changed`)."""
         header = answer.get("header") or answer.get("result", {}).get("header") or {}
         term = int(header.get("raft_term", 0) or 0)
         if term > self._term:
@@ -448,9 +420,3 @@ class EtcdClient:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    """Mark a finished task's error as seen (a probe whose waiters were all cancelled)."""
-    if not task.cancelled():
-        task.exception()

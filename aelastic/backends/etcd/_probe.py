@@ -1,0 +1,54 @@
+"""Whether a member's leader changed while it held a request: one status probe per member
+and second in a process, shared by every request waiting on that member.
+
+How it works: a request unanswered for a while (``_client.SLOW``) makes the client ask the
+member's status (no Raft round trip); a newer Raft term than the one the client last saw,
+or no leader, means the request may be lost (a follower forwarded it to a leader that
+died) and it is sent again; otherwise it is only slow and is waited for. Requests of one
+event loop waiting on one member share a probe (a busy cluster is asked once, not by every
+node of the process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["leader_changed"]
+
+#: The last status probe of each member, per event loop.
+_PROBES: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, dict[str, tuple[float, asyncio.Future[int]]]
+] = weakref.WeakKeyDictionary()
+
+
+async def leader_changed(
+    base: str, term: int, several: bool, term_of: Callable[[str], Awaitable[int]]
+) -> bool:
+    """Whether member ``base`` is in a newer term than ``term`` (or cannot say), asking it
+    with ``term_of`` (its term; 0: no leader) at most once a second per event loop. A member
+    that cannot say is passed over when there are ``several``; the only member is waited
+    for (sending it the request again would only add to what keeps it busy: at 1,024 nodes
+    on 2 cores, hundreds of requests a run were sent again)."""
+    loop = asyncio.get_running_loop()
+    probes = _PROBES.setdefault(loop, {})
+    entry = probes.get(base)
+    if entry is None or loop.time() - entry[0] > 1.0:
+        probe = asyncio.ensure_future(term_of(base))
+        probe.add_done_callback(_retrieve)  # its waiters may all be gone
+        entry = probes[base] = (loop.time(), probe)
+    try:
+        now = await asyncio.shield(entry[1])
+    except Exception:
+        return several
+    # A client that has not heard a term yet (its first request) cannot tell a newer one:
+    # only a member without a leader says the request may be lost.
+    return not now or (term > 0 and now > term)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark a finished task's error as seen (a probe whose waiters were all cancelled)."""
+    if not task.cancelled():
+        task.exception()
