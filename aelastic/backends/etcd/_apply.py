@@ -49,7 +49,7 @@ class RunPort(RunReads):
     :class:`~._reads.RunReads`')."""
 
     def _write_ops(
-        self, view: View, plan: Plan, node: NodeDesc, lease: int | None
+        self, view: View, plan: Plan, node: NodeDesc, lease: int | None, count: bool
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         k = self._keys
         compare: list[dict[str, Any]] = [
@@ -94,19 +94,20 @@ class RunPort(RunReads):
                 {"request_delete_range": {"key": b64(k.finished),
                                           "range_end": b64(prefix_end(k.finished))}}
             )  # fmt: skip
-        ops.append(range_op(k.participants, prefix_end(k.participants), count_only=True))
+        if count:  # a blind join's count (see _follow_up): O(N), in etcd's apply loop
+            ops.append(range_op(k.participants, prefix_end(k.participants), count_only=True))
         if plan.rank and plan.mark_cut:
             ops.append(range_op(k.participants, k.member("p", node), count_only=True))
         return compare, ops
 
     async def _write(
-        self, view: View, plan: Plan, node: NodeDesc, window_ms: int
+        self, view: View, plan: Plan, node: NodeDesc, window_ms: int, count: bool
     ) -> tuple[bool, list[dict[str, Any]], int]:
         lease = None
         if any(w != "q" for w in plan.put):
             lease = await self._leases.ensure(node, window_ms)
         for _ in range(3):
-            compare, ops = self._write_ops(view, plan, node, lease)
+            compare, ops = self._write_ops(view, plan, node, lease, count)
             body = {"compare": compare, "success": ops, "failure": self._view_ops(node)}
             try:
                 answer = await self._client.call("/v3/kv/txn", body, "write")
@@ -327,7 +328,10 @@ class RunPort(RunReads):
             writes = plan.header is not None or plan.put or plan.delete or plan.mark_cut
             if not writes:
                 break
-            ok, responses, revision = await self._write(view, plan, node, plan.rules.window_ms)
+            blind = _blind_join(request, plan)
+            ok, responses, revision = await self._write(
+                view, plan, node, plan.rules.window_ms, blind
+            )
             if ok:
                 self.revision_of[node] = revision
                 header = plan.header
@@ -383,7 +387,7 @@ class RunPort(RunReads):
     ) -> None:  # fmt: skip
         """A blind join that made ``min_nodes`` or ``max_nodes`` participants does what
         the join would have done (only when joins ran at once: see the module docstring)."""
-        if request.op is not Op.JOIN or "p" not in plan.put or plan.guard:
+        if not _blind_join(request, plan):
             return
         count_index = len(responses) - 1
         count = int(range_of(responses[count_index]).get("count", 0))
@@ -408,3 +412,12 @@ class RunPort(RunReads):
             run_rules=plan.run_rules,
             reopen_at_ms=plan.reopen_at_ms,
         )
+
+
+def _blind_join(request: Request, plan: Plan) -> bool:
+    """Whether ``plan`` is a join decided without the participants' count (its write
+    counts them: the count it made, see :meth:`RunPort._follow_up`); no other write
+    counts them (etcd counts a write's ranges in its apply loop, O(N) each: at 1,024
+    nodes, the writes of nodes whose round lost a member held that loop up long enough
+    for leases to run out)."""
+    return request.op is Op.JOIN and "p" in plan.put and not plan.guard
