@@ -4,8 +4,9 @@ How it works: every etcd member serves its v3 API as JSON on its client port (``
 /v3/kv/txn``, ``/v3/lease/keepalive``, ``/v3/watch`` as a streamed answer; keys and values
 in base64, 64-bit numbers as strings). A :class:`EtcdClient` holds the connections to the
 members of one endpoint (:mod:`._http`: kept alive, several requests in one write when a
-call needs them back to back) and talks to one member at a time, starting at a random one (the
-nodes of a job spread over the members), and moves to the next at once when a member is
+call needs them back to back; the leases' renewals on one stream, :mod:`._renewals`) and
+talks to one member at a time, starting at a random one (the nodes of a job spread over
+the members), and moves to the next at once when a member is
 gone, has no leader or times out. A call is retried with backoff (after every member was
 tried) until ``read_timeout`` runs out, then fails with ``RendezvousConnectionError``
 naming the endpoint; the time counts from the first failure since etcd last answered, so a

@@ -8,10 +8,11 @@ write as its first join (:meth:`Leases.grant_request`, with an id the node picks
 carries out the join right after the grant, so the lease's time to live counts from the
 join, as the machine's window counts from a node's join) and kept across rounds; renewing
 it is a keep-alive (etcd's leader keeps leases: no Raft entry, no watch event, nobody
-woken).
+woken), one message on the client's keep-alive stream (:mod:`._renewals`), except the
+renewal in a first join's write.
 A join that waits renews the lease only when a fifth of its time to live passed (not right
 after the write that granted it); the join that completes a node's round always renews it
-(in the same write as the read of its rank), and so does every heartbeat: the node's
+(while it reads its rank), and so does every heartbeat: the node's
 heartbeats start after that answer, the first at a random point of the interval, so a
 lease left as the node's last beat before the completion had it (up to a fifth of its time
 to live before) went that long, plus the completion's burst of reads, plus up to an
