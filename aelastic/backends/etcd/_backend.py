@@ -12,6 +12,7 @@ no more than that either: an idle member costs etcd one keep-alive per interval.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 from collections.abc import Sequence
@@ -206,6 +207,13 @@ class EtcdBackend:
         if not hmac.compare_digest(secret.encode(), request.secret.encode()):
             return None  # another client's request: carried out in full
         if latest.token != token:
+            if op is Op.KEEP_ALIVE and self._leases is not None:
+                # The lease first: the full request after it reads (and may write) while
+                # every node whose round just changed does too, which a busy etcd took
+                # seconds over at 1,024 nodes; renewed only after that, leases ran out and
+                # each loss changed the round again (docs/benchmarks.md, the etcd section).
+                with contextlib.suppress(LeaseNotFound):
+                    await self._leases.renew(node, at_once=True)
             return await self._finish(request, stream, where, latest, now)
         if op is Op.JOIN:
             if request.expired or latest.closed:
