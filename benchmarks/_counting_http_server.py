@@ -99,7 +99,7 @@ class Counters:
         )
 
 
-async def serve(port: int) -> None:
+async def serve(port: int, also: list[str]) -> None:
     counters = Counters()
     app = create_app(token="")
     app.middlewares.insert(0, counters.middleware())
@@ -114,6 +114,9 @@ async def serve(port: int) -> None:
     try:
         site = web.TCPSite(runner, "127.0.0.1", port, backlog=4096)
         await site.start()
+        chosen = runner.addresses[0][1]
+        for address in also:  # the same server on more loopback addresses, the same port
+            await web.TCPSite(runner, address, chosen, backlog=4096).start()
         print(f"listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
         await stop.wait()
     finally:
@@ -123,9 +126,10 @@ async def serve(port: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--also", nargs="*", default=[], help="more addresses to listen on")
     args = parser.parse_args()
     raise_fd_limit()
-    run(serve(args.port))  # as aelastic serve runs: uvloop when installed, its collector
+    run(serve(args.port, args.also))  # as aelastic serve runs: uvloop when installed, its collector
     return 0
 
 

@@ -75,13 +75,13 @@ class Job:
         """Workers that exited without being told to (or killed)."""
         return [w.index for w in self.workers if not w.alive and not w.killed]
 
-    async def spawn(self, counts: list[int], command: Callable[[int], list[str]]) -> None:
+    async def spawn(self, counts: list[int], command: Callable[[int, int], list[str]]) -> None:
         for index, count in enumerate(counts):
             log_path = self._log_dir / f"{self._name}-w{index}.log"
             self.log_paths.append(log_path)
             with log_path.open("wb") as log:
                 process = await asyncio.create_subprocess_exec(
-                    *command(count),
+                    *command(index, count),
                     cwd=ROOT,
                     stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
@@ -259,7 +259,7 @@ class _Detections:
 async def measure(
     server: ServerUnderTest,
     counts: list[int],
-    command: Callable[[int], list[str]],
+    command: Callable[[int, int], list[str]],
     *,
     log_dir: Path,
     name: str,
@@ -368,24 +368,27 @@ def busy_loops(count: int) -> Any:
             spinner.wait()
 
 
-def node_command(spec: dict[str, Any]) -> Callable[[int], list[str]]:
-    """The command line of an aelastic worker process running ``count`` nodes."""
+def node_command(spec: dict[str, Any], endpoints: list[str]) -> Callable[[int, int], list[str]]:
+    """The command line of an aelastic worker process running ``count`` nodes: process
+    ``index`` reaches the server at ``endpoints[index % len(endpoints)]`` (one server
+    listening on several loopback addresses; see ``_scale_servers.LOOPBACKS``)."""
 
-    def command(count: int) -> list[str]:
+    def command(index: int, count: int) -> list[str]:
+        endpoint = endpoints[index % len(endpoints)]
         return [
             sys.executable,
             "-m",
             "benchmarks._scale_node",
-            json.dumps({**spec, "count": count}),
+            json.dumps({**spec, "endpoint": endpoint, "count": count}),
         ]
 
     return command
 
 
-def torch_command(spec: dict[str, Any]) -> Callable[[int], list[str]]:
+def torch_command(spec: dict[str, Any]) -> Callable[[int, int], list[str]]:
     """The command line of a process running ``count`` torch c10d nodes as threads."""
 
-    def command(count: int) -> list[str]:
+    def command(index: int, count: int) -> list[str]:
         spec_json = json.dumps({**spec, "count": count})
         return [sys.executable, "-m", "benchmarks._scale_torch", "nodes", spec_json]
 

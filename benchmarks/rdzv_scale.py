@@ -151,7 +151,7 @@ async def run_aelastic(
         result = await measure(
             server,
             counts,
-            node_command(spec),
+            node_command(spec, server.endpoints),
             log_dir=log_dir,
             name=name,
             timeout=args.timeout,

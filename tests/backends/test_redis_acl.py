@@ -106,6 +106,30 @@ async def test_a_rendezvous_and_the_store_run_under_the_node_user(
     assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
+async def test_the_publish_probe_reaches_no_member(run_id: str) -> None:
+    """Each client tries PUBLISH once: on a channel of the run's prefix that nobody
+    listens to, never on the run's own (every member would get every node's probe: N²
+    messages when N nodes start)."""
+    from aelastic.backends.redis._scripts import RunKeys
+
+    keys = RunKeys("aelastic", run_id)
+    with RedisServer() as server:
+        listener = server.client().pubsub()
+        listener.psubscribe(f"{keys.base}:*")
+        try:
+            assert listener.get_message(timeout=5)["type"] == "psubscribe"
+            for _ in range(3):  # three clients, each probing once
+                async with backend(server.url, run_id, share_connections=0) as b:
+                    await b.snapshot()
+            seen = []
+            while (message := listener.get_message(timeout=1)) is not None:
+                seen.append((message["channel"], message["data"]))
+        finally:
+            listener.close()
+    assert seen == [(f"{keys.base}:probe".encode(), b"p")] * 3
+    assert all(channel != keys.channel.encode() for channel, _ in seen)
+
+
 async def test_the_node_user_may_not_list_or_reset(acl_server: RedisServer, run_id: str) -> None:
     async with backend(url(acl_server, "aelastic-node"), run_id) as node:
         with pytest.raises(RendezvousConnectionError, match="'scan' command"):

@@ -201,7 +201,9 @@ class RedisCalls:
         (both tried at once: one round trip, once per client)."""
         route = self._keys.state
         tries = {
-            "PUBLISH": ("PUBLISH", self._keys.channel, "p"),  # a kind no listener reads
+            # A channel nobody subscribes to, under the run's prefix (as ACLs name them): on
+            # the run's own channel, each node's probe reached every member (N² messages).
+            "PUBLISH": ("PUBLISH", f"{self._keys.base}:probe", "p"),
             "INFO": ("INFO", "replication"),
         }
         effects = {
