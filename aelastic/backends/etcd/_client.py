@@ -57,10 +57,11 @@ from ._answers import (
 from ._endpoint import EtcdEndpoint
 from ._failures import auth_failure, not_etcd, refused_by_member, tls_refused, unreachable
 from ._http import Pool, request_bytes
-from ._probe import leader_changed
+from ._probe import CONNECT_TIMEOUT, LAST_ATTEMPT, SLOW, leader_changed
 from ._renewals import Renewals
 
 __all__ = [
+    "SLOW",
     "Compacted",
     "EtcdClient",
     "EtcdError",
@@ -68,20 +69,6 @@ __all__ = [
     "b64",
     "unb64",
 ]
-
-#: A request unanswered this long makes the client ask the member whether its leader changed
-#: meanwhile (its status: no Raft round trip): a request that a follower forwarded to a
-#: leader that died is never answered (etcd gives up after its request timeout, 5 s and
-#: more), so it is sent again; a request that is only slow (a busy cluster) is waited for,
-#: never sent twice (that would add load exactly when there is too much).
-SLOW = 1.5
-#: Seconds the one attempt of a call made after the outage's budget ran out may take.
-LAST_ATTEMPT = 2.0
-#: Connecting to a member: a member that does not answer in this time is passed over when
-#: there are others (the only member is given the attempt's whole time: a busy etcd takes
-#: long to accept a connection, and trying again only adds to its backlog; measured, 1,024
-#: nodes connecting at once to one member on 2 cores had their watches time out 424 times).
-CONNECT_TIMEOUT = 2.0
 
 
 class EtcdClient:
@@ -254,14 +241,11 @@ class EtcdClient:
         """
 
         async def one(url: str, remaining: float) -> list[dict[str, Any] | EtcdError]:
-            if self._renewals is None:
-                self._renewals = Renewals(self._pool_now)
             self.requests += 1
-            sending = self._renewals.renew(
+            answer = await self._renewals_now().renew(
                 url, self._members[url], self._token, lease,
                 self._connect_within(remaining), remaining,
             )  # fmt: skip
-            answer = await sending
             self._saw(answer)
             return [answer]
 
@@ -276,15 +260,16 @@ class EtcdClient:
         """Open the keep-alive stream now, in the background: a node about to hold a lease
         then finds it open at its first renewal (opening one is an HTTP upgrade and a gRPC
         stream in etcd, which a busy etcd took seconds over at 1,024 nodes)."""
-        if self._closed:
-            return
-        url = self._urls[self._current]
+        if not self._closed:
+            url, within = self._urls[self._current], self.read_timeout
+            self._renewals_now().warm(
+                url, self._members[url], self._token, self._connect_within(within), within
+            )
+
+    def _renewals_now(self) -> Renewals:
         if self._renewals is None:
             self._renewals = Renewals(self._pool_now)
-        within = self.read_timeout
-        self._renewals.warm(
-            url, self._members[url], self._token, self._connect_within(within), within
-        )
+        return self._renewals
 
     async def _retrying(
         self,

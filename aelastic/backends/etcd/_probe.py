@@ -1,7 +1,8 @@
-"""Whether a member's leader changed while it held a request: one status probe per member
-and second in a process, shared by every request waiting on that member.
+"""How long an attempt at a member waits, and whether a member's leader changed while it held
+a request: one status probe per member and second in a process, shared by every request
+waiting on that member.
 
-How it works: a request unanswered for a while (``_client.SLOW``) makes the client ask the
+How it works: a request unanswered for a while (:data:`SLOW`) makes the client ask the
 member's status (no Raft round trip); a newer Raft term than the one the client last saw,
 or no leader, means the request may be lost (a follower forwarded it to a leader that
 died) and it is sent again; otherwise it is only slow and is waited for. Requests of one
@@ -16,7 +17,21 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["leader_changed"]
+__all__ = ["CONNECT_TIMEOUT", "LAST_ATTEMPT", "SLOW", "leader_changed"]
+
+#: A request unanswered this long makes the client ask the member whether its leader changed
+#: meanwhile (its status: no Raft round trip): a request that a follower forwarded to a
+#: leader that died is never answered (etcd gives up after its request timeout, 5 s and
+#: more), so it is sent again; a request that is only slow (a busy cluster) is waited for,
+#: never sent twice (that would add load exactly when there is too much).
+SLOW = 1.5
+#: Seconds the one attempt of a call made after the outage's budget ran out may take.
+LAST_ATTEMPT = 2.0
+#: Connecting to a member: a member that does not answer in this time is passed over when
+#: there are others (the only member is given the attempt's whole time: a busy etcd takes
+#: long to accept a connection, and trying again only adds to its backlog; measured, 1,024
+#: nodes connecting at once to one member on 2 cores had their watches time out 424 times).
+CONNECT_TIMEOUT = 2.0
 
 #: The last status probe of each member, per event loop.
 _PROBES: weakref.WeakKeyDictionary[
