@@ -115,6 +115,11 @@ class Cluster(Standalone):
         self._turn += 1
         return addresses[self._turn % len(addresses)]
 
+    async def combined(self) -> None:
+        """None: a Cluster's commands go through redis-py's client (a node's name needs a
+        connection of its own to the primary of the run's slot)."""
+        return None
+
     async def presence_address(self, route: str) -> tuple[str, int]:
         """The primary of ``route``'s slot."""
         await self.redis.initialize()

@@ -176,7 +176,8 @@ class NamedConnections:
         async def ask(within: float) -> tuple[Any, Any, Any]:
             replies = await asyncio.gather(
                 client.command("TIME", within=within, route=route),
-                client.command("CLIENT", "LIST", "TYPE", "normal", within=within, route=route),
+                # (every type: a node's named connection is its client's subscriber on RESP3)
+                client.command("CLIENT", "LIST", within=within, route=route),
                 client.command("HGETALL", self._named_key, within=within),
             )
             return replies[0], replies[1], replies[2]

@@ -107,6 +107,7 @@ class Presence:
         self.nodes: dict[str, Callable[[], Awaitable[object]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._conn: Any = None
+        self._shared = False  # the connection is the client's (its listener's), not ours
 
     def add(self, node: NodeDesc, on_restored: Callable[[], Awaitable[object]]) -> None:
         """Carry ``node``'s name too (said at once if the connection is up)."""
@@ -156,8 +157,16 @@ class Presence:
             log.info("the named connection %s was lost: opening it again", self.name)
 
     async def _open(self) -> Any:
-        address = await self._server.presence_address(self._route)
-        conn = await self._server.dial(address)
+        shared = await self._server.combined()
+        if shared is not None:  # the client's one connection: named once, for every run
+            conn = shared
+            if conn.client_name is None:
+                conn.client_name = self.name
+            self.name = conn.client_name
+        else:
+            address = await self._server.presence_address(self._route)
+            conn = await self._server.dial(address)
+            conn.client_name = self.name
         key, ttl = self._marker
         commands: list[tuple[str, ...]] = [("CLIENT", "SETNAME", self.name)]
         if self.nodes:
@@ -167,20 +176,27 @@ class Presence:
             # watchdog closes it when an answer does not come)
             replies = await conn.request(b"".join(pack(c) for c in commands), len(commands))
         except BaseException:
-            conn.close()
+            if shared is None:
+                conn.close()
             raise
         for reply in replies:
             if isinstance(reply, Exception):
-                conn.close()
+                if shared is None:
+                    conn.close()
                 if "NOPERM" in str(reply) or "permission" in str(reply).lower():
                     raise _Refused(str(reply))
                 raise reply
+        self._shared = shared is not None
         return conn
 
     async def _hold(self, conn: Any) -> None:
-        """Until ``conn`` is lost (a ``PING`` now and then: an unanswered one closes it)."""
+        """Until ``conn`` is lost (its own: a ``PING`` now and then, an unanswered one
+        closes it; the client's shared one: its listener watches it and opens another)."""
         lost = asyncio.Event()
         conn.on_lost(lambda _: lost.set())
+        if self._shared:
+            await lost.wait()
+            return
         loop = asyncio.get_running_loop()
         timer: asyncio.TimerHandle | None = None
 
@@ -207,7 +223,7 @@ class Presence:
         if task is not None:
             task.cancel()
             conn, self._conn = self._conn, None
-            if conn is not None:
+            if conn is not None and not self._shared:
                 conn.close()
             await asyncio.wait({task}, timeout=2.0)
 

@@ -105,6 +105,8 @@ class RespConnection(asyncio.Protocol):
         self._on_lost: list[Callable[[BaseException], None]] = []
         #: The loop's time when bytes last arrived.
         self.received_at = self._loop.time()
+        #: The name given to it (``CLIENT SETNAME``), if any (see :mod:`._presence`).
+        self.client_name: str | None = None
 
     # -- asyncio.Protocol -----------------------------------------------------------------
 

@@ -73,6 +73,7 @@ class Standalone:
         self._open: set[RespConnection] = set()
         self._closed = False
         self._combined: RespConnection | None = None
+        self._was_combined = False
         self._coming: asyncio.Future[None] | None = None
         self.redis: Any = self._command_client(max_connections)
 
@@ -106,12 +107,28 @@ class Standalone:
         batches go on it from now on when it speaks RESP3 (one connection per client)."""
         if self.combines and conn is not None and conn.protocol == 3 and self._may_adopt(conn):
             self._combined = conn
+            self._was_combined = True
         coming, self._coming = self._coming, None
         if coming is not None and not coming.done():
             coming.set_result(None)
 
     def _may_adopt(self, conn: RespConnection) -> bool:
         return not self._closed and not conn.closed
+
+    async def combined(self) -> RespConnection | None:
+        """The listener's connection when it carries the commands too (RESP3), once it is
+        up; ``None`` when this client has none (RESP2, or no listener yet).
+
+        Raises:
+            redis.exceptions.ConnectionError: It has one, lost: the listener opens it again.
+        """
+        await self.settled()
+        conn = self._combined
+        if conn is not None and not conn.closed:
+            return conn
+        if self._was_combined:
+            raise RedisConnectionError("the client's connection is being opened again")
+        return None
 
     async def settled(self) -> None:
         """Until the listener's connection is up (or failed), if it is being opened."""
