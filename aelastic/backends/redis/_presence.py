@@ -1,18 +1,22 @@
 """A node's named connection to Redis, and a survivor's check for the members whose went.
 
-How it works: a process whose nodes joined a run keeps one connection of its own to the
-server that holds the run (the primary of a standalone server or a Sentinel service; the
-primary of the run's slot in a Cluster), named ``CLIENT SETNAME
-<prefix>:{run}:p:<host>_<pid>_<random>`` (:func:`connection_name`), and each of its nodes
-says in the run's ``named`` hash which name it carries (nodes of one process share it, as
-they share the client: they die together). The
-connection sends nothing but a ``PING`` now and then; when it is lost (the agent's process
-died: its kernel closed the socket and Redis dropped the client at once; or the network cut
-it) a live process opens it again at once, names it again, and then its nodes beat, so that
-a departure reported meanwhile finds them heard from.
+How it works: a process whose nodes joined a run names a connection to the server that
+holds the run, ``CLIENT SETNAME <prefix>:{run}:p:<host>_<pid>_<random>``
+(:func:`connection_name`), and each of its nodes says in the run's ``named`` hash which
+name it carries (nodes of one process share it, as they share the client: they die
+together). On RESP3 (a standalone server or a Sentinel service) that is the client's one
+connection, the listener's, which carries its commands too: named once, for every run of
+the client, so a node holds one connection, not two (a second connection per node doubled
+the connects of a forming job and the server's clients). On RESP2, or in a Cluster (the
+primary of the run's slot), it is a connection of its own that sends nothing but a
+``PING`` now and then. When the named connection is lost (the agent's process died: its
+kernel closed the socket and Redis dropped the client at once; or the network cut it) a
+live process opens it again at once (the listener does, for the shared one), names it
+again, and then its nodes beat, so that a departure reported meanwhile finds them heard
+from.
 
 A survivor whose worker's collective broke asks :func:`absent_members`: one round trip,
-``TIME`` then ``CLIENT LIST TYPE normal`` on that same server, gives the members (of a
+``TIME`` then ``CLIENT LIST`` on that same server, gives the members (of a
 snapshot) that said they carry a name and whose name is not listed. The backend reports
 each as a departure at that ``TIME`` less a millisecond (:meth:`Request.departure
 <aelastic.core.state.Request.departure>`): Redis runs commands one at a time, so a node
