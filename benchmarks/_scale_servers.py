@@ -47,6 +47,8 @@ __all__ = [
 
 _TICK = 1.0 / os.sysconf("SC_CLK_TCK")
 _START_TIMEOUT = 30.0
+#: Seconds the HTTP server gets to answer the benchmark's counters.
+_SNAPSHOT_TIMEOUT = 300.0
 
 
 def rss_bytes(pid: int) -> int:
@@ -242,7 +244,8 @@ class HttpUnderTest:
 
     def snapshot(self) -> Counters:
         url = f"{self.endpoint}/_bench/stats"
-        with urllib.request.urlopen(url, timeout=_START_TIMEOUT) as answer:
+        # (A server busy with thousands of channels may take long to answer it.)
+        with urllib.request.urlopen(url, timeout=_SNAPSHOT_TIMEOUT) as answer:
             doc = json.load(answer)
         return Counters(
             doc["requests"],
