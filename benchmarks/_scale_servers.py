@@ -110,9 +110,9 @@ class Counters:
 #: connections from 127.0.0.1 to one address and port nearly use up the kernel's ephemeral
 #: ports for that destination (28,232 in the default range; those of timed-out attempts
 #: linger in TIME_WAIT): each ``connect()`` then searches long in the kernel (measured: 69%
-#: of both cores in system time, and connections timing out, at 16,384 Redis nodes). Real nodes come from as many addresses
-#: as there are machines; ports are allocated per destination, so 16 addresses give each
-#: one its own ports.
+#: of both cores in system time, and connections timing out, at 16,384 Redis nodes). Real
+#: nodes come from as many addresses as there are machines; ports are allocated per
+#: destination, so 16 addresses give each one its own ports.
 LOOPBACKS = tuple(f"127.0.0.{i}" for i in range(1, 17))
 
 
