@@ -94,7 +94,7 @@ async def watch_stalls(
     Raises:
         WorkersUnkillable: A stalled worker survived SIGKILL past the bound.
     """
-    waited_for_peer = False
+    waited_for_peer = waited_for_local = False
     while True:
         running = {p.local_rank: p for p in processes if p.returncode is None}
         readings = {rank: pages.read(rank) for rank in running}
@@ -102,8 +102,17 @@ async def watch_stalls(
         now = time.monotonic()
         check = check_stalls(last, now, stall_timeout)
         if not check.stalled:
-            waited_for_peer = False
+            waited_for_peer = waited_for_local = False
             await anyio.sleep(max(check.next_check - now, 0.01))
+            continue
+        others = [t for r, t in last.items() if t is not None and r not in check.stalled]
+        if waited_for_peer and not waited_for_local and others:
+            # The peer they wait for may be a worker of this node that went silent while
+            # they waited (late to start on a loaded machine): let its own deadline come
+            # (once, at most a timeout), so that a stuck worker is stopped with those
+            # waiting for it and named as the cause; one that makes progress is not.
+            waited_for_local = True
+            await anyio.sleep(max(max(others) + stall_timeout - now, 0.01))
             continue
         stalls = await _describe(pages, running, check.stalled, now)
         if not waited_for_peer and all(s.in_collective for s in stalls):

@@ -16,7 +16,8 @@ Files go to ``$HEAL_DIR``. Modes:
   lives under a ``torch/distributed/`` directory, as a rank waiting for a stuck peer would).
 * ``hang_pair``: on attempt 0, after five progress reports, local rank 0 waits in the
   ``$HEAL_COLLECTIVE`` stand-in (after writing ``$HEAL_DIR/waiting``); local rank 1 starts
-  its reports once that file is there and, one report later, hangs in ``stuck_in_step``.
+  its reports once that file is there and, one report later (and ``$HEAL_PAIR_BUSY`` seconds
+  of more reports), hangs in ``stuck_in_step``.
 * ``frozen PATH``: local rank 1 reads PATH (a file of a frozen FUSE mount: uninterruptible
   sleep) after writing ``$HEAL_DIR/reading``; local rank 0 waits for that file, then fails.
 """
@@ -75,6 +76,10 @@ def main() -> int:
         if attempt == 0 and local == 1:  # some time after rank 0: seen stalled second
             time.sleep(0.3)
             aelastic.worker.progress()
+            busy_until = time.monotonic() + float(os.environ.get("HEAL_PAIR_BUSY", "0"))
+            while time.monotonic() < busy_until:  # still making progress while rank 0 waits
+                time.sleep(0.05)
+                aelastic.worker.progress()
             stuck_in_step()
         if attempt == 0:
             import runpy

@@ -310,12 +310,15 @@ async def test_a_node_waiting_in_a_collective_lets_the_hung_peer_act_first(
     assert health.latest.root.host == "127.0.0.2" and health.incidents_total == 1
 
 
+@pytest.mark.parametrize("busy", [0.0, 2.0])
 async def test_workers_stopped_together_for_a_stall_are_all_failures_the_stuck_one_first(
-    run_id: str, tmp_path: Path
+    run_id: str, tmp_path: Path, busy: float
 ) -> None:
     """Local rank 0 waits in a collective for local rank 1, which hangs by itself a moment
     later: rank 0 is seen first and waited on (it waits for a peer), then both are stopped
-    together, both are failures of the attempt, and the root cause is rank 1."""
+    together, both are failures of the attempt, and the root cause is rank 1. Also when
+    rank 1 went on making progress for longer than rank 0's wait for its peer (``busy``: a
+    worker late to start on a loaded machine): rank 1's own deadline is awaited."""
     fake = tmp_path / "torch" / "distributed" / "c10d.py"
     fake.parent.mkdir(parents=True)
     fake.write_text("import time\ndef all_reduce():\n    time.sleep(600)\n")
@@ -326,7 +329,7 @@ async def test_workers_stopped_together_for_a_stall_are_all_failures_the_stuck_o
         nproc=2,
         stall_timeout=1.5,
         max_restarts=1,
-        env={"HEAL_COLLECTIVE": str(fake)},
+        env={"HEAL_COLLECTIVE": str(fake), "HEAL_PAIR_BUSY": str(busy)},
     )
     agent = ElasticAgent(spec)
     events = recorder(agent)
