@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-__all__ = ["Signal", "cancel_and_wait", "fail_after", "first_of", "uncancellable"]
+__all__ = ["Signal", "cancel_and_wait", "fail_after", "first_of", "retrieve", "uncancellable"]
 
 _T = TypeVar("_T")
 
@@ -161,14 +161,16 @@ async def cancel_and_wait(tasks: asyncio.Future[Any] | Iterable[asyncio.Future[A
     for task in pending:
         if not task.done():
             task.cancel()
-        task.add_done_callback(_retrieve)
+        task.add_done_callback(retrieve)
     if pending:
         await asyncio.wait(pending)
 
 
-def _retrieve(task: asyncio.Future[Any]) -> None:
+def retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark a finished task's outcome as seen (a done callback for a task whose outcome
+    nobody may wait for: its error is then not logged as never retrieved)."""
     if not task.cancelled():
-        task.exception()  # mark it retrieved: the outcome is not wanted
+        task.exception()
 
 
 async def uncancellable(coro: Coroutine[Any, Any, _T]) -> _T:

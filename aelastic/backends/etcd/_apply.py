@@ -262,21 +262,15 @@ class RunPort(RunReads):
         mine = k.member("p", node)
 
         def read(serializable: bool) -> dict[str, Any]:
-            # At the cut, which the member whose watch told of it has applied: serializable
-            # (no wait for etcd's apply loop, busy with the completion); linearizable at a
-            # member that has not applied it yet (a failover meanwhile).
+            # At the cut, which the member whose watch told of it has applied (etcd's apply
+            # loop is busy with the completion: see read_applied).
             at = {"revision": cut, "count_only": True, "serializable": serializable}
             return {"success": [range_op(k.participants, mine, **at), range_op(mine, None, **at)]}
 
         # The renewal (see ._leases) on the keep-alive stream, while the rank is read.
         renewal = asyncio.ensure_future(self._leases.renew(node, at_once=True))
         try:
-            try:
-                answer = await self._client.call("/v3/kv/txn", read(True), "rank")
-            except EtcdError as exc:
-                if "future revision" not in str(exc):
-                    raise
-                answer = await self._client.call("/v3/kv/txn", read(False), "rank")
+            answer = await self.read_applied("/v3/kv/txn", read, "rank")
         except BaseException as exc:
             renewal.cancel()
             await asyncio.gather(renewal, return_exceptions=True)

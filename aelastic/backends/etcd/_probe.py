@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any
+
+from ...core.race import retrieve
 
 __all__ = ["CONNECT_TIMEOUT", "LAST_ATTEMPT", "SLOW", "leader_changed"]
 
@@ -52,7 +53,7 @@ async def leader_changed(
     entry = probes.get(base)
     if entry is None or loop.time() - entry[0] > 1.0:
         probe = asyncio.ensure_future(term_of(base))
-        probe.add_done_callback(_retrieve)  # its waiters may all be gone
+        probe.add_done_callback(retrieve)  # its waiters may all be gone
         entry = probes[base] = (loop.time(), probe)
     try:
         now = await asyncio.shield(entry[1])
@@ -61,9 +62,3 @@ async def leader_changed(
     # A client that has not heard a term yet (its first request) cannot tell a newer one:
     # only a member without a leader says the request may be lost.
     return not now or (term > 0 and now > term)
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    """Mark a finished task's error as seen (a probe whose waiters were all cancelled)."""
-    if not task.cancelled():
-        task.exception()

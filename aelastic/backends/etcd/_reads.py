@@ -335,26 +335,33 @@ class RunReads:
 
     # -- writing --------------------------------------------------------------------------
 
+    async def read_applied(
+        self, path: str, body: Callable[[bool], dict[str, Any]], what: str
+    ) -> dict[str, Any]:
+        """A read at a revision this client saw written (``body(serializable)``):
+        serializable, no wait for etcd's apply loop, since the member that answered applied
+        it; linearizable at a member that has not yet (a failover between the two)."""
+        try:
+            return await self._client.call(path, body(True), what)
+        except EtcdError as exc:
+            if isinstance(exc, Compacted) or "future revision" not in str(exc):
+                raise
+            return await self._client.call(path, body(False), what)
+
     async def participants_at(self, revision: int) -> int:
         """How many participants the run had at ``revision``: for a join written at it, the
         count that join made. Read beside etcd's apply loop, not in it (see
-        :meth:`._apply.RunPort.first_join`): serializable (no wait for the loop), since
-        the member that answered the write applied it; at a member that did not yet (a
-        failover between the two), linearizable."""
+        :meth:`._apply.RunPort.first_join`; :meth:`read_applied`)."""
         k = self._keys
         body: dict[str, Any] = {
             "key": b64(k.participants), "range_end": b64(prefix_end(k.participants)),
-            "count_only": True, "revision": revision, "serializable": True,
+            "count_only": True,
         }  # fmt: skip
         try:
-            answer = await self._client.call("/v3/kv/range", body, "count")
+            answer = await self.read_applied(
+                "/v3/kv/range", lambda s: {**body, "revision": revision, "serializable": s}, "count"
+            )
         except Compacted:  # compacted since the write (a second ago): count it now
-            del body["revision"], body["serializable"]
-            answer = await self._client.call("/v3/kv/range", body, "count")
-        except EtcdError as exc:
-            if "future revision" not in str(exc):
-                raise
-            del body["serializable"]
             answer = await self._client.call("/v3/kv/range", body, "count")
         return int(answer.get("count", 0))
 

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ...core.race import wait_within
+from ...core.race import retrieve, wait_within
 from ._answers import EtcdError, NotEtcd, Transient, decode
 from ._http import Pool
 from ._ws import Socket
@@ -169,7 +169,7 @@ class Renewals:
         if (stream is not None and not stream.ended) or self._opening is not None:
             return
         opening = asyncio.ensure_future(self._stream_to(url, member, token, connect, within))
-        opening.add_done_callback(_quiet)
+        opening.add_done_callback(retrieve)  # the renewal that needs it meets it again
 
     def close(self) -> None:
         """End the stream (every renewal waiting on it fails). Idempotent."""
@@ -178,8 +178,3 @@ class Renewals:
             stream.end(Transient("the client is closed"))
         if self._opening is not None:
             self._opening.cancel()
-
-
-def _quiet(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved: the renewal that needs the stream meets it again

@@ -31,7 +31,7 @@ import aiohttp
 from yarl import URL
 
 from ....core.errors import RendezvousConnectionError
-from ....core.race import cancel_and_wait, fail_after
+from ....core.race import cancel_and_wait, fail_after, retrieve
 from ..wire import CHANNEL_PATH
 
 __all__ = ["Channel"]
@@ -150,7 +150,7 @@ class Channel:
         task = asyncio.get_running_loop().create_task(socket.ws.send_str(note))
         socket.notes.add(task)  # kept until sent; cancelled if the socket closes first
         task.add_done_callback(socket.notes.discard)
-        task.add_done_callback(_retrieve)
+        task.add_done_callback(retrieve)  # a withdrawal the closing socket refused
 
     async def _open(self) -> _Socket | None:
         loop = asyncio.get_running_loop()
@@ -226,8 +226,3 @@ class Channel:
             await cancel_and_wait(socket.reader)
         if socket.notes:
             await cancel_and_wait(socket.notes)
-
-
-def _retrieve(task: asyncio.Task[None]) -> None:
-    if not task.cancelled():
-        task.exception()  # a withdrawal the closing socket refused: nothing to do
