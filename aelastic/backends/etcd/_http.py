@@ -32,7 +32,7 @@ import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar, cast
 
 from ...core.race import wait_within
 from ._answers import Hangup, NotEtcd, Transient, tls_failure
@@ -114,7 +114,9 @@ class _Connection(asyncio.Protocol):
         self._chunk: int | None = None  # bytes left of the current chunk (chunked bodies)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # A stream transport; not isinstance-checked: uvloop's transports are not
+        # registered as asyncio.Transport, and services embedding aelastic run on it.
+        transport = cast(asyncio.Transport, transport)
         self.transport = transport
 
     def send(self, data: bytes, answers: list[_Answer]) -> None:

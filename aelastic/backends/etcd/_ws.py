@@ -27,6 +27,7 @@ import hashlib
 import os
 import struct
 from collections.abc import Callable
+from typing import cast
 
 from ...core.race import wait_within
 from ._answers import Hangup, NotEtcd, Transient
@@ -78,7 +79,9 @@ class Socket(asyncio.Protocol):
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # A stream transport; not isinstance-checked: uvloop's transports are not
+        # registered as asyncio.Transport, and services embedding aelastic run on it.
+        transport = cast(asyncio.Transport, transport)
         self._transport = transport
 
     async def open(self, host: str, path: str, token: str | None, within: float) -> None:

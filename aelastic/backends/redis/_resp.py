@@ -37,7 +37,7 @@ import collections
 import contextlib
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from redis.exceptions import (
     AuthenticationError,
@@ -111,7 +111,9 @@ class RespConnection(asyncio.Protocol):
     # -- asyncio.Protocol -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # A stream transport; not isinstance-checked: uvloop's transports are not
+        # registered as asyncio.Transport, and services embedding aelastic run on it.
+        transport = cast(asyncio.Transport, transport)
         self._transport = transport
 
     def data_received(self, data: bytes) -> None:
