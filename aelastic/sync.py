@@ -63,6 +63,12 @@ class _Portal:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            if issubclass(concurrent.futures.TimeoutError, TimeoutError):
+                raise
+            # Python 3.10: concurrent.futures' own class, not the built-in one callers catch.
+            raise TimeoutError(f"not done within {timeout:g} s") from None
         except BaseException:
             future.cancel()
             raise

@@ -6,6 +6,7 @@ failure)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -62,4 +63,6 @@ def test_cancelling_tells_a_task_asked_to_stop() -> None:
         await task
 
     asyncio.run(main())
-    assert seen == [True, True]
+    # Python 3.10 cannot tell (``Task.cancelling`` came in 3.11): ``cancelling()`` says no.
+    asked = sys.version_info >= (3, 11)
+    assert seen == [asked, asked]
