@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -34,7 +35,7 @@ from typing import Any
 
 from .. import rendezvous as aapi
 from .. import sync
-from ..backends.registry import BUILTINS
+from ..backends.registry import BUILTINS, backend_info
 from ..core.view import MembershipView
 
 __all__ = [
@@ -47,6 +48,8 @@ __all__ = [
     "redis_handler",
     "static_handler",
 ]
+
+log = logging.getLogger("aelastic.torchrun")
 
 #: torchrun backend name -> aelastic backend name (from the backend registry's rows).
 BACKENDS = {info.torchrun_alias: info.name for info in BUILTINS}
@@ -313,6 +316,20 @@ def create_handler(params: Any) -> Any:
     name = params.backend
     if name not in BACKENDS:
         raise ValueError(f"aelastic has no torchrun backend '{name}' (known: {sorted(BACKENDS)})")
+    info = backend_info(BACKENDS[name])
+    if info is not None and not info.multi_node and params.min_nodes > 1:
+        # `aelastic run` refuses this; here handlers of one process (torch's registry called
+        # in process) can still meet, so it is said, not refused: a torchrun of its own would
+        # otherwise wait alone, silently, until its join timeout.
+        others = [i.torchrun_alias for i in BUILTINS if i.external or i.name == "c10d"]
+        log.warning(
+            "the %s rendezvous lives in this process: nodes of other processes cannot join "
+            "it, and it waits for %d nodes (use %s or %s)",
+            name,
+            params.min_nodes,
+            ", ".join(others[:-1]),
+            others[-1],
+        )
     config = dict(params.config)
     rescale = aapi.RendezvousParameters(name, "", "-", 1, 1, **config).get_as_bool(
         "rescale_on_member_loss", True

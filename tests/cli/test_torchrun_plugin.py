@@ -203,6 +203,22 @@ def test_member_loss_can_be_ignored_like_torch(run_id: str) -> None:
         handler.shutdown()
 
 
+def test_memory_waiting_for_other_nodes_is_said(
+    run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A torchrun of its own would wait alone until its join timeout, silently before (a
+    # TorchX `dist.ddp -j 2x1 --rdzv_backend aelastic-memory` job did).
+    handler = plugin.create_handler(_params(run_id, nodes=2))
+    try:
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(
+            "lives in this process" in m and "waits for 2 nodes" in m and "aelastic-redis" in m
+            for m in said
+        ), said
+    finally:
+        handler.shutdown()
+
+
 def test_unknown_backend_name() -> None:
     params = _params("x")
     params.backend = "aelastic-nope"
