@@ -44,12 +44,15 @@ join made (a status, a leave or a close of an unknown run) is answered and not s
 Every request first prunes the nodes silent for the run's heartbeat window. Cost: O(1) per
 request (plus O(pruned)), O(N) once per round at completion. The status's token changes
 only when a field that watchers act on changes (see :meth:`~.state.Status.signature`).
+The time rules (when a beat is due, when a node expires, the graces) live in :mod:`._times`
+and are exported here.
 """
 
 from __future__ import annotations
 
 import hmac
 
+from ._times import beat_due_ms, confirmable, departure_grace_ms, expiry_ms, reuse_grace_ms
 from .params import Rules
 from .state import (
     MAX_LOST_SAMPLE,
@@ -78,34 +81,7 @@ __all__ = [
 ]
 
 
-# -- the heartbeat rule ---------------------------------------------------------------------
-
-
-def beat_due_ms(last_beat_ms: int, interval_ms: int) -> int:
-    """When a node whose last recorded heartbeat is ``last_beat_ms`` beats next."""
-    return last_beat_ms + interval_ms
-
-
-def expiry_ms(last_beat_ms: int, window_ms: int) -> int:
-    """When a node whose last heartbeat is ``last_beat_ms`` is dead (and pruned)."""
-    return last_beat_ms + window_ms
-
-
-def departure_grace_ms(rules: Rules) -> int:
-    """How long a node whose connection ended has to be heard from again: half the
-    heartbeat window, at most a second. A live node's client notices its connection end
-    at the same moment and sends its beat again at once (a new connection's handshake);
-    a second covers that on a loaded machine, and half the window keeps the report worth
-    making when the window is short."""
-    return min(rules.window_ms // 2, 1000)
-
-
-def confirmable(departing: int, nodes: int) -> bool:
-    """Whether ``departing`` nodes of a run of ``nodes`` whose connections ended may be
-    confirmed lost once a member's collective broke: at most half of them (many connections
-    ending at once is the network, or a store that restarted, not deaths: they keep the
-    grace)."""
-    return 2 * departing <= nodes
+# -- when the token moves -------------------------------------------------------------------
 
 
 def _signature(state: RunState) -> tuple[object, ...]:
@@ -230,14 +206,6 @@ def _enter(state: RunState, req: Request, now_ms: int) -> None:
     if req.node not in state.secrets:
         state.secrets[req.node] = req.secret
     _beat(state, req.node, now_ms)
-
-
-def reuse_grace_ms(rules: Rules) -> int:
-    """How long a closed run stays closed once its last node left: then the next join makes
-    it a new run (its id is reused). Two heartbeat windows: a node of the old job that went
-    silent just before the end is dropped after one window, and still learns that the run
-    closed if it comes back within another."""
-    return 2 * rules.window_ms
 
 
 def reopen_at_ms(state: RunState) -> int | None:

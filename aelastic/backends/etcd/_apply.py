@@ -11,7 +11,8 @@ same transaction brings the fresh read and the request is decided again. A blind
 learns the count it made from its own transaction: the join that made ``min_nodes`` or
 ``max_nodes`` starts the last call or completes the round (any request that finds it
 undone does it, :func:`._port.reconcile`). A node's first join is one transaction and no
-read (:meth:`RunPort.first_join`). A node's keys live on its lease (:mod:`._leases`).
+read (:meth:`RunPort.first_join`). A node's keys live on its lease (:mod:`._leases`). The
+transactions' bodies are made in :mod:`._txns`.
 """
 
 from __future__ import annotations
@@ -24,19 +25,12 @@ from typing import Any
 from ...core.errors import RendezvousConnectionError
 from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Status, Transition
 from ...core.token import new_epoch
-from ._client import Compacted, EtcdError, LeaseNotFound, b64
+from ._client import Compacted, EtcdError, LeaseNotFound
 from ._decide import decide
-from ._layout import (
-    Header,
-    decode_header,
-    encode_header,
-    member_parts,
-    member_value,
-    prefix_end,
-    rules_tag,
-)
-from ._port import LISTS, Plan, View, needs_names, status_of
+from ._layout import Header, decode_header, member_parts
+from ._port import Plan, View, needs_names, status_of
 from ._reads import RunReads, members_of, range_of, range_op
+from ._txns import first_join_txn, write_txn
 
 __all__ = ["RunPort"]
 
@@ -48,58 +42,6 @@ class RunPort(RunReads):
     """The requests of one run's nodes on etcd (see the module docstring; the reads are
     :class:`~._reads.RunReads`')."""
 
-    def _write_ops(
-        self, view: View, plan: Plan, node: NodeDesc, lease: int | None, count: bool
-    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        k = self._keys
-        compare: list[dict[str, Any]] = [
-            {"key": b64(k.header), "target": "MOD", "result": "EQUAL",
-             "mod_revision": view.header_mod},
-        ]  # fmt: skip
-        for where in LISTS:
-            member = view.own.get(where)
-            compare.append(
-                {
-                    "key": b64(k.member(where, node)),
-                    "target": "MOD",
-                    "result": "EQUAL",
-                    "mod_revision": 0 if member is None else member.mod,
-                }
-            )
-        if plan.guard:
-            compare.append(
-                {"key": b64(k.participants), "range_end": b64(prefix_end(k.participants)),
-                 "target": "CREATE", "result": "LESS", "create_revision": view.revision + 1}
-            )  # fmt: skip
-        ops: list[dict[str, Any]] = []
-        if "q" in plan.put:  # before the participant's delete: a finished leave's mark
-            ops.append({"request_put": {"key": b64(k.member("q", node)), "value": ""}})
-        for where in plan.delete:
-            ops.append({"request_delete_range": {"key": b64(k.member(where, node))}})
-        for key in plan.extras:
-            ops.append({"request_delete_range": {"key": b64(key)}})
-        for where, value in plan.put.items():
-            if where != "q":
-                put = {"key": b64(k.member(where, node)), "value": b64(value), "lease": lease}
-                ops.append({"request_put": put})
-        if plan.header is not None:
-            header = plan.header.evolve(accounted=view.revision)
-            ops.append({"request_put": {"key": b64(k.header), "value": b64(encode_header(header))}})
-            ops.append({"request_delete_range": {"key": b64(k.fresh)}})
-        if plan.mark_cut:
-            round_ = b"" if plan.header is None else str(plan.header.round).encode()
-            ops.append({"request_put": {"key": b64(k.cut), "value": b64(round_)}})
-        if plan.clear_finished:
-            ops.append(
-                {"request_delete_range": {"key": b64(k.finished),
-                                          "range_end": b64(prefix_end(k.finished))}}
-            )  # fmt: skip
-        if count:  # a blind join's count (see _follow_up): O(N), in etcd's apply loop
-            ops.append(range_op(k.participants, prefix_end(k.participants), count_only=True))
-        if plan.rank and plan.mark_cut:
-            ops.append(range_op(k.participants, k.member("p", node), count_only=True))
-        return compare, ops
-
     async def _write(
         self, view: View, plan: Plan, node: NodeDesc, window_ms: int, count: bool
     ) -> tuple[bool, list[dict[str, Any]], int]:
@@ -107,7 +49,7 @@ class RunPort(RunReads):
         if any(w != "q" for w in plan.put):
             lease = await self._leases.ensure(node, window_ms)
         for _ in range(3):
-            compare, ops = self._write_ops(view, plan, node, lease, count)
+            compare, ops = write_txn(self._keys, view, plan, node, lease, count)
             body = {"compare": compare, "success": ops, "failure": self._view_ops(node)}
             try:
                 answer = await self._client.call("/v3/kv/txn", body, "write")
@@ -143,44 +85,7 @@ class RunPort(RunReads):
         fresh = Header(epoch=epoch, rules=rules)
 
         def body_of(lease: str) -> dict[str, Any]:
-            absent = [
-                {
-                    "key": b64(k.member(w, node)),
-                    "target": "MOD",
-                    "result": "EQUAL",
-                    "mod_revision": 0,
-                }
-                for w in LISTS
-            ]
-            value = member_value(request.port, request.secret)
-            mine = {"key": b64(k.member("p", node)), "value": b64(value)}
-            me = {"request_put": {**mine, "lease": lease}}
-            counts = [
-                range_op(p, prefix_end(p), count_only=True)
-                for p in (k.participants, k.waiting, k.redundant, k.finished)
-            ]  # a run's creator counts its participants in the write (it is the one)
-            body = {
-                "compare": [
-                    {"key": b64(k.header), "target": "CREATE", "result": "EQUAL",
-                     "create_revision": 0}, *absent,
-                ],
-                "success": [
-                    {"request_put": {"key": b64(k.header), "value": b64(encode_header(fresh))}},
-                    {"request_put": {"key": b64(k.fresh), "value": b64(rules_tag(rules))}},
-                    me, range_op(k.header), *counts,
-                ],
-                "failure": [{"request_txn": {
-                    "compare": [
-                        {"key": b64(k.fresh), "target": "VALUE", "result": "EQUAL",
-                         "value": b64(rules_tag(rules))},
-                        {"key": b64(k.header), "target": "VERSION", "result": "EQUAL",
-                         "version": 1},
-                        *absent,
-                    ],
-                    "success": [me, range_op(k.header), *counts[1:]],
-                }}],
-            }  # fmt: skip
-            return body
+            return first_join_txn(k, request, fresh, lease)
 
         answer = await self._grant_and_join(node, rules.window_ms, body_of)
         revision = int(answer.get("header", {}).get("revision", 0))

@@ -57,7 +57,7 @@ from ._answers import (
 from ._endpoint import EtcdEndpoint
 from ._failures import auth_failure, not_etcd, refused_by_member, tls_refused, unreachable
 from ._http import Pool, request_bytes
-from ._probe import CONNECT_TIMEOUT, LAST_ATTEMPT, SLOW, leader_changed
+from ._probe import CONNECT_TIMEOUT, LAST_ATTEMPT, SLOW, Terms
 from ._renewals import Renewals
 
 __all__ = [
@@ -92,7 +92,7 @@ class EtcdClient:
         self._closed = False
         #: Requests sent (tests and benchmarks read it).
         self.requests = 0
-        self._term = 0  # the newest Raft term seen in an answer
+        self._terms = Terms(len(self._urls) > 1, self._term_of)  # the newest term seen
         self._failing_since: float | None = None  # when the current outage began
 
     @property
@@ -127,31 +127,7 @@ class EtcdClient:
         self, url: str, requests: list[tuple[str, dict[str, Any]]], timeout: float
     ) -> list[dict[str, Any] | EtcdError]:
         """One attempt at member ``url`` (see :data:`SLOW` for one that takes long)."""
-        return await self._patiently(url, self._send(url, requests, timeout))
-
-    async def _patiently(
-        self, url: str, sending: Awaitable[list[dict[str, Any] | EtcdError]]
-    ) -> list[dict[str, Any] | EtcdError]:
-        """Await ``sending``, an attempt at member ``url``: one that takes long is
-        abandoned only if the member's leader changed meanwhile (see :data:`SLOW`)."""
-        term = self._term
-        attempt = asyncio.ensure_future(sending)
-        try:
-            while True:
-                done, _ = await asyncio.wait({attempt}, timeout=SLOW)
-                if done:
-                    return attempt.result()
-                changed = await leader_changed(url, term, len(self._urls) > 1, self._term_of)
-                if attempt.done():  # answered while the member was asked: never sent again
-                    return attempt.result()
-                if changed:
-                    raise Transient("the member's leader changed while it had the request")
-        finally:
-            if not attempt.done():
-                attempt.cancel()
-                await asyncio.wait({attempt})
-            if not attempt.cancelled():
-                attempt.exception()  # retrieved (what is raised here replaces it)
+        return await self._terms.patiently(url, self._send(url, requests, timeout))
 
     async def _term_of(self, base: str) -> int:
         answer = (await self._send(base, [("/v3/maintenance/status", {})], SLOW))[0]
@@ -182,16 +158,9 @@ class EtcdClient:
             except EtcdError as exc:
                 answers.append(exc)
                 continue
-            self._saw(answer)
+            self._terms.saw(answer)
             answers.append(answer)
         return answers
-
-    def _saw(self, answer: dict[str, Any]) -> None:
-        """Note the Raft term of ``answer`` (see :func:`._probe.leader_changed`)."""
-        header = answer.get("header") or answer.get("result", {}).get("header") or {}
-        term = int(header.get("raft_term", 0) or 0)
-        if term > self._term:
-            self._term = term
 
     async def call(
         self, path: str, body: dict[str, Any], what: str, within: float | None = None
@@ -246,11 +215,11 @@ class EtcdClient:
                 url, self._members[url], self._token, lease,
                 self._connect_within(remaining), remaining,
             )  # fmt: skip
-            self._saw(answer)
+            self._terms.saw(answer)
             return [answer]
 
         async def renew(url: str, remaining: float) -> list[dict[str, Any] | EtcdError]:
-            return await self._patiently(url, one(url, remaining))
+            return await self._terms.patiently(url, one(url, remaining))
 
         answer = (await self._retrying(renew, "keep-alive", within))[0]
         assert not isinstance(answer, EtcdError)  # the stream's refusals are raised

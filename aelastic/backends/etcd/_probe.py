@@ -7,7 +7,8 @@ member's status (no Raft round trip); a newer Raft term than the one the client 
 or no leader, means the request may be lost (a follower forwarded it to a leader that
 died) and it is sent again; otherwise it is only slow and is waited for. Requests of one
 event loop waiting on one member share a probe (a busy cluster is asked once, not by every
-node of the process).
+node of the process). A client's :class:`Terms` holds the newest term it saw and waits on
+its attempts so.
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from ...core.race import retrieve
+from ._answers import Transient
 
-__all__ = ["CONNECT_TIMEOUT", "LAST_ATTEMPT", "SLOW", "leader_changed"]
+__all__ = ["CONNECT_TIMEOUT", "LAST_ATTEMPT", "SLOW", "Terms", "leader_changed"]
+
+_T = TypeVar("_T")
 
 #: A request unanswered this long makes the client ask the member whether its leader changed
 #: meanwhile (its status: no Raft round trip): a request that a follower forwarded to a
@@ -62,3 +67,47 @@ async def leader_changed(
     # A client that has not heard a term yet (its first request) cannot tell a newer one:
     # only a member without a leader says the request may be lost.
     return not now or (term > 0 and now > term)
+
+
+class Terms:
+    """The newest Raft term a client saw in an answer, and the wait on its attempts: one
+    that takes long is abandoned only if the member's leader changed meanwhile.
+
+    Args:
+        several: Whether the client has several members (see :func:`leader_changed`).
+        term_of: A member's term, asked of it (0: no leader).
+    """
+
+    def __init__(self, several: bool, term_of: Callable[[str], Awaitable[int]]) -> None:
+        self._several = several
+        self._term_of = term_of
+        self._term = 0  # the newest Raft term seen in an answer
+
+    def saw(self, answer: dict[str, Any]) -> None:
+        """Note the Raft term of ``answer`` (see :func:`leader_changed`)."""
+        header = answer.get("header") or answer.get("result", {}).get("header") or {}
+        term = int(header.get("raft_term", 0) or 0)
+        if term > self._term:
+            self._term = term
+
+    async def patiently(self, url: str, sending: Awaitable[_T]) -> _T:
+        """Await ``sending``, an attempt at member ``url``: one that takes long is
+        abandoned only if the member's leader changed meanwhile (see :data:`SLOW`)."""
+        term = self._term
+        attempt = asyncio.ensure_future(sending)
+        try:
+            while True:
+                done, _ = await asyncio.wait({attempt}, timeout=SLOW)
+                if done:
+                    return attempt.result()
+                changed = await leader_changed(url, term, self._several, self._term_of)
+                if attempt.done():  # answered while the member was asked: never sent again
+                    return attempt.result()
+                if changed:
+                    raise Transient("the member's leader changed while it had the request")
+        finally:
+            if not attempt.done():
+                attempt.cancel()
+                await asyncio.wait({attempt})
+            if not attempt.cancelled():
+                attempt.exception()  # retrieved (what is raised here replaces it)

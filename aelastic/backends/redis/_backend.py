@@ -11,7 +11,8 @@ string per key, written by scripts that refresh the expiry and publish the key's
 Requests that change membership (join, leave, close) and store writes are *durable*: with
 ``wait_replicas`` their replies come once that many replicas hold them (``WAIT``), so a
 failover right after does not lose them; heartbeats are not (a lost one is sent again).
-See :mod:`._calls` for connections, retries and errors.
+See :mod:`._calls` for connections, retries and errors, :mod:`._answers` for the scripts'
+answers.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from redis.exceptions import ResponseError
 from ...core.brief import beat_key, brief_reply
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
 from ...core.race import uncancellable, wait_within
-from ...core.state import FORMAT_VERSION, Op, Reply, Request, Snapshot, Status, Transition
+from ...core.state import Op, Reply, Request, Snapshot, Status, Transition
 from ...core.token import Token, new_epoch
 from ...core.wire import (
     WireError,
@@ -38,6 +39,7 @@ from ...core.wire import (
     status_to_json,
 )
 from . import _scripts as lua
+from ._answers import decode_answer
 from ._calls import RedisCalls
 from ._departures import NamedConnections
 from ._endpoint import RedisEndpoint
@@ -131,32 +133,7 @@ class RedisBackend(RedisCalls, NamedConnections):
     # -- the rendezvous -------------------------------------------------------------------
 
     def _decode(self, raw: Any, what: str) -> dict[str, Any]:
-        try:
-            doc = json.loads(raw)
-        except (TypeError, ValueError):
-            raise RendezvousConnectionError(
-                f"Redis at {self.endpoint} answered {what} with something that is not JSON."
-            ) from None
-        if not isinstance(doc, dict):
-            doc = {"error": "foreign"}
-        error = doc.get("error")
-        if error is None:
-            return doc
-        where = f"The rendezvous state of run '{self._run_id}' at {self.endpoint}"
-        if error == "version":
-            raise RendezvousStateError(
-                f"{where} has format version {doc.get('version')!r}; this aelastic uses "
-                f"version {FORMAT_VERSION}. Nodes of both versions cannot share a run: use "
-                "one aelastic version for the job, or another run id. It was left as it is."
-            )
-        if error == "type":
-            raise RendezvousStateError(
-                f"{where}: the key '{doc.get('key')}' is a Redis {doc.get('kind')}, not what "
-                "aelastic writes; it was left as it is."
-            )
-        raise RendezvousStateError(
-            f"{where} is foreign or corrupt (not written by aelastic); it was left as it is."
-        )
+        return decode_answer(raw, what, self.endpoint, self._run_id)
 
     async def apply(self, request: Request, hold: float = 0.0, seen: Token | None = None) -> Reply:
         """Carry out ``request`` atomically (one script) and answer at once (no ``hold``).

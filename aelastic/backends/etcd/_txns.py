@@ -1,0 +1,124 @@
+"""The write transactions of a request on etcd, as etcd's JSON gateway takes them (keys and
+values in base64).
+
+How it works: :func:`write_txn` turns a decided :class:`~._port.Plan` into one transaction
+compared against the read it was decided on (the header's mod revision, the node's own
+keys, and when the plan used the participants' count, that no participant joined since);
+:func:`first_join_txn` is a node's first join, one transaction and no read, which creates
+the run or joins its round 0. Pure: :class:`~._apply.RunPort` sends them and reads the
+answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...core.state import NodeDesc, Request
+from ._answers import b64
+from ._layout import Header, RunKeys, encode_header, member_value, prefix_end, rules_tag
+from ._port import LISTS, Plan, View
+from ._reads import range_op
+
+__all__ = ["first_join_txn", "write_txn"]
+
+
+def write_txn(
+    k: RunKeys, view: View, plan: Plan, node: NodeDesc, lease: int | None, count: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The compare and the writes of ``plan``, decided for ``node`` on ``view``: the header,
+    the node's three keys and, when the plan used the participants' count (``guard``), that
+    no participant joined since the read; ``count`` adds a blind join's count of the
+    participants, and a plan that fixes the cut and wants a rank, the node's rank."""
+    compare: list[dict[str, Any]] = [
+        {"key": b64(k.header), "target": "MOD", "result": "EQUAL",
+         "mod_revision": view.header_mod},
+    ]  # fmt: skip
+    for where in LISTS:
+        member = view.own.get(where)
+        compare.append(
+            {
+                "key": b64(k.member(where, node)),
+                "target": "MOD",
+                "result": "EQUAL",
+                "mod_revision": 0 if member is None else member.mod,
+            }
+        )
+    if plan.guard:
+        compare.append(
+            {"key": b64(k.participants), "range_end": b64(prefix_end(k.participants)),
+             "target": "CREATE", "result": "LESS", "create_revision": view.revision + 1}
+        )  # fmt: skip
+    ops: list[dict[str, Any]] = []
+    if "q" in plan.put:  # before the participant's delete: a finished leave's mark
+        ops.append({"request_put": {"key": b64(k.member("q", node)), "value": ""}})
+    for where in plan.delete:
+        ops.append({"request_delete_range": {"key": b64(k.member(where, node))}})
+    for key in plan.extras:
+        ops.append({"request_delete_range": {"key": b64(key)}})
+    for where, value in plan.put.items():
+        if where != "q":
+            put = {"key": b64(k.member(where, node)), "value": b64(value), "lease": lease}
+            ops.append({"request_put": put})
+    if plan.header is not None:
+        header = plan.header.evolve(accounted=view.revision)
+        ops.append({"request_put": {"key": b64(k.header), "value": b64(encode_header(header))}})
+        ops.append({"request_delete_range": {"key": b64(k.fresh)}})
+    if plan.mark_cut:
+        round_ = b"" if plan.header is None else str(plan.header.round).encode()
+        ops.append({"request_put": {"key": b64(k.cut), "value": b64(round_)}})
+    if plan.clear_finished:
+        ops.append(
+            {"request_delete_range": {"key": b64(k.finished),
+                                      "range_end": b64(prefix_end(k.finished))}}
+        )  # fmt: skip
+    if count:  # a blind join's count (see _apply's _follow_up): O(N), in etcd's apply loop
+        ops.append(range_op(k.participants, prefix_end(k.participants), count_only=True))
+    if plan.rank and plan.mark_cut:
+        ops.append(range_op(k.participants, k.member("p", node), count_only=True))
+    return compare, ops
+
+
+def first_join_txn(k: RunKeys, request: Request, fresh: Header, lease: str) -> dict[str, Any]:
+    """The transaction of ``request``, a node's first join, on ``lease``: it creates the run
+    (the header ``fresh`` and ``f``) if there is none, or else joins round 0 while the run
+    is as its creator left it (see :meth:`~._apply.RunPort.first_join`); its ranges read
+    the header and count the lists (the participants only when it creates the run)."""
+    node, rules = request.node, request.rules
+    absent = [
+        {
+            "key": b64(k.member(w, node)),
+            "target": "MOD",
+            "result": "EQUAL",
+            "mod_revision": 0,
+        }
+        for w in LISTS
+    ]
+    value = member_value(request.port, request.secret)
+    mine = {"key": b64(k.member("p", node)), "value": b64(value)}
+    me = {"request_put": {**mine, "lease": lease}}
+    counts = [
+        range_op(p, prefix_end(p), count_only=True)
+        for p in (k.participants, k.waiting, k.redundant, k.finished)
+    ]  # a run's creator counts its participants in the write (it is the one)
+    body = {
+        "compare": [
+            {"key": b64(k.header), "target": "CREATE", "result": "EQUAL",
+             "create_revision": 0}, *absent,
+        ],
+        "success": [
+            {"request_put": {"key": b64(k.header), "value": b64(encode_header(fresh))}},
+            {"request_put": {"key": b64(k.fresh), "value": b64(rules_tag(rules))}},
+            me, range_op(k.header), *counts,
+        ],
+        "failure": [{"request_txn": {
+            "compare": [
+                {"key": b64(k.fresh), "target": "VALUE", "result": "EQUAL",
+                 "value": b64(rules_tag(rules))},
+                {"key": b64(k.header), "target": "VERSION", "result": "EQUAL",
+                 "version": 1},
+                *absent,
+            ],
+            "success": [me, range_op(k.header), *counts[1:]],
+        }}],
+    }  # fmt: skip
+    return body
