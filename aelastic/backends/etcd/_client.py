@@ -92,7 +92,7 @@ class EtcdClient:
         self._closed = False
         #: Requests sent (tests and benchmarks read it).
         self.requests = 0
-        self._terms = Terms(len(self._urls) > 1, self._term_of)  # the newest term seen
+        self._terms = Terms(len(self._urls) > 1)  # the newest Raft term seen
         self._failing_since: float | None = None  # when the current outage began
 
     @property
@@ -127,7 +127,7 @@ class EtcdClient:
         self, url: str, requests: list[tuple[str, dict[str, Any]]], timeout: float
     ) -> list[dict[str, Any] | EtcdError]:
         """One attempt at member ``url`` (see :data:`SLOW` for one that takes long)."""
-        return await self._terms.patiently(url, self._send(url, requests, timeout))
+        return await self._terms.patiently(url, self._send(url, requests, timeout), self._term_of)
 
     async def _term_of(self, base: str) -> int:
         answer = (await self._send(base, [("/v3/maintenance/status", {})], SLOW))[0]
@@ -219,7 +219,7 @@ class EtcdClient:
             return [answer]
 
         async def renew(url: str, remaining: float) -> list[dict[str, Any] | EtcdError]:
-            return await self._terms.patiently(url, one(url, remaining))
+            return await self._terms.patiently(url, one(url, remaining), self._term_of)
 
         answer = (await self._retrying(renew, "keep-alive", within))[0]
         assert not isinstance(answer, EtcdError)  # the stream's refusals are raised

@@ -75,12 +75,10 @@ class Terms:
 
     Args:
         several: Whether the client has several members (see :func:`leader_changed`).
-        term_of: A member's term, asked of it (0: no leader).
     """
 
-    def __init__(self, several: bool, term_of: Callable[[str], Awaitable[int]]) -> None:
+    def __init__(self, several: bool) -> None:
         self._several = several
-        self._term_of = term_of
         self._term = 0  # the newest Raft term seen in an answer
 
     def saw(self, answer: dict[str, Any]) -> None:
@@ -90,9 +88,12 @@ class Terms:
         if term > self._term:
             self._term = term
 
-    async def patiently(self, url: str, sending: Awaitable[_T]) -> _T:
+    async def patiently(
+        self, url: str, sending: Awaitable[_T], term_of: Callable[[str], Awaitable[int]]
+    ) -> _T:
         """Await ``sending``, an attempt at member ``url``: one that takes long is
-        abandoned only if the member's leader changed meanwhile (see :data:`SLOW`)."""
+        abandoned only if the member's leader changed meanwhile (see :data:`SLOW`), which
+        ``term_of`` asks the member (its term; 0: no leader)."""
         term = self._term
         attempt = asyncio.ensure_future(sending)
         try:
@@ -100,7 +101,7 @@ class Terms:
                 done, _ = await asyncio.wait({attempt}, timeout=SLOW)
                 if done:
                     return attempt.result()
-                changed = await leader_changed(url, term, self._several, self._term_of)
+                changed = await leader_changed(url, term, self._several, term_of)
                 if attempt.done():  # answered while the member was asked: never sent again
                     return attempt.result()
                 if changed:
