@@ -57,7 +57,7 @@ from ._answers import (
 from ._endpoint import EtcdEndpoint
 from ._failures import auth_failure, not_etcd, refused_by_member, tls_refused, unreachable
 from ._http import Pool, request_bytes
-from ._probe import CONNECT_TIMEOUT, LAST_ATTEMPT, SLOW, leader_changed
+from ._probe import CONNECT_TIMEOUT, LAST_ATTEMPT, SLOW, heard_term, known_term, leader_changed
 from ._renewals import Renewals
 
 __all__ = [
@@ -84,6 +84,7 @@ class EtcdClient:
         self.read_timeout = float(read_timeout)
         self._urls = endpoint.urls
         self._members = dict(zip(self._urls, endpoint.members, strict=True))
+        self._cluster = tuple(sorted(self._urls))
         self._current = random.randrange(len(self._urls))
         self._pool: Pool | None = None
         self._renewals: Renewals | None = None  # the keep-alive stream, once a lease beats
@@ -134,13 +135,18 @@ class EtcdClient:
     ) -> list[dict[str, Any] | EtcdError]:
         """Await ``sending``, an attempt at member ``url``: one that takes long is
         abandoned only if the member's leader changed meanwhile (see :data:`SLOW`)."""
-        term = self._term
+        # A client that has heard no term yet (its first request) takes the newest that
+        # this process heard from the cluster (another node's client, an earlier one) or,
+        # failing that, the first it hears meanwhile (its watch's): a newer term at the
+        # member means an election after that term was heard, so after the sending.
+        sent_in = self._term or known_term(self._cluster)
         attempt = asyncio.ensure_future(sending)
         try:
             while True:
                 done, _ = await asyncio.wait({attempt}, timeout=SLOW)
                 if done:
                     return attempt.result()
+                term = sent_in or self._term
                 changed = await leader_changed(url, term, len(self._urls) > 1, self._term_of)
                 if attempt.done():  # answered while the member was asked: never sent again
                     return attempt.result()
@@ -192,6 +198,7 @@ class EtcdClient:
         term = int(header.get("raft_term", 0) or 0)
         if term > self._term:
             self._term = term
+            heard_term(self._cluster, term)
 
     async def call(
         self, path: str, body: dict[str, Any], what: str, within: float | None = None
@@ -390,13 +397,19 @@ class EtcdClient:
                     raw = b"".join([piece async for piece in pieces])
                     decode(raw, status)  # raises etcd's error
                     raise ConnectionError(f"{url}: HTTP {status}")
-                yield messages(pieces, deadline)
+                yield self._noting(messages(pieces, deadline))
         except NotEtcd as exc:
             raise not_etcd(self.endpoint, url, "watch", exc) from None
         except TlsFailure as exc:
             raise tls_refused(self.endpoint, url, "watch", exc) from None
         except Transient as exc:
             raise ConnectionError(f"{url}: {exc}") from None
+
+    async def _noting(self, docs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        """``docs``, each one's Raft term noted (a watch's answers tell it too)."""
+        async for doc in docs:
+            self._saw(doc)
+            yield doc
 
     async def aclose(self) -> None:
         """Close the connections. Idempotent."""

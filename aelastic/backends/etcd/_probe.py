@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from ...core.race import retrieve
 
-__all__ = ["CONNECT_TIMEOUT", "LAST_ATTEMPT", "SLOW", "leader_changed"]
+__all__ = ["CONNECT_TIMEOUT", "LAST_ATTEMPT", "SLOW", "heard_term", "known_term", "leader_changed"]
 
 #: A request unanswered this long makes the client ask the member whether its leader changed
 #: meanwhile (its status: no Raft round trip): a request that a follower forwarded to a
@@ -38,6 +38,26 @@ CONNECT_TIMEOUT = 2.0
 _PROBES: weakref.WeakKeyDictionary[
     asyncio.AbstractEventLoop, dict[str, tuple[float, asyncio.Future[int]]]
 ] = weakref.WeakKeyDictionary()
+
+
+#: The newest Raft term heard from each cluster (its members' URLs), per event loop: a
+#: client's first request, sent before it heard a term of its own, is judged by it (else a
+#: first request that a follower forwarded to a leader that died waits out etcd's timeout).
+_TERMS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, ...], int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def heard_term(cluster: tuple[str, ...], term: int) -> None:
+    """Note that a client of ``cluster`` heard Raft term ``term``."""
+    terms = _TERMS.setdefault(asyncio.get_running_loop(), {})
+    if term > terms.get(cluster, 0):
+        terms[cluster] = term
+
+
+def known_term(cluster: tuple[str, ...]) -> int:
+    """The newest Raft term this event loop's clients heard from ``cluster`` (0: none)."""
+    return _TERMS.get(asyncio.get_running_loop(), {}).get(cluster, 0)
 
 
 async def leader_changed(
