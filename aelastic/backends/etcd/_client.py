@@ -92,7 +92,7 @@ class EtcdClient:
         self._closed = False
         #: Requests sent (tests and benchmarks read it).
         self.requests = 0
-        self._terms = Terms(len(self._urls) > 1)  # the newest Raft term seen
+        self._terms = Terms(tuple(sorted(self._urls)))  # the newest Raft term seen
         self._failing_since: float | None = None  # when the current outage began
 
     @property
@@ -359,13 +359,19 @@ class EtcdClient:
                     raw = b"".join([piece async for piece in pieces])
                     decode(raw, status)  # raises etcd's error
                     raise ConnectionError(f"{url}: HTTP {status}")
-                yield messages(pieces, deadline)
+                yield self._noting(messages(pieces, deadline))
         except NotEtcd as exc:
             raise not_etcd(self.endpoint, url, "watch", exc) from None
         except TlsFailure as exc:
             raise tls_refused(self.endpoint, url, "watch", exc) from None
         except Transient as exc:
             raise ConnectionError(f"{url}: {exc}") from None
+
+    async def _noting(self, docs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        """``docs``, each one's Raft term noted (a watch's answers tell it too)."""
+        async for doc in docs:
+            self._terms.saw(doc)
+            yield doc
 
     async def aclose(self) -> None:
         """Close the connections. Idempotent."""

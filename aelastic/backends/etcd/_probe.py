@@ -21,7 +21,15 @@ from typing import Any, TypeVar
 from ...core.race import retrieve
 from ._answers import Transient
 
-__all__ = ["CONNECT_TIMEOUT", "LAST_ATTEMPT", "SLOW", "Terms", "leader_changed"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "LAST_ATTEMPT",
+    "SLOW",
+    "Terms",
+    "heard_term",
+    "known_term",
+    "leader_changed",
+]
 
 _T = TypeVar("_T")
 
@@ -43,6 +51,26 @@ CONNECT_TIMEOUT = 2.0
 _PROBES: weakref.WeakKeyDictionary[
     asyncio.AbstractEventLoop, dict[str, tuple[float, asyncio.Future[int]]]
 ] = weakref.WeakKeyDictionary()
+
+
+#: The newest Raft term heard from each cluster (its members' URLs), per event loop: a
+#: client's first request, sent before it heard a term of its own, is judged by it (else a
+#: first request that a follower forwarded to a leader that died waits out etcd's timeout).
+_TERMS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, ...], int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def heard_term(cluster: tuple[str, ...], term: int) -> None:
+    """Note that a client of ``cluster`` heard Raft term ``term``."""
+    terms = _TERMS.setdefault(asyncio.get_running_loop(), {})
+    if term > terms.get(cluster, 0):
+        terms[cluster] = term
+
+
+def known_term(cluster: tuple[str, ...]) -> int:
+    """The newest Raft term this event loop's clients heard from ``cluster`` (0: none)."""
+    return _TERMS.get(asyncio.get_running_loop(), {}).get(cluster, 0)
 
 
 async def leader_changed(
@@ -74,11 +102,12 @@ class Terms:
     that takes long is abandoned only if the member's leader changed meanwhile.
 
     Args:
-        several: Whether the client has several members (see :func:`leader_changed`).
+        cluster: The client's members (their URLs, sorted): the terms heard from it are
+            noted for the event loop's other clients (:func:`heard_term`).
     """
 
-    def __init__(self, several: bool) -> None:
-        self._several = several
+    def __init__(self, cluster: tuple[str, ...]) -> None:
+        self._cluster = cluster
         self._term = 0  # the newest Raft term seen in an answer
 
     def saw(self, answer: dict[str, Any]) -> None:
@@ -87,6 +116,7 @@ class Terms:
         term = int(header.get("raft_term", 0) or 0)
         if term > self._term:
             self._term = term
+            heard_term(self._cluster, term)
 
     async def patiently(
         self, url: str, sending: Awaitable[_T], term_of: Callable[[str], Awaitable[int]]
@@ -94,14 +124,19 @@ class Terms:
         """Await ``sending``, an attempt at member ``url``: one that takes long is
         abandoned only if the member's leader changed meanwhile (see :data:`SLOW`), which
         ``term_of`` asks the member (its term; 0: no leader)."""
-        term = self._term
+        # A client that has heard no term yet (its first request) takes the newest that
+        # this process heard from the cluster (another node's client, an earlier one) or,
+        # failing that, the first it hears meanwhile (its watch's): a newer term at the
+        # member means an election after that term was heard, so after the sending.
+        sent_in = self._term or known_term(self._cluster)
         attempt = asyncio.ensure_future(sending)
         try:
             while True:
                 done, _ = await asyncio.wait({attempt}, timeout=SLOW)
                 if done:
                     return attempt.result()
-                changed = await leader_changed(url, term, self._several, term_of)
+                term = sent_in or self._term
+                changed = await leader_changed(url, term, len(self._cluster) > 1, term_of)
                 if attempt.done():  # answered while the member was asked: never sent again
                     return attempt.result()
                 if changed:
