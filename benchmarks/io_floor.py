@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import resource
 import subprocess
@@ -300,7 +301,7 @@ def main() -> int:
                 rows.append({"what": what, "loop": loop, "nodes": n, **result})
                 print(_row(what, loop, result, n, args.idle), flush=True)
     if args.json:
-        meta = {"load_average": list(__import__("os").getloadavg()), "idle": args.idle}
+        meta = {"load_average": list(os.getloadavg()), "idle": args.idle}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"results: {args.json}")
     return 0

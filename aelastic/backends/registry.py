@@ -191,10 +191,15 @@ def backend_info(name: str) -> BackendInfo | None:
     return info
 
 
-def external_names(conjunction: str = "or") -> str:
+def external_names(
+    conjunction: str = "or", also: tuple[str, ...] = (), torchrun: bool = False
+) -> str:
     """The built-in backends with a store of their own, for messages: ``redis, http or
-    etcd``."""
-    names = [info.name for info in BUILTINS if info.external]
+    etcd``; then those named in ``also`` (``c10d``); under their torchrun names with
+    ``torchrun`` (``aelastic-redis``)."""
+    rows = [info for info in BUILTINS if info.external]
+    rows += [info for name in also if (info := backend_info(name)) is not None]
+    names = [info.torchrun_alias if torchrun else info.name for info in rows]
     return ", ".join(names[:-1]) + f" {conjunction} " + names[-1] if len(names) > 1 else names[0]
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from .. import rendezvous as aapi
 from .. import sync
-from ..backends.registry import BUILTINS, backend_info
+from ..backends.registry import BUILTINS, backend_info, external_names
 from ..core.view import MembershipView
 
 __all__ = [
@@ -321,14 +321,12 @@ def create_handler(params: Any) -> Any:
         # `aelastic run` refuses this; here handlers of one process (torch's registry called
         # in process) can still meet, so it is said, not refused: a torchrun of its own would
         # otherwise wait alone, silently, until its join timeout.
-        others = [i.torchrun_alias for i in BUILTINS if i.external or i.name == "c10d"]
         log.warning(
             "the %s rendezvous lives in this process: nodes of other processes cannot join "
-            "it, and it waits for %d nodes (use %s or %s)",
+            "it, and it waits for %d nodes (use %s)",
             name,
             params.min_nodes,
-            ", ".join(others[:-1]),
-            others[-1],
+            external_names(also=("c10d",), torchrun=True),
         )
     config = dict(params.config)
     rescale = aapi.RendezvousParameters(name, "", "-", 1, 1, **config).get_as_bool(

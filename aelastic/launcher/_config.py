@@ -191,7 +191,7 @@ def worker_spec(
     if info is not None and not info.multi_node and config.min_nodes > 1:
         raise ValueError(
             f"the {config.rdzv_backend} rendezvous lives in this process: it cannot wait for "
-            f"{config.min_nodes} nodes (use {external_names()} or c10d)"
+            f"{config.min_nodes} nodes (use {external_names(also=('c10d',))})"
         )
     master_addr, master_port = config.master_addr, config.master_port
     if backend == "static" and config.max_nodes == 1:

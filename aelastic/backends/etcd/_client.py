@@ -92,7 +92,7 @@ class EtcdClient:
         self._closed = False
         #: Requests sent (tests and benchmarks read it).
         self.requests = 0
-        self._terms = Terms(tuple(sorted(self._urls)))  # the newest Raft term seen
+        self._terms = Terms(tuple(sorted(self._urls)))  # the Raft terms heard
         self._failing_since: float | None = None  # when the current outage began
 
     @property

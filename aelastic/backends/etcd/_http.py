@@ -114,10 +114,8 @@ class _Connection(asyncio.Protocol):
         self._chunk: int | None = None  # bytes left of the current chunk (chunked bodies)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream transport; not isinstance-checked: uvloop's transports are not
-        # registered as asyncio.Transport, and services embedding aelastic run on it.
-        transport = cast(asyncio.Transport, transport)
-        self.transport = transport
+        # Not isinstance-checked: uvloop's stream transports are not asyncio.Transports.
+        self.transport = cast(asyncio.Transport, transport)
 
     def send(self, data: bytes, answers: list[_Answer]) -> None:
         assert self.transport is not None

@@ -7,8 +7,8 @@ member's status (no Raft round trip); a newer Raft term than the one the client 
 or no leader, means the request may be lost (a follower forwarded it to a leader that
 died) and it is sent again; otherwise it is only slow and is waited for. Requests of one
 event loop waiting on one member share a probe (a busy cluster is asked once, not by every
-node of the process). A client's :class:`Terms` holds the newest term it saw and waits on
-its attempts so.
+node of the process). A client's :class:`Terms` notes the terms it hears, for every client of
+its cluster in the event loop, and waits on its attempts so.
 """
 
 from __future__ import annotations
@@ -98,8 +98,9 @@ async def leader_changed(
 
 
 class Terms:
-    """The newest Raft term a client saw in an answer, and the wait on its attempts: one
-    that takes long is abandoned only if the member's leader changed meanwhile.
+    """The Raft terms a client hears (noted for its cluster, :func:`heard_term`), and the
+    wait on its attempts: one that takes long is abandoned only if the member's leader
+    changed meanwhile.
 
     Args:
         cluster: The client's members (their URLs, sorted): the terms heard from it are
@@ -108,15 +109,11 @@ class Terms:
 
     def __init__(self, cluster: tuple[str, ...]) -> None:
         self._cluster = cluster
-        self._term = 0  # the newest Raft term seen in an answer
 
     def saw(self, answer: dict[str, Any]) -> None:
         """Note the Raft term of ``answer`` (see :func:`leader_changed`)."""
         header = answer.get("header") or answer.get("result", {}).get("header") or {}
-        term = int(header.get("raft_term", 0) or 0)
-        if term > self._term:
-            self._term = term
-            heard_term(self._cluster, term)
+        heard_term(self._cluster, int(header.get("raft_term", 0) or 0))
 
     async def patiently(
         self, url: str, sending: Awaitable[_T], term_of: Callable[[str], Awaitable[int]]
@@ -124,18 +121,18 @@ class Terms:
         """Await ``sending``, an attempt at member ``url``: one that takes long is
         abandoned only if the member's leader changed meanwhile (see :data:`SLOW`), which
         ``term_of`` asks the member (its term; 0: no leader)."""
-        # A client that has heard no term yet (its first request) takes the newest that
-        # this process heard from the cluster (another node's client, an earlier one) or,
-        # failing that, the first it hears meanwhile (its watch's): a newer term at the
-        # member means an election after that term was heard, so after the sending.
-        sent_in = self._term or known_term(self._cluster)
+        # The newest term this process heard from the cluster (this client's answers,
+        # another node's, an earlier round's); if none yet (a first request), the first
+        # heard meanwhile (its watch's): a newer term at the member means an election after
+        # that term was heard, so after the sending.
+        sent_in = known_term(self._cluster)
         attempt = asyncio.ensure_future(sending)
         try:
             while True:
                 done, _ = await asyncio.wait({attempt}, timeout=SLOW)
                 if done:
                     return attempt.result()
-                term = sent_in or self._term
+                term = sent_in or known_term(self._cluster)
                 changed = await leader_changed(url, term, len(self._cluster) > 1, term_of)
                 if attempt.done():  # answered while the member was asked: never sent again
                     return attempt.result()

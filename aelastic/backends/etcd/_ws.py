@@ -79,10 +79,8 @@ class Socket(asyncio.Protocol):
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream transport; not isinstance-checked: uvloop's transports are not
-        # registered as asyncio.Transport, and services embedding aelastic run on it.
-        transport = cast(asyncio.Transport, transport)
-        self._transport = transport
+        # Not isinstance-checked: uvloop's stream transports are not asyncio.Transports.
+        self._transport = cast(asyncio.Transport, transport)
 
     async def open(self, host: str, path: str, token: str | None, within: float) -> None:
         """Send the upgrade request for ``path`` and wait for etcd's ``101``.

@@ -111,10 +111,8 @@ class RespConnection(asyncio.Protocol):
     # -- asyncio.Protocol -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream transport; not isinstance-checked: uvloop's transports are not
-        # registered as asyncio.Transport, and services embedding aelastic run on it.
-        transport = cast(asyncio.Transport, transport)
-        self._transport = transport
+        # Not isinstance-checked: uvloop's stream transports are not asyncio.Transports.
+        self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.received_at = self._loop.time()
