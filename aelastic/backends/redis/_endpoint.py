@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from ...core.params import parse_rendezvous_endpoint
 
@@ -209,14 +209,29 @@ class _Parts:
     password: str | None
 
 
+def _urlsplit(endpoint: str) -> SplitResult:
+    """``endpoint`` split as a URL whose network location may list several hosts.
+
+    The location is cut out before ``urlsplit`` sees it: Python's later security fixes
+    (Debian's 3.11.2 has them) refuse a location where an IPv6 address in brackets is not
+    the first host, as in ``redis+sentinel://h1:1,[::1]:2/svc``."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        scheme, rest = "", endpoint
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]
+    try:
+        url = urlsplit(f"{scheme}://host{tail}" if scheme else f"//host{tail}")
+    except ValueError as exc:
+        raise _bad(endpoint, str(exc)) from None
+    return url._replace(netloc=netloc)
+
+
 def _split(endpoint: str) -> _Parts:
     """The parts of ``endpoint`` (a URL of one of the three kinds, or a bare host:port)."""
     if any(c.isspace() for c in endpoint):
         raise _bad(endpoint, "it contains white space")
-    try:
-        url = urlsplit(endpoint if "://" in endpoint else f"//{endpoint}")
-    except ValueError as exc:
-        raise _bad(endpoint, str(exc)) from None
+    url = _urlsplit(endpoint)
     if "://" not in endpoint:
         if url.path or url.query or url.fragment or "@" in endpoint:
             raise _bad(endpoint, "a bare host:port takes no path, query or credentials")
