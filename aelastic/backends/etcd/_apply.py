@@ -80,7 +80,11 @@ class RunPort(RunReads):
         its index (O(N)); at 1,024 joins that counting was nearly all the loop's work, and
         a keep-alive on the leader first waits for the loop to catch up. The join reads the
         count at its own revision afterwards (:meth:`participants_at`): the same count,
-        read beside the loop."""
+        read beside the loop; and only when it may have made ``min_nodes``: the revisions
+        written since the run's header bound the count (each write creates one key at
+        most), so the joins of a forming round but its last few read nothing (one request
+        fewer a node; the count such a join reports is that bound, exact while only joins
+        wrote to etcd since the run began)."""
         k, node, rules = self._keys, request.node, request.rules
         fresh = Header(epoch=epoch, rules=rules)
 
@@ -97,10 +101,17 @@ class RunPort(RunReads):
             if not nested.get("succeeded"):
                 return None
         ranges = [r["response_range"] for r in responses if "response_range" in r]
-        header = decode_header(members_of(ranges[0].get("kvs", []))[0].value, self.where)
+        stored = members_of(ranges[0].get("kvs", []))[0]
+        header = decode_header(stored.value, self.where)
         counts = [int(r.get("count", 0)) for r in ranges[1:]]
-        if len(counts) == 3:  # joined a run: the count its join made, read after it
-            counts.insert(0, await self.participants_at(revision))
+        if len(counts) == 3:  # joined a run: the count its join made
+            # Each write is one revision and creates at most one participant's key, and
+            # every key under p/ was made since the run's header: so at most this many.
+            most = revision - stored.create + 1
+            if most < rules.min_nodes:  # it cannot have made min_nodes: nothing to do
+                counts.insert(0, most)
+            else:  # read after the join (see the docstring)
+                counts.insert(0, await self.participants_at(revision))
         np, nw, nr, nq = counts
         self._where_of[node] = "p"
         if np == rules.min_nodes or np >= rules.max_nodes:
@@ -172,17 +183,23 @@ class RunPort(RunReads):
             at = {"revision": cut, "count_only": True, "serializable": serializable}
             return {"success": [range_op(k.participants, mine, **at), range_op(mine, None, **at)]}
 
-        # The renewal (see ._leases) on the keep-alive stream, while the rank is read.
-        renewal = asyncio.ensure_future(self._leases.renew(node, at_once=True))
+        # The renewal (see ._leases): on the keep-alive stream while the rank is read, or
+        # ahead of the read in the same write (no stream opened yet for this node).
+        ahead = None if self._client.streaming else self._leases.renew_request(node, True)
+        renewal = None
+        if ahead is None:
+            renewal = asyncio.ensure_future(self._leases.renew(node, at_once=True))
         try:
-            answer = await self.read_applied("/v3/kv/txn", read, "rank")
+            answer, renewed = await self.read_applied("/v3/kv/txn", read, "rank", ahead)
         except BaseException as exc:
-            renewal.cancel()
-            await asyncio.gather(renewal, return_exceptions=True)
+            if renewal is not None:
+                renewal.cancel()
+                await asyncio.gather(renewal, return_exceptions=True)
             if isinstance(exc, Compacted):
                 return None
             raise
-        if not await renewal:
+        alive = await renewal if renewal is not None else self._leases.renewed(node, renewed)
+        if not alive:
             return None
         counts = [int(range_of(r).get("count", 0)) for r in answer.get("responses", [])]
         if len(counts) != 2 or counts[1] != 1:
@@ -255,9 +272,8 @@ class RunPort(RunReads):
             # renew at once (see ._leases).
             completes = request.op is Op.JOIN and plan.outcome is Outcome.FINISH
             try:
-                alive = await self._leases.renew(
-                    node, at_once=completes or request.op is Op.KEEP_ALIVE
-                )
+                beat = request.op is Op.KEEP_ALIVE
+                alive = await self._leases.renew(node, at_once=completes or beat, beat=beat)
             except LeaseNotFound:
                 alive = False
             if not alive and request.op is Op.KEEP_ALIVE:

@@ -213,7 +213,7 @@ class EtcdBackend:
                 # seconds over at 1,024 nodes; renewed only after that, leases ran out and
                 # each loss changed the round again (docs/benchmarks.md, the etcd section).
                 with contextlib.suppress(LeaseNotFound):
-                    await self._leases.renew(node, at_once=True)
+                    await self._leases.renew(node, at_once=True, beat=True)
             return await self._finish(request, stream, where, latest, now)
         if op is Op.JOIN:
             if request.expired or latest.closed:
@@ -226,7 +226,8 @@ class EtcdBackend:
             return None
         assert self._leases is not None
         try:
-            alive = await self._leases.renew(node, at_once=op is Op.KEEP_ALIVE)
+            beat = op is Op.KEEP_ALIVE
+            alive = await self._leases.renew(node, at_once=beat, beat=beat)
         except LeaseNotFound:
             alive = False
         if not alive:

@@ -336,17 +336,29 @@ class RunReads:
     # -- writing --------------------------------------------------------------------------
 
     async def read_applied(
-        self, path: str, body: Callable[[bool], dict[str, Any]], what: str
-    ) -> dict[str, Any]:
+        self,
+        path: str,
+        body: Callable[[bool], dict[str, Any]],
+        what: str,
+        ahead: tuple[str, dict[str, Any]] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, Any] | EtcdError | None]:
         """A read at a revision this client saw written (``body(serializable)``):
         serializable, no wait for etcd's apply loop, since the member that answered applied
-        it; linearizable at a member that has not yet (a failover between the two)."""
-        try:
-            return await self._client.call(path, body(True), what)
-        except EtcdError as exc:
-            if isinstance(exc, Compacted) or "future revision" not in str(exc):
-                raise
-            return await self._client.call(path, body(False), what)
+        it; linearizable at a member that has not yet (a failover between the two). With
+        ``ahead``, that request goes first in the same write; the read's answer and
+        ``ahead``'s (``None`` without one).
+
+        Raises:
+            EtcdError: etcd refused the read (``Compacted``...).
+        """
+        first = [] if ahead is None else [ahead]
+        answers = await self._client.call_many(lambda: [*first, (path, body(True))], what)
+        answer = answers[-1]
+        if isinstance(answer, EtcdError):
+            if isinstance(answer, Compacted) or "future revision" not in str(answer):
+                raise answer
+            answer = await self._client.call(path, body(False), what)
+        return answer, answers[0] if ahead is not None else None
 
     async def participants_at(self, revision: int) -> int:
         """How many participants the run had at ``revision``: for a join written at it, the
@@ -358,7 +370,7 @@ class RunReads:
             "count_only": True,
         }  # fmt: skip
         try:
-            answer = await self.read_applied(
+            answer, _ = await self.read_applied(
                 "/v3/kv/range", lambda s: {**body, "revision": revision, "serializable": s}, "count"
             )
         except Compacted:  # compacted since the write (a second ago): count it now

@@ -160,13 +160,17 @@ class Renewals:
         except TimeoutError:
             raise Transient(f"no keep-alive answer within {timeout:g} s") from None
 
+    def ready(self, url: str) -> bool:
+        """Whether the stream to member ``url`` is open."""
+        stream = self._stream
+        return stream is not None and stream.url == url and not stream.ended
+
     def warm(
         self, url: str, member: tuple[str, int], token: str | None, connect: float, within: float
     ) -> None:
         """Start opening the stream to member ``url`` (in the background; a failure is left
         for the first renewal to meet again), unless it is open or opening."""
-        stream = self._stream
-        if (stream is not None and not stream.ended) or self._opening is not None:
+        if self.ready(url) or self._opening is not None:
             return
         opening = asyncio.ensure_future(self._stream_to(url, member, token, connect, within))
         opening.add_done_callback(retrieve)  # the renewal that needs it meets it again
