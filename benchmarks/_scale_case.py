@@ -298,8 +298,11 @@ async def measure(
         formation["memory_per_node"] = _memory_per_node(spent, before, n)
         formation["nodes_cpu_s"] = job.cpu() - cpu0
         formation["formed"] = len(job.formed)
+        formation["started_at"] = at  # wall-clock time, to place the nodes' log lines
         if job.formed:
-            formation["seconds"] = max(e["t"] for e in job.formed.values()) - at
+            formed_at = sorted(e["t"] - at for e in job.formed.values())
+            formation["seconds"] = formed_at[-1]
+            formation["first_formed_s"] = formed_at[0]
         result["formation"] = formation
         if not finished:
             result["status"] = "did not finish"

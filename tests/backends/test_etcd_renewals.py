@@ -201,3 +201,46 @@ async def test_a_killed_process_takes_its_stream_and_its_nodes_leases_with_it(
             child.kill()
             await asyncio.wait_for(child.wait(), 10)
         await b.aclose()
+
+
+async def test_a_heartbeat_renews_its_lease_before_a_full_request(server: EtcdServer) -> None:
+    """A heartbeat that cannot be answered from the watch (the watch is down: a round's
+    first members open theirs again when it completes, to hear of lost members) is a full
+    request, a read that a busy etcd takes seconds over when a whole round sends one at
+    once: it renews the node's lease first, then reads."""
+    nodes = [NodeDesc(f"10.0.1.{i}", 1, 0) for i in range(2)]
+    params = RendezvousParameters("etcd", server.endpoint, "beat-first", 2, 2, share_connections=0)
+    backends = [create_backend(params) for _ in nodes]
+    rules = Rules(2, 2, last_call_ms=100, window_ms=20_000)
+    try:
+        joins = [
+            b.apply(Request(Op.JOIN, n, rules, port=1, secret=f"{i}" * 32))
+            for i, (n, b) in enumerate(zip(nodes, backends, strict=True))
+        ]
+        replies = await asyncio.gather(*joins)
+        while replies[0].outcome is Outcome.WAIT:
+            await backends[0].wait_for_change(replies[0].status.token, 5)
+            replies[0] = await backends[0].apply(
+                Request(Op.JOIN, nodes[0], rules, port=1, secret="0" * 32)
+            )
+        a = backends[0]
+        assert a._stream is not None and a._shared is not None
+        a._stream.watch.on_lost()  # what the stream does when its connection fails
+        client, order = a._shared.client, []
+        keep_alive, call_many = client.keep_alive, client.call_many
+
+        async def renewing(*args: object, **kw: object) -> object:
+            order.append("renew")
+            return await keep_alive(*args, **kw)  # type: ignore[arg-type]
+
+        async def calling(*args: object, **kw: object) -> object:
+            order.append("call")
+            return await call_many(*args, **kw)  # type: ignore[arg-type]
+
+        client.keep_alive, client.call_many = renewing, calling  # type: ignore[method-assign]
+        beat = await a.apply(Request(Op.KEEP_ALIVE, nodes[0], rules, secret="0" * 32))
+        assert beat.known, beat
+        assert order[:2] == ["renew", "call"], order
+    finally:
+        for b in backends:
+            await b.aclose()

@@ -272,8 +272,9 @@ class RunPort(RunReads):
             # renew at once (see ._leases).
             completes = request.op is Op.JOIN and plan.outcome is Outcome.FINISH
             try:
-                beat = request.op is Op.KEEP_ALIVE
-                alive = await self._leases.renew(node, at_once=completes or beat, beat=beat)
+                alive = await self._leases.renew(
+                    node, at_once=completes or request.op is Op.KEEP_ALIVE
+                )
             except LeaseNotFound:
                 alive = False
             if not alive and request.op is Op.KEEP_ALIVE:

@@ -200,20 +200,22 @@ class EtcdBackend:
         and what the watch knows (``None``: carry it out in full)."""
         op, node = request.op, request.node
         known = self._where.get(node)
+        if known is None or not hmac.compare_digest(known[3].encode(), request.secret.encode()):
+            return None  # unknown here, or another client's request: carried out in full
+        where, token, wake_at, _ = known
         latest = stream.watch.latest
-        if known is None or latest is None or not stream.watch.live or known[0] is None:
-            return None
-        where, token, wake_at, secret = known
-        if not hmac.compare_digest(secret.encode(), request.secret.encode()):
-            return None  # another client's request: carried out in full
-        if latest.token != token:
+        if latest is None or not stream.watch.live or where is None or latest.token != token:
             if op is Op.KEEP_ALIVE and self._leases is not None:
                 # The lease first: the full request after it reads (and may write) while
                 # every node whose round just changed does too, which a busy etcd took
                 # seconds over at 1,024 nodes; renewed only after that, leases ran out and
                 # each loss changed the round again (docs/benchmarks.md, the etcd section).
+                # So too while the watch is down (a round's first members open theirs
+                # again when it completes, to hear of lost members).
                 with contextlib.suppress(LeaseNotFound):
-                    await self._leases.renew(node, at_once=True, beat=True)
+                    await self._leases.renew(node, at_once=True)
+            if latest is None or not stream.watch.live or where is None:
+                return None
             return await self._finish(request, stream, where, latest, now)
         if op is Op.JOIN:
             if request.expired or latest.closed:
@@ -226,8 +228,7 @@ class EtcdBackend:
             return None
         assert self._leases is not None
         try:
-            beat = op is Op.KEEP_ALIVE
-            alive = await self._leases.renew(node, at_once=beat, beat=beat)
+            alive = await self._leases.renew(node, at_once=op is Op.KEEP_ALIVE)
         except LeaseNotFound:
             alive = False
         if not alive:

@@ -58,7 +58,7 @@ from ._endpoint import EtcdEndpoint
 from ._failures import auth_failure, not_etcd, refused_by_member, tls_refused, unreachable
 from ._http import Pool, request_bytes
 from ._probe import CONNECT_TIMEOUT, LAST_ATTEMPT, SLOW, Terms
-from ._renewals import PATH, Renewals
+from ._renewals import Renewals
 
 __all__ = [
     "SLOW",
@@ -94,7 +94,6 @@ class EtcdClient:
         self.requests = 0
         self._terms = Terms(tuple(sorted(self._urls)))  # the Raft terms heard
         self._failing_since: float | None = None  # when the current outage began
-        self._beats = 0  # heartbeats renewed by a request of their own (see keep_alive)
 
     @property
     def display(self) -> str:
@@ -201,37 +200,18 @@ class EtcdClient:
             lambda url, remaining: self._post(url, make(), remaining), what, within
         )
 
-    async def keep_alive(
-        self, lease: int, within: float | None = None, *, beat: bool = True
-    ) -> dict[str, Any]:
-        """Renew ``lease``, with failover and retries as :meth:`call`: etcd's answer
-        (``TTL``: the time to live left; none, the lease is gone).
-
-        On this client's keep-alive stream (:mod:`._renewals`) when it is open; else as a
-        request of its own, and the client's second heartbeat (``beat``) starts opening the
-        stream for the next ones. A node's renewals while its round forms are a few (one a
-        second while it waits): a stream for each node then cost more than it saved (an
-        HTTP upgrade and a gRPC stream in etcd, a connection on both sides: at 1,024 nodes,
-        a fifth of the nodes' CPU during formation went to opening their three
-        connections, measured); and a member's first heartbeat comes while every member
-        of its round reads its rank.
+    async def keep_alive(self, lease: int, within: float | None = None) -> dict[str, Any]:
+        """Renew ``lease`` on this client's keep-alive stream (:mod:`._renewals`), with
+        failover and retries as :meth:`call`: etcd's answer (``TTL``: the time to live
+        left; none, the lease is gone).
 
         Raises:
             RendezvousConnectionError: As :meth:`call`.
         """
 
         async def one(url: str, remaining: float) -> list[dict[str, Any] | EtcdError]:
-            renewals = self._renewals_now()
-            if not renewals.ready(url):
-                self._beats += beat
-                if self._beats > 1:
-                    self.open_keep_alive()
-                sent = await self._send(url, [(PATH, {"ID": str(lease)})], remaining)
-                if isinstance(sent[0], EtcdError):
-                    raise sent[0]
-                return sent
             self.requests += 1
-            answer = await renewals.renew(
+            answer = await self._renewals_now().renew(
                 url, self._members[url], self._token, lease,
                 self._connect_within(remaining), remaining,
             )  # fmt: skip

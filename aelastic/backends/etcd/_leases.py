@@ -8,10 +8,8 @@ write as its first join (:meth:`Leases.grant_request`, with an id the node picks
 carries out the join right after the grant, so the lease's time to live counts from the
 join, as the machine's window counts from a node's join) and kept across rounds; renewing
 it is a keep-alive (etcd's leader keeps leases: no Raft entry, no watch event, nobody
-woken): one message on the client's keep-alive stream (:mod:`._renewals`) once its
-heartbeats opened it, before that a request of its own (see
-:meth:`._client.EtcdClient.keep_alive`), and in a first join's write, or ahead of the read
-of a member's rank, in the same write.
+woken), one message on the client's keep-alive stream (:mod:`._renewals`), except the
+renewal in a first join's write.
 A join that waits renews the lease only when a fifth of its time to live passed (not right
 after the write that granted it); the join that completes a node's round always renews it
 (while it reads its rank), and so does every heartbeat: the node's
@@ -106,6 +104,7 @@ class Leases:
         sent ahead of a write that uses it, in the same write (see the module docstring);
         :meth:`granted` records it once etcd answered."""
         lease = random.randrange(1, 2**63)
+        self._client.open_keep_alive()  # ready for the lease's renewals (see ._renewals)
         return "/v3/lease/grant", {"TTL": self._ttl_for(window_ms), "ID": str(lease)}
 
     def granted(self, node: NodeDesc, request: dict[str, Any], answer: Any) -> bool:
@@ -165,19 +164,17 @@ class Leases:
             return entry[0]
         return await self.grant(node, window_ms)
 
-    async def renew(self, node: NodeDesc, at_once: bool = False, beat: bool = False) -> bool:
+    async def renew(self, node: NodeDesc, at_once: bool = False) -> bool:
         """Renew ``node``'s lease; whether it was still alive. A lease renewed less than a
         fifth of its time to live ago is not renewed again (a join's beat right after its
         grant), unless ``at_once``: a heartbeat, or the beat of a join that completes (see
-        the module docstring). A heartbeat's (``beat``) opens the keep-alive stream if it
-        is not (:meth:`._client.EtcdClient.keep_alive`)."""
+        the module docstring)."""
         if node not in self._ids:
             return False
         request = self.renew_request(node, at_once)
         if request is None:
             return True
-        answer = await self._client.keep_alive(request[1]["ID"], beat=beat)
-        return self.renewed(node, answer)
+        return self.renewed(node, await self._client.keep_alive(request[1]["ID"]))
 
     async def revoke_all(self) -> None:
         ids, self._ids = [entry[0] for entry in self._ids.values()], {}
