@@ -1,7 +1,8 @@
 """One worker process of ``rdzv_scale.py``: its share of the simulated rendezvous nodes.
 
 Run by the benchmark as ``python -m benchmarks._scale_node SPEC`` (SPEC is JSON: backend,
-endpoint, run_id, nodes (the job's size), count (nodes in this process), isolation, config).
+endpoint, run_id, nodes (the job's size), count (nodes in this process), isolation, loop
+(``asyncio`` or ``uvloop``), config).
 Every node is a handler of its own, created with ``share_connections=0``. Isolation ``loop``
 runs this process's nodes as tasks of one event loop (the backend must then honour
 ``share_connections=0``); ``thread`` gives each node its own event loop in its own thread,
@@ -177,11 +178,16 @@ class Node:
             self._emit(ev="watch", i=self.index, t=time.time(), view=describe_view(view))
 
 
-def _run_group(nodes: list[Node], registered: Callable[[], None]) -> None:
+def _run_group(nodes: list[Node], registered: Callable[[], None], loop: str) -> None:
     async def main() -> None:
         await asyncio.gather(*(node.run(registered) for node in nodes))
 
-    asyncio.run(main())
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
 
 
 def main() -> int:
@@ -197,7 +203,11 @@ def main() -> int:
     groups = [[n] for n in nodes] if spec["isolation"] == "thread" else [nodes]
     done = threading.Semaphore(0)
     threads = [
-        threading.Thread(target=_run_group, args=(group, done.release), daemon=True)
+        threading.Thread(
+            target=_run_group,
+            args=(group, done.release, spec.get("loop", "asyncio")),
+            daemon=True,
+        )
         for group in groups
     ]
     for thread in threads:

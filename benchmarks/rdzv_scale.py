@@ -146,6 +146,7 @@ async def run_aelastic(
             "run_id": _run_id("scale"),
             "nodes": sum(counts),
             "isolation": isolation,
+            "loop": args.node_loop,
             "config": CONFIG,
         }
         result = await measure(
@@ -162,7 +163,7 @@ async def run_aelastic(
         )
     finally:
         server.close()
-    return {"backend": backend, "isolation": isolation, **result}
+    return {"backend": backend, "isolation": isolation, "node_loop": args.node_loop, **result}
 
 
 async def run_torch(n: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
@@ -298,6 +299,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backends", default="redis,http", help="comma-separated")
     parser.add_argument("--procs", type=int, default=4, help="worker processes (+1 for the kill)")
     parser.add_argument("--isolation", choices=("auto", "loop", "thread"), default="auto")
+    parser.add_argument(
+        "--node-loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="event loop of the simulated nodes' processes (uvloop: less of the shared CPU)",
+    )
     parser.add_argument("--idle", type=float, default=30.0, help="idle window (s)")
     parser.add_argument("--settle", type=float, default=2.0, help="pause before the idle window")
     parser.add_argument(
