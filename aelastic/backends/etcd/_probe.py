@@ -14,6 +14,7 @@ its cluster in the event loop, and waits on its attempts so.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -29,6 +30,7 @@ __all__ = [
     "heard_term",
     "known_term",
     "leader_changed",
+    "member_term",
 ]
 
 _T = TypeVar("_T")
@@ -73,14 +75,13 @@ def known_term(cluster: tuple[str, ...]) -> int:
     return _TERMS.get(asyncio.get_running_loop(), {}).get(cluster, 0)
 
 
-async def leader_changed(
-    base: str, term: int, several: bool, term_of: Callable[[str], Awaitable[int]]
-) -> bool:
-    """Whether member ``base`` is in a newer term than ``term`` (or cannot say), asking it
-    with ``term_of`` (its term; 0: no leader) at most once a second per event loop. A member
-    that cannot say is passed over when there are ``several``; the only member is waited
-    for (sending it the request again would only add to what keeps it busy: at 1,024 nodes
-    on 2 cores, hundreds of requests a run were sent again)."""
+async def member_term(base: str, term_of: Callable[[str], Awaitable[int]]) -> int:
+    """Member ``base``'s term (0: no leader), asked with ``term_of`` at most once a second
+    per event loop (its waiters share the answer).
+
+    Raises:
+        Exception: What ``term_of`` raised (the member could not be asked).
+    """
     loop = asyncio.get_running_loop()
     probes = _PROBES.setdefault(loop, {})
     entry = probes.get(base)
@@ -88,13 +89,25 @@ async def leader_changed(
         probe = asyncio.ensure_future(term_of(base))
         probe.add_done_callback(retrieve)  # its waiters may all be gone
         entry = probes[base] = (loop.time(), probe)
+    return await asyncio.shield(entry[1])
+
+
+async def leader_changed(
+    base: str, term: int, several: bool, term_of: Callable[[str], Awaitable[int]]
+) -> bool:
+    """Whether member ``base`` is in a newer term than ``term`` (or cannot say), asking it
+    with ``term_of`` (:func:`member_term`). A member that cannot say is passed over when
+    there are ``several``; the only member is waited for (sending it the request again
+    would only add to what keeps it busy: at 1,024 nodes on 2 cores, hundreds of requests
+    a run were sent again). ``term`` -1: sent while the member had no leader (any leader
+    since is newer)."""
     try:
-        now = await asyncio.shield(entry[1])
+        now = await member_term(base, term_of)
     except Exception:
         return several
-    # A client that has not heard a term yet (its first request) cannot tell a newer one:
-    # only a member without a leader says the request may be lost.
-    return not now or (term > 0 and now > term)
+    # A client that has not heard a term yet (a single member's first request) cannot tell
+    # a newer one: only a member without a leader says the request may be lost.
+    return not now or (term != 0 and now > term)
 
 
 class Terms:
@@ -126,6 +139,17 @@ class Terms:
         # heard meanwhile (its watch's): a newer term at the member means an election after
         # that term was heard, so after the sending.
         sent_in = known_term(self._cluster)
+        if not sent_in and len(self._cluster) > 1:
+            # None heard yet (this process's first requests): the member's term first, so
+            # that an election after the sending is told (before, a first request sent
+            # while the leader died waited out etcd's timeout when the watch had not been
+            # answered before the election either). No leader: sent into an election.
+            try:
+                sent_in = await member_term(url, term_of) or -1
+            except BaseException:
+                if inspect.iscoroutine(sending):
+                    sending.close()  # never awaited: nothing was sent
+                raise
         attempt = asyncio.ensure_future(sending)
         try:
             while True:
