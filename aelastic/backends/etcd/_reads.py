@@ -336,21 +336,13 @@ class RunReads:
     # -- writing --------------------------------------------------------------------------
 
     async def read_applied(
-        self,
-        path: str,
-        body: Callable[[bool], dict[str, Any]],
-        what: str,
-        ahead: tuple[str, dict[str, Any]] | None = None,
+        self, path: str, body: Callable[[bool], Any], what: str, ahead: Any = None
     ) -> tuple[dict[str, Any], dict[str, Any] | EtcdError | None]:
         """A read at a revision this client saw written (``body(serializable)``):
         serializable, no wait for etcd's apply loop, since the member that answered applied
-        it; linearizable at a member that has not yet (a failover between the two). With
-        ``ahead``, that request goes first in the same write; the read's answer and
-        ``ahead``'s (``None`` without one).
-
-        Raises:
-            EtcdError: etcd refused the read (``Compacted``...).
-        """
+        it; linearizable at a member that has not yet (a failover between the two). The
+        request ``ahead`` (path, body) goes first in the same write. The read's answer and
+        ``ahead``'s; raises etcd's refusal of the read (``Compacted``...)."""
         first = [] if ahead is None else [ahead]
         answers = await self._client.call_many(lambda: [*first, (path, body(True))], what)
         answer = answers[-1]
