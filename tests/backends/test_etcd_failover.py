@@ -58,7 +58,6 @@ async def test_first_requests_stuck_behind_a_dead_leader_are_sent_again() -> Non
         assert took < 5.0, f"formation through the kill took {took:.2f} s"
 
 
-
 async def test_a_fresh_clients_first_write_through_an_election_is_sent_again() -> None:
     """A client of a process that heard no term yet (a fresh event loop: no other node, no
     watch) writes through a follower while the leader is stopped (SIGSTOP: the follower
