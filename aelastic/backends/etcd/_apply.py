@@ -107,6 +107,8 @@ class RunPort(RunReads):
         if len(counts) == 3:  # joined a run: the count its join made
             # Each write is one revision and creates at most one participant's key, and
             # every key under p/ was made since the run's header: so at most this many.
+            # (aelastic's writes; a foreign write of several keys at once under p/ would
+            # leave a completion undone until some node's next full request.)
             most = revision - stored.create + 1
             if most < rules.min_nodes:  # it cannot have made min_nodes: nothing to do
                 counts.insert(0, most)
