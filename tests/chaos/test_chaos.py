@@ -1,4 +1,4 @@
-"""Chaos: random faults on 5-7 real ``aelastic run`` agents over Redis and over HTTP.
+"""Chaos: random faults on 5-7 real ``aelastic run`` agents over Redis, HTTP and etcd.
 
 Faults come every 0.2-1 s (see :mod:`tests.chaos._faults`: SIGKILL, SIGSTOP then SIGCONT or
 SIGKILL, SIGTERM of agents, SIGKILL of workers, two kills at once, new agents). After the
@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from aelastic.backends import BUILTINS
+
 from ._cluster import ChaosConfig, Cluster
 from ._faults import Chaos, Fault, wait_formed
 from ._forgery import Forger
@@ -34,18 +36,30 @@ FAULTS = int(os.environ.get("AELASTIC_CHAOS_FAULTS", "10"))
 FIRST_ROUND = 90.0
 
 
-@pytest.fixture(params=["redis", "http"])
+#: The backends whose store lives outside the agents (the registry's rows): any agent may
+#: be killed. A new one fails here until its server is started below.
+EXTERNAL = [info.name for info in BUILTINS if info.external]
+
+
+@pytest.fixture(params=EXTERNAL)
 def endpoint(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     if request.param == "redis":
         from tests._redis_server import RedisServer
 
         with RedisServer() as redis:
             yield "redis", redis.url
-    else:
+    elif request.param == "http":
         from tests._http_server import HttpServer
 
         with HttpServer() as http:
             yield "http", http.endpoint
+    elif request.param == "etcd":
+        from tests._etcd_server import EtcdServer
+
+        with EtcdServer() as etcd:
+            yield "etcd", etcd.endpoint
+    else:
+        raise AssertionError(f"no server for backend {request.param!r} in the chaos test")
 
 
 def test_live_agents_reform_after_random_faults(
