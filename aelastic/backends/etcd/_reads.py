@@ -37,6 +37,9 @@ def range_op(key: str | bytes, end: str | bytes | None = None, **options: Any) -
     return {"request_range": body}
 
 
+_Call = tuple[str, dict[str, Any]]  # one request: its API path and its body
+
+
 def members_of(kvs: list[dict[str, Any]]) -> list[Member]:
     return [
         Member(
@@ -336,13 +339,12 @@ class RunReads:
     # -- writing --------------------------------------------------------------------------
 
     async def read_applied(
-        self, path: str, body: Callable[[bool], Any], what: str, ahead: Any = None
+        self, path: str, body: Callable[[bool], Any], what: str, ahead: _Call | None = None
     ) -> tuple[dict[str, Any], dict[str, Any] | EtcdError | None]:
         """A read at a revision this client saw written (``body(serializable)``):
         serializable, no wait for etcd's apply loop, since the member that answered applied
-        it; linearizable at a member that has not yet (a failover between the two). The
-        request ``ahead`` (path, body) goes first in the same write. The read's answer and
-        ``ahead``'s; raises etcd's refusal of the read (``Compacted``...)."""
+        it; linearizable at a member that has not yet (a failover between the two); ``ahead``
+        first in the same write. Its answer and ``ahead``'s; raises etcd's refusal of it."""
         first = [] if ahead is None else [ahead]
         answers = await self._client.call_many(lambda: [*first, (path, body(True))], what)
         answer = answers[-1]
