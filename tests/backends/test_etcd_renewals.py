@@ -104,14 +104,14 @@ async def test_a_broken_stream_is_opened_again_and_no_renewal_is_lost() -> None:
         client = EtcdClient(parse_endpoint(etcd.endpoint, {}), read_timeout=30)
         try:
             lease = int((await client.call("/v3/lease/grant", {"TTL": 30}, "grant"))["ID"])
-            assert int((await client.keep_alive(lease))["result"]["TTL"]) > 0
+            assert int((await client.keep_alive(lease))["TTL"]) > 0
             etcd.kill()
             renewing = asyncio.ensure_future(client.keep_alive(lease))
             await asyncio.sleep(1.0)
             assert not renewing.done()
             etcd.start()
             answer = await asyncio.wait_for(renewing, 30)
-            assert int(answer["result"]["TTL"]) > 0
+            assert int(answer["TTL"]) > 0
         finally:
             await client.aclose()
 
@@ -123,9 +123,9 @@ async def test_a_renewal_of_a_lease_etcd_does_not_know_says_it_is_gone(
     try:
         live = int((await client.call("/v3/lease/grant", {"TTL": 30}, "grant"))["ID"])
         answers = await asyncio.gather(*(client.keep_alive(n) for n in (live, 12345, live)))
-        ttls = [int(a["result"].get("TTL", 0)) for a in answers]
+        ttls = [int(a.get("TTL", 0)) for a in answers]
         assert ttls[0] > 0 and ttls[1] == 0 and ttls[2] > 0
-        assert [int(a["result"]["ID"]) for a in answers] == [live, 12345, live]
+        assert [int(a["ID"]) for a in answers] == [live, 12345, live]
     finally:
         await client.aclose()
 

@@ -1,23 +1,17 @@
-"""etcd's answers on its JSON API: base64 fields, errors by gRPC code, what is worth a retry.
+"""etcd's answers: base64 fields, errors by gRPC code, what is worth a retry.
 
-How it works: grpc-gateway answers a refused request with a JSON body holding the gRPC code
-and etcd's message; :func:`decode` turns it into an :class:`EtcdError` (or a subclass for
-the cases callers handle), and tells a member that cannot answer now (:class:`Transient`:
-try another) from a server that is not an etcd member (:class:`NotEtcd`: fail at once).
-:func:`messages` reads a streamed answer (a watch) one JSON message a line;
-:func:`tls_failure` tells a TLS error that retrying cannot mend (:class:`TlsFailure`).
+How it works: etcd refuses a call with a gRPC status (its code and etcd's message);
+:func:`etcd_error` turns it into an :class:`EtcdError` (or a subclass for the cases
+callers handle). What the connection meets tells a member that cannot answer now
+(:class:`Transient`: try another) from a server that is not an etcd member
+(:class:`NotEtcd`: fail at once). :func:`tls_failure` tells a TLS error that retrying
+cannot mend (:class:`TlsFailure`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import json
 import ssl
-from collections.abc import AsyncIterator
-from typing import Any
-
-from ...core.race import wait_within
 
 __all__ = [
     "DEADLINE",
@@ -33,16 +27,14 @@ __all__ = [
     "Transient",
     "auth_error",
     "b64",
-    "decode",
     "etcd_error",
-    "messages",
     "retryable",
     "said",
     "tls_failure",
     "unb64",
 ]
 
-#: gRPC codes (grpc-gateway puts them in the error body).
+#: gRPC codes.
 INVALID_ARGUMENT, DEADLINE, NOT_FOUND, PERMISSION = 3, 4, 5, 7
 FAILED_PRECONDITION, OUT_OF_RANGE, UNAVAILABLE, UNAUTHENTICATED = 9, 11, 14, 16
 
@@ -152,58 +144,3 @@ def etcd_error(message: str, code: int) -> EtcdError:
     if "lease not found" in message:
         return LeaseNotFound(message, code)
     return EtcdError(message, code)
-
-
-def decode(raw: bytes, status: int) -> dict[str, Any]:
-    """The JSON answer of etcd; its error raised as :class:`EtcdError`."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        if status >= 500:
-            raise Transient(f"HTTP {status}") from None
-        shown = raw[:60].decode(errors="replace").strip()
-        raise NotEtcd(f"HTTP {status}: {shown!r}") from None
-    if not isinstance(doc, dict):
-        raise NotEtcd(f"HTTP {status}: a JSON {type(doc).__name__}")
-    if status == 200 and not isinstance(doc.get("error"), dict):
-        if "header" not in doc and "result" not in doc and "token" not in doc:
-            raise NotEtcd("a JSON answer without etcd's header")
-        return doc
-    message: Any = doc.get("message") or doc.get("error")
-    code = doc.get("code")
-    if isinstance(message, dict):
-        # A streamed call's refusal: {"error": {"grpc_code"...}}, also with status 200 (a
-        # stream's headers may be sent before its first message; a watch's error comes
-        # after its first messages).
-        message, code = message.get("message"), message.get("grpc_code")
-    if not isinstance(message, str) or not isinstance(code, int):
-        if status >= 500:
-            raise Transient(f"HTTP {status}")
-        raise NotEtcd(f"HTTP {status}")
-    raise etcd_error(message, code)
-
-
-async def messages(
-    pieces: AsyncIterator[bytes], deadline: float | None
-) -> AsyncIterator[dict[str, Any]]:
-    """The JSON messages of a streamed answer (one a line), until ``deadline``."""
-    loop = asyncio.get_running_loop()
-    buffer = b""
-    iterator = pieces.__aiter__()
-    while True:
-        try:
-            if deadline is None:
-                piece = await iterator.__anext__()
-            else:
-                piece = await wait_within(iterator.__anext__(), deadline - loop.time())
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise Transient("the stream's time ran out") from None
-        buffer += piece
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if not line.strip():
-                continue
-            doc = decode(line, 200)  # raises a refusal: {"error": {"grpc_code"...}}
-            yield doc.get("result", doc)

@@ -28,7 +28,6 @@ missed (:meth:`RunWatch.on_lost`) and when it flows again.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -154,7 +153,7 @@ class RunStream:
 
     # -- the stream -----------------------------------------------------------------------
 
-    def _body(self) -> bytes:
+    def _body(self) -> list[dict[str, Any]]:
         k = self._keys
         start = self._revision + 1 if self._revision else 0
         self._resumed = bool(start)
@@ -177,7 +176,7 @@ class RunStream:
             if start:
                 members["start_revision"] = start
             parts.append({"create_request": members})
-        return b"".join(json.dumps(p).encode() for p in parts)
+        return parts
 
     async def _run(self) -> None:
         delay = 0.05

@@ -27,8 +27,8 @@ request).
 from __future__ import annotations
 
 import asyncio
-import json
 import random
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -49,15 +49,16 @@ from ._answers import (
     Transient,
     auth_error,
     b64,
-    decode,
-    messages,
+    etcd_error,
     retryable,
     unb64,
 )
 from ._endpoint import EtcdEndpoint
 from ._failures import auth_failure, not_etcd, refused_by_member, tls_refused, unreachable
-from ._http import Pool, request_bytes
+from ._h2 import Call
+from ._pool import Pool, answers
 from ._probe import CONNECT_TIMEOUT, LAST_ATTEMPT, SLOW, Terms
+from ._proto import METHODS, ProtoError, decode, encode
 from ._renewals import Renewals
 
 __all__ = [
@@ -124,10 +125,15 @@ class EtcdClient:
         return min(timeout, CONNECT_TIMEOUT) if len(self._urls) > 1 else timeout
 
     async def _post(
-        self, url: str, requests: list[tuple[str, dict[str, Any]]], timeout: float
+        self,
+        url: str,
+        requests: list[tuple[str, dict[str, Any]]],
+        timeout: float,
+        ordered: bool = True,
     ) -> list[dict[str, Any] | EtcdError]:
         """One attempt at member ``url`` (see :data:`SLOW` for one that takes long)."""
-        return await self._terms.patiently(url, self._send(url, requests, timeout), self._term_of)
+        sent = self._send(url, requests, timeout, ordered)
+        return await self._terms.patiently(url, sent, self._term_of)
 
     async def _term_of(self, base: str) -> int:
         answer = (await self._send(base, [("/v3/maintenance/status", {})], SLOW))[0]
@@ -136,31 +142,43 @@ class EtcdClient:
         return 0 if not answer.get("leader") else int(answer["header"].get("raft_term", 0))
 
     async def _send(
-        self, url: str, requests: list[tuple[str, dict[str, Any]]], timeout: float
+        self,
+        url: str,
+        requests: list[tuple[str, dict[str, Any]]],
+        timeout: float,
+        ordered: bool = True,
     ) -> list[dict[str, Any] | EtcdError]:
-        """``requests`` in one write to member ``url``: each one's answer, or etcd's error
-        (raised: what the connection or a non-etcd server did)."""
+        """``requests`` (by their JSON API path) to member ``url``, one after the other
+        (``ordered``) or at once: each one's answer, or etcd's error (raised: what the
+        connection or a non-etcd server did)."""
         pool = self._pool_now()
         host, port = self._members[url]
-        netloc = url.split("://", 1)[1]
-        data = b"".join(
-            request_bytes(netloc, path, json.dumps(body).encode(), self._token)
-            for path, body in requests
-        )
+        methods = [METHODS[path] for path, _ in requests]
+        calls = [
+            (m.path, encode(m.request, body))
+            for m, (_, body) in zip(methods, requests, strict=True)
+        ]
         self.requests += len(requests)
         responses = await pool.exchange(
-            host, port, data, timeout, self._connect_within(timeout), len(requests)
+            host, port, calls, self._metadata(), timeout, self._connect_within(timeout), ordered
         )
         answers: list[dict[str, Any] | EtcdError] = []
-        for response in responses:
-            try:
-                answer = decode(response.body, response.status)
-            except EtcdError as exc:
-                answers.append(exc)
+        for method, response in zip(methods, responses, strict=True):
+            if response.code:
+                answers.append(etcd_error(response.text, response.code))
                 continue
+            if not response.messages:
+                raise NotEtcd(f"no answer to {method.path}")
+            try:
+                answer = decode(method.answer, response.messages[0])
+            except ProtoError as exc:
+                raise NotEtcd(f"an answer to {method.path} not understood ({exc})") from None
             self._terms.saw(answer)
             answers.append(answer)
         return answers
+
+    def _metadata(self) -> tuple[tuple[bytes, bytes], ...]:
+        return ((b"token", self._token.encode()),) if self._token else ()
 
     async def call(
         self, path: str, body: dict[str, Any], what: str, within: float | None = None
@@ -188,16 +206,17 @@ class EtcdClient:
         make: Callable[[], list[tuple[str, dict[str, Any]]]],
         what: str,
         within: float | None = None,
+        ordered: bool = True,
     ) -> list[dict[str, Any] | EtcdError]:
-        """The requests ``make()`` gives, in one write to a member (etcd carries each out
-        after the one before), with failover and retries as :meth:`call` (each attempt
-        asks ``make`` again); their answers, or etcd's refusals, in order.
+        """The requests ``make()`` gives, to one member: each sent once the one before was
+        answered (``ordered``), or all at once; with failover and retries as :meth:`call`
+        (each attempt asks ``make`` again); their answers, or etcd's refusals, in order.
 
         Raises:
             RendezvousConnectionError: As :meth:`call`.
         """
         return await self._retrying(
-            lambda url, remaining: self._post(url, make(), remaining), what, within
+            lambda url, remaining: self._post(url, make(), remaining, ordered), what, within
         )
 
     async def keep_alive(self, lease: int, within: float | None = None) -> dict[str, Any]:
@@ -338,10 +357,11 @@ class EtcdClient:
 
     @asynccontextmanager
     async def stream(
-        self, path: str, body: dict[str, Any] | bytes, timeout: float | None = None
+        self, path: str, body: dict[str, Any] | list[dict[str, Any]], timeout: float | None = None
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
-        """A streamed answer of the current member: its JSON messages, one by one (for
-        ``timeout`` seconds at most, when given).
+        """A streamed call to the current member (a watch): its requests ``body`` (one, or
+        several in order), then etcd's answers one by one (for ``timeout`` seconds at most,
+        when given).
 
         Raises:
             RendezvousConnectionError: The server is not etcd.
@@ -351,26 +371,39 @@ class EtcdClient:
         url = self._urls[self._current]
         if self.endpoint.username and self._token is None:
             await self._login(url, self.read_timeout)
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        method = METHODS[path]
         host, port = self._members[url]
-        request = request_bytes(url.split("://", 1)[1], path, data, self._token)
         connect = self._connect_within(timeout or self.read_timeout)
         self.requests += 1
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
+        call: Call | None = None
         try:
-            async with pool.stream(host, port, request, connect) as (status, pieces):
-                if status != 200:
-                    raw = b"".join([piece async for piece in pieces])
-                    decode(raw, status)  # raises etcd's error
-                    raise ConnectionError(f"{url}: HTTP {status}")
-                yield self._noting(messages(pieces, deadline))
+            connection = await pool.connection(host, port, connect)
+            arrived: deque[bytes] = deque()
+            woken = asyncio.Event()
+
+            def on_message(message: bytes) -> None:
+                arrived.append(message)
+                woken.set()
+
+            first, *more = body if isinstance(body, list) else [body]
+            call = connection.call(
+                method.path, encode(method.request, first), self._metadata(), False, on_message,
+            )  # fmt: skip
+            for request in more:
+                call.send(encode(method.request, request))
+            call.done.add_done_callback(lambda _: woken.set())
+            yield self._noting(answers(call, arrived, woken, method.answer, deadline))
         except NotEtcd as exc:
             raise not_etcd(self.endpoint, url, "watch", exc) from None
         except TlsFailure as exc:
             raise tls_refused(self.endpoint, url, "watch", exc) from None
         except Transient as exc:
             raise ConnectionError(f"{url}: {exc}") from None
+        finally:
+            if call is not None:
+                call.cancel()
 
     async def _noting(self, docs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         """``docs``, each one's Raft term noted (a watch's answers tell it too)."""

@@ -144,7 +144,7 @@ class Leases:
             if entry is not None:
                 log.warning("etcd did not renew node %s's lease %x: %s", node, entry[0], answer)
             return False
-        alive = int(answer.get("result", answer).get("TTL", 0)) > 0
+        alive = int(answer.get("TTL", 0)) > 0
         if alive:
             self._ids[node] = (entry[0], time.monotonic(), entry[2])
         else:

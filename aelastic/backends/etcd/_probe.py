@@ -125,7 +125,7 @@ class Terms:
 
     def saw(self, answer: dict[str, Any]) -> None:
         """Note the Raft term of ``answer`` (see :func:`leader_changed`)."""
-        header = answer.get("header") or answer.get("result", {}).get("header") or {}
+        header = answer.get("header") or {}
         heard_term(self._cluster, int(header.get("raft_term", 0) or 0))
 
     async def patiently(

@@ -344,9 +344,11 @@ class RunReads:
         """A read at a revision this client saw written (``body(serializable)``):
         serializable, no wait for etcd's apply loop, since the member that answered applied
         it; linearizable at a member that has not yet (a failover between the two); ``ahead``
-        first in the same write. Its answer and ``ahead``'s; raises etcd's refusal of it."""
+        sent with it (at once). Its answer and ``ahead``'s; raises etcd's refusal of it."""
         first = [] if ahead is None else [ahead]
-        answers = await self._client.call_many(lambda: [*first, (path, body(True))], what)
+        answers = await self._client.call_many(
+            lambda: [*first, (path, body(True))], what, ordered=False
+        )
         answer = answers[-1]
         if isinstance(answer, EtcdError):
             if isinstance(answer, Compacted) or "future revision" not in str(answer):

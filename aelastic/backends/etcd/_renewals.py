@@ -1,72 +1,82 @@
 """The lease renewals of one client on one long-lived stream: etcd's ``LeaseKeepAlive``.
 
 How it works: a client (the backends of one event loop share it; with
-``share_connections=false`` each backend has its own) keeps one WebSocket (:mod:`._ws`) to
-its current member on ``/v3/lease/keepalive``; renewing a lease is one message on it
-(``{"ID": ...}``) and etcd answers each in the order sent, with the lease's id and its
-time to live left (none: the lease is gone). The leases stay the nodes' own: a node's
-lease is renewed only when that node beats, so a node that stops beating, or is closed,
-loses its lease alone. A process that dies takes its stream with it, and every lease it
-renewed runs out after its time to live: they would anyway, the nodes died with it.
+``share_connections=false`` each backend has its own) keeps one ``LeaseKeepAlive`` call
+open on its connection to its current member (:mod:`._pool`: a stream of the connection
+its other calls use); renewing a lease is one message on it (``{"ID": ...}``) and etcd
+answers each in the order sent, with the lease's id and its time to live left (none: the
+lease is gone). The leases stay the nodes' own: a node's lease is renewed only when that
+node beats, so a node that stops beating, or is closed, loses its lease alone. A process
+that dies takes its stream with it, and every lease it renewed runs out after its time to
+live: they would anyway, the nodes died with it.
 
-Measured on the 2-core machine (1,024 leases renewed once a second, one etcd 3.4.23):
-etcd spent 0.37-0.46 ms of CPU on a keep-alive request (an HTTP request, and a gRPC stream
-of its own behind etcd's gateway) and 0.15-0.2 ms on a keep-alive message on a stream; the
-client 0.3-0.4 ms against 0.05-0.1 ms (docs/benchmarks.md, the etcd section).
+Measured on the 2-core machine (1,024 leases renewed once a second, one etcd 3.4.23,
+through etcd's JSON gateway): etcd spent 0.37-0.46 ms of CPU on a keep-alive request and
+0.15-0.2 ms on a keep-alive message on a stream; the client 0.3-0.4 ms against 0.05-0.1 ms
+(docs/benchmarks.md, the etcd section).
 
-A stream that breaks, that etcd ends with an error (``{"error": ...}``: a member that lost
-its leader, or a leader that could not apply in time), or that is left for another member
-fails every renewal waiting on it; the client's retry loop sends them again, on a new
-stream (:meth:`._client.EtcdClient.keep_alive`).
+A stream that breaks, that etcd ends (with an error: a member that lost its leader, or a
+leader that could not apply in time), or that is left for another member fails every
+renewal waiting on it; the client's retry loop sends them again, on a new stream
+(:meth:`._client.EtcdClient.keep_alive`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from ...core.race import retrieve, wait_within
-from ._answers import EtcdError, NotEtcd, Transient, decode
-from ._http import Pool
-from ._ws import Socket
+from ._answers import Transient, etcd_error
+from ._h2 import Call
+from ._pool import Pool
+from ._proto import METHODS, ProtoError, decode, encode
 
 __all__ = ["Renewals"]
 
-PATH = "/v3/lease/keepalive"
+METHOD = METHODS["/v3/lease/keepalive"]
 
 
 class _Stream:
-    """One WebSocket to a member and the renewals waiting for its answers."""
+    """One ``LeaseKeepAlive`` call to a member and the renewals waiting for its answers."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.socket: Socket | None = None
+        self.call: Call | None = None
         self.pending: dict[int, deque[asyncio.Future[dict[str, Any]]]] = {}
         self.ended = False
 
     def message(self, raw: bytes) -> None:
         try:
-            doc = decode(raw, 200)  # {"error": ...}: etcd ends the stream with it
-        except (EtcdError, NotEtcd, Transient) as exc:
-            self.end(exc)
+            doc = decode(METHOD.answer, raw)
+        except ProtoError as exc:
+            self.end(Transient(f"a keep-alive answer not understood ({exc})"))
             return
-        result = doc.get("result", doc)
-        waiting = self.pending.get(int(result.get("ID", 0) or 0))
+        waiting = self.pending.get(int(doc.get("ID", 0) or 0))
         if not waiting:
             return  # a renewal nobody waits for any more (its caller gave up)
         future = waiting.popleft()
         if not future.done():
             future.set_result(doc)
 
+    def done(self, done: asyncio.Future[tuple[int, str]]) -> None:
+        if done.cancelled():
+            self.end(None)
+            return
+        exc = done.exception()
+        if exc is None:
+            code, text = done.result()
+            exc = etcd_error(text, code) if code else None
+        self.end(exc)
+
     def end(self, exc: BaseException | None) -> None:
         if self.ended:
             return
         self.ended = True
-        if self.socket is not None:
-            self.socket.close()
+        if self.call is not None:
+            self.call.cancel()
         error = exc or Transient("the keep-alive stream ended")
         pending, self.pending = self.pending, {}
         for waiting in pending.values():
@@ -92,15 +102,10 @@ class Renewals:
         self, url: str, member: tuple[str, int], token: str | None, connect: float, within: float
     ) -> _Stream:
         stream = _Stream(url)
-        socket = await self._pool().connect(
-            lambda: Socket(stream.message, stream.end), *member, connect
-        )
-        stream.socket = socket
-        try:
-            await socket.open(url.split("://", 1)[1], PATH, token, within)
-        except BaseException:
-            socket.close()
-            raise
+        connection = await self._pool().connection(*member, min(connect, within))
+        metadata = ((b"token", token.encode()),) if token else ()
+        stream.call = connection.call(METHOD.path, None, metadata, False, stream.message)
+        stream.call.done.add_done_callback(stream.done)
         return stream
 
     async def _stream_to(
@@ -151,10 +156,10 @@ class Renewals:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         stream = await self._stream_to(url, member, token, connect, timeout)
-        assert stream.socket is not None
+        assert stream.call is not None
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
         stream.pending.setdefault(lease, deque()).append(future)
-        stream.socket.send(json.dumps({"ID": str(lease)}).encode())
+        stream.call.send(encode(METHOD.request, {"ID": lease}))
         try:
             return await wait_within(asyncio.shield(future), deadline - loop.time())
         except TimeoutError:
