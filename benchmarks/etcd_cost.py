@@ -1,4 +1,4 @@
-"""What each kind of request costs etcd's CPU, through the JSON gateway aelastic speaks.
+"""What each kind of request costs etcd's CPU, over the gRPC API aelastic speaks.
 
 Run: ``python benchmarks/etcd_cost.py [--n 1024] [--clients 256] [--json FILE]``.
 
@@ -9,7 +9,8 @@ etcd process's CPU (user + system, from ``/proc``) divided by the requests: what
 rendezvous spends of etcd's CPU is the sum of its requests' rows (docs/benchmarks.md, the
 etcd section). The kinds, in the order run: a request on a new connection, the same on a
 kept one, a count of an empty range and of N keys, a lease grant, a write on a lease, a
-keep-alive request, a keep-alive ahead of a count in one write, opening a keep-alive stream,
+keep-alive request (a stream of its own), a keep-alive and a count sent at once, opening a
+keep-alive stream,
 a keep-alive on it, opening a watch, and one event sent to each of N watchers.
 """
 
@@ -86,7 +87,9 @@ async def run(endpoint: str, pid: int, n: int, count: int) -> dict[str, float]:
         rank = {"key": p, "range_end": b64(f"{base}p/{i:08d}"), "count_only": True,
                 "serializable": True}  # fmt: skip
         await c.call_many(
-            lambda: [("/v3/lease/keepalive", {"ID": leases[i]}), ("/v3/kv/range", rank)], "rank"
+            lambda: [("/v3/lease/keepalive", {"ID": leases[i]}), ("/v3/kv/range", rank)],
+            "rank",
+            ordered=False,
         )
 
     async def on_stream(c: EtcdClient, i: int) -> None:
@@ -96,8 +99,9 @@ async def run(endpoint: str, pid: int, n: int, count: int) -> dict[str, float]:
         stack = AsyncExitStack()
         stacks.append(stack)
         create = {"key": b64(base + "c"), "range_end": b64(base + "kv0"), "watch_id": 1}
-        body = json.dumps({"create_request": create}).encode()
-        messages = await stack.enter_async_context(c.stream("/v3/watch", body))
+        messages = await stack.enter_async_context(
+            c.stream("/v3/watch", {"create_request": create})
+        )
         async for _ in messages:  # "created"
             break
 
@@ -116,7 +120,7 @@ async def run(endpoint: str, pid: int, n: int, count: int) -> dict[str, float]:
         ("write on a lease (txn)", put, n),
         (f"count of {n} keys", count_p, n),
         ("keep-alive request", keep_alive, n),
-        ("keep-alive + rank count, one write", renew_and_rank, n),
+        ("keep-alive + rank count, at once", renew_and_rank, n),
         ("open a keep-alive stream, one renewal on it", on_stream, count),
         ("keep-alive on the stream", on_stream, n),
         ("open a watch (until 'created')", watch, count),

@@ -158,7 +158,7 @@ BUILTINS: tuple[BackendInfo, ...] = (
     BackendInfo(
         "etcd",
         "aelastic.backends.etcd",
-        None,  # its HTTP/1.1 client is its own (backends/etcd/_http.py): no extra
+        None,  # its gRPC client is its own (backends/etcd/_h2.py): no extra
         "host[:port][,host[:port]...] (port 2379; http://... or https://... members too)",
         multi_node=True,
         torchrun_alias="aelastic-etcd",

@@ -111,7 +111,7 @@ class Recorder:
     def write(self, data: bytes) -> None:
         self.written += data
 
-    def close(self) -> None:
+    def abort(self) -> None:
         self.closed = True
 
     def is_closing(self) -> bool:

@@ -1,9 +1,9 @@
 """The etcd rendezvous backend (``backend="etcd"``, also torch's ``etcd-v2``): etcd's v3 API.
 
 torch's own etcd backends speak etcd's v2 API, which etcd 3.4 serves only with
-``--enable-v2`` and 3.6 removed; this one speaks v3, as JSON over HTTP (every member serves
-it on its client port) through a small HTTP/1.1 client of its own (:mod:`._http`), so it
-needs no extra package.
+``--enable-v2`` and 3.6 removed; this one speaks v3, over gRPC (every member serves it on
+its client port) through a small HTTP/2 client of its own (:mod:`._h2`, :mod:`._proto`),
+so it needs no extra package.
 
 Endpoint: torch's form, ``host[:port]`` (port 2379), several members separated by commas
 (``etcd-0:2379,etcd-1:2379,etcd-2:2379``); every node may name any or all of them, and a

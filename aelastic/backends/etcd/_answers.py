@@ -40,7 +40,7 @@ FAILED_PRECONDITION, OUT_OF_RANGE, UNAVAILABLE, UNAUTHENTICATED = 9, 11, 14, 16
 
 
 def b64(data: bytes | str) -> str:
-    """``data`` in base64 (a key or value on etcd's JSON API)."""
+    """``data`` in base64 (a key or value in the shape of etcd's JSON API)."""
     raw = data.encode() if isinstance(data, str) else data
     return base64.b64encode(raw).decode("ascii")
 

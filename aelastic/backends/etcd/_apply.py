@@ -71,10 +71,10 @@ class RunPort(RunReads):
         it (``f`` there, the header never rewritten): the case of every node of a new job
         starting at once. Otherwise (``None``) the join goes on as any request, from a read:
         so does a join with other rules than the run's (``f`` holds them), or for a name
-        already listed. The read is not in the transaction's failure branch: etcd's gateway
-        decodes a request's every JSON object, and the read's eleven ranges made the
-        transaction of every node's first join a third larger (measured at 1,024 nodes:
-        decoding requests' JSON took a fifth of etcd's CPU during formation). Nor does a
+        already listed. The read is not in the transaction's failure branch: the read's
+        eleven ranges made the transaction of every node's first join a third larger
+        (measured at 1,024 nodes through etcd's JSON gateway, which aelastic spoke before
+        gRPC: decoding requests' JSON took a fifth of etcd's CPU during formation). Nor does a
         join that does not create the run count the participants in its write: etcd
         carries out a write's ranges in its one apply loop and counts a range by walking
         its index (O(N)); at 1,024 joins that counting was nearly all the loop's work, and
@@ -133,12 +133,9 @@ class RunPort(RunReads):
         self, node: NodeDesc, window_ms: int, body_of: Callable[[str], dict[str, Any]]
     ) -> dict[str, Any]:
         """A new lease for ``node``, the join ``body_of(lease)`` and a renewal of the lease,
-        in one write (see :mod:`._leases`); the join's answer. etcd carries them out one
-        after the other, but a busy etcd takes its time over each write (the grant is one
-        too): the renewal makes the lease's time to live count from the join. It is a
-        request, not a message on the keep-alive stream: sent after the join's answer
-        (and, at a node's first join, after opening the stream), it came up to 2 s later
-        at 1,024 nodes, and leases ran out."""
+        each sent once the one before was answered (see :mod:`._leases`); the join's
+        answer. A busy etcd takes its time over each call (the grant is one too): the
+        renewal makes the lease's time to live count from the join."""
         sent: list[dict[str, Any]] = []
 
         def batch() -> list[tuple[str, dict[str, Any]]]:
@@ -172,7 +169,7 @@ class RunPort(RunReads):
     ) -> Reply | None:
         """The join of a participant whose round the watch says completed (``header``, at
         revision ``cut``): its rank and the round's bootstrap address, read at the cut in
-        one small transaction (its keep-alive in the same write), instead of a
+        one small transaction (its keep-alive sent with it), instead of a
         full read; what the full read would add is the pruning that the round's sentinels
         do anyway (:mod:`._changes`). ``None`` when the node's key was not in the round or
         its lease is gone (the request is then carried out in full)."""
@@ -186,7 +183,7 @@ class RunPort(RunReads):
             return {"success": [range_op(k.participants, mine, **at), range_op(mine, None, **at)]}
 
         # The renewal (see ._leases): on the keep-alive stream while the rank is read, or
-        # ahead of the read in the same write (no stream opened yet for this node).
+        # sent with the read (no stream opened yet for this node).
         ahead = None if self._client.streaming else self._leases.renew_request(node, True)
         renewal = None
         if ahead is None:

@@ -1,34 +1,35 @@
-"""A lean client of etcd's v3 API as JSON over HTTP (grpc-gateway).
+"""A lean client of etcd's v3 API over gRPC.
 
-How it works: every etcd member serves its v3 API as JSON on its client port (``POST
-/v3/kv/txn``, ``/v3/lease/keepalive``, ``/v3/watch`` as a streamed answer; keys and values
-in base64, 64-bit numbers as strings). A :class:`EtcdClient` holds the connections to the
-members of one endpoint (:mod:`._http`: kept alive, several requests in one write when a
-call needs them back to back; the leases' renewals on one stream, :mod:`._renewals`) and
-talks to one member at a time, starting at a random one (the nodes of a job spread over
-the members), and moves to the next at once when a member is
+How it works: every etcd member serves its v3 API over gRPC on its client port. The
+backend's modules build requests and read answers in the shape of etcd's JSON API (paths
+such as ``/v3/kv/txn``; keys and values in base64, 64-bit numbers as strings), which
+:mod:`._proto` carries to and from etcd's protobuf messages. A :class:`EtcdClient` holds
+one HTTP/2 connection to each member it talks to (:mod:`._pool`, :mod:`._h2`), which
+carries its calls, its watch and its leases' renewals (one keep-alive stream,
+:mod:`._renewals`), and talks to one member at a time, starting at a random one (the
+nodes of a job spread over the members), and moves to the next at once when a member is
 gone, has no leader or times out. A call is retried with backoff (after every member was
 tried) until ``read_timeout`` runs out, then fails with ``RendezvousConnectionError``
 naming the endpoint; the time counts from the first failure since etcd last answered, so a
 call made during an outage gets what is left (at least one attempt). What retrying cannot
 mend fails at once with one clear line: a server that does not answer etcd's API (another
 program on that port), a refused login, a permission etcd denies. With a user and password
-(from the environment) the client logs in (``/v3/auth/authenticate``) and sends the token
-with every request, logging in again when etcd says the token is no longer valid.
+(from the environment) the client logs in (``Authenticate``) and sends the token with
+every call, logging in again when etcd says the token is no longer valid.
 
-Why not a maintained asyncio etcd client: the ones published speak gRPC (``aetcd``) and
-bring grpcio and protobuf (tens of MB, threads of their own) to every node, while the
-rendezvous needs a dozen calls of the JSON API. The price, measured (docs/benchmarks.md, the
-etcd rows): etcd's gateway spends 0.3-0.9 ms of CPU translating each request, about twice
-what the same request costs it over gRPC; the node's side is :mod:`._http`'s (0.1 ms a
-request).
+Why not a maintained asyncio etcd client: the ones published (``aetcd``) bring grpcio and
+protobuf (tens of MB, a C core with threads and fork handlers of its own) to every node,
+while the rendezvous needs a dozen calls. Why gRPC and not etcd's JSON gateway, which an
+HTTP/1.1 client can speak (aelastic did): the gateway translates every request into a
+gRPC call to its own member, and that cost etcd 2.5-3 times the CPU of the same call over
+gRPC (measured: 0.43-0.75 ms against 0.15-0.2 ms a request, docs/benchmarks.md), and a
+node's watch and keep-alive stream each took a connection of their own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -55,8 +56,7 @@ from ._answers import (
 )
 from ._endpoint import EtcdEndpoint
 from ._failures import auth_failure, not_etcd, refused_by_member, tls_refused, unreachable
-from ._h2 import Call
-from ._pool import Pool, answers
+from ._pool import Pool
 from ._probe import CONNECT_TIMEOUT, LAST_ATTEMPT, SLOW, Terms
 from ._proto import METHODS, ProtoError, decode, encode
 from ._renewals import Renewals
@@ -377,33 +377,20 @@ class EtcdClient:
         self.requests += 1
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        call: Call | None = None
+        requests = [
+            encode(method.request, one) for one in (body if isinstance(body, list) else [body])
+        ]
         try:
-            connection = await pool.connection(host, port, connect)
-            arrived: deque[bytes] = deque()
-            woken = asyncio.Event()
-
-            def on_message(message: bytes) -> None:
-                arrived.append(message)
-                woken.set()
-
-            first, *more = body if isinstance(body, list) else [body]
-            call = connection.call(
-                method.path, encode(method.request, first), self._metadata(), False, on_message,
-            )  # fmt: skip
-            for request in more:
-                call.send(encode(method.request, request))
-            call.done.add_done_callback(lambda _: woken.set())
-            yield self._noting(answers(call, arrived, woken, method.answer, deadline))
+            async with pool.stream(
+                host, port, method, requests, self._metadata(), connect, deadline
+            ) as docs:
+                yield self._noting(docs)
         except NotEtcd as exc:
             raise not_etcd(self.endpoint, url, "watch", exc) from None
         except TlsFailure as exc:
             raise tls_refused(self.endpoint, url, "watch", exc) from None
         except Transient as exc:
             raise ConnectionError(f"{url}: {exc}") from None
-        finally:
-            if call is not None:
-                call.cancel()
 
     async def _noting(self, docs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         """``docs``, each one's Raft term noted (a watch's answers tell it too)."""
@@ -418,4 +405,4 @@ class EtcdClient:
             self._renewals.close()
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.close()
+            await pool.aclose()

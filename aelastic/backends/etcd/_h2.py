@@ -270,7 +270,9 @@ class Connection(asyncio.Protocol):
             self._error = exc
         self.closed = True
         if self._transport is not None:
-            self._transport.close()
+            # abort, not close: a TLS close waits (up to 30 s) for the member's close_notify,
+            # keeping the socket open meanwhile
+            self._transport.abort()
         calls, self._calls = list(self._calls.values()), {}
         for call in calls:
             call.fail(self._error)

@@ -3,10 +3,10 @@
 How it works: every node has a lease whose time to live is the run's heartbeat window (the
 stored rules', never a requester's) in whole seconds; its keys are attached to it, so etcd
 deletes them when the node is silent for the window (the etcd leader's clock judges: no
-clocks of different machines are compared). A node's first lease is granted in the same
-write as its first join (:meth:`Leases.grant_request`, with an id the node picks: etcd
-carries out the join right after the grant, so the lease's time to live counts from the
-join, as the machine's window counts from a node's join) and kept across rounds; renewing
+clocks of different machines are compared). A node's first lease is granted right before
+its first join (:meth:`Leases.grant_request`, with an id the node picks; a renewal follows
+the join, so the lease's time to live counts from the join, as the machine's window counts
+from a node's join) and kept across rounds; renewing
 it is a keep-alive (etcd's leader keeps leases: no Raft entry, no watch event, nobody
 woken), one message on the client's keep-alive stream (:mod:`._renewals`), except the
 renewal in a first join's write.
@@ -101,7 +101,7 @@ class Leases:
 
     def grant_request(self, node: NodeDesc, window_ms: int) -> tuple[str, dict[str, Any]]:
         """A request granting ``node`` a new lease of an id picked here (63 random bits):
-        sent ahead of a write that uses it, in the same write (see the module docstring);
+        sent right before a write that uses it (see the module docstring);
         :meth:`granted` records it once etcd answered."""
         lease = random.randrange(1, 2**63)
         self._client.open_keep_alive()  # ready for the lease's renewals (see ._renewals)

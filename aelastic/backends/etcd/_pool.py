@@ -17,12 +17,13 @@ import asyncio
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
 from ...core.race import wait_within
 from ._answers import Hangup, NotEtcd, Transient, etcd_error, tls_failure
 from ._h2 import Call, Connection
-from ._proto import ProtoError, Schema, decode
+from ._proto import Method, ProtoError, Schema, decode
 
 __all__ = ["Answer", "Pool", "answers"]
 
@@ -160,17 +161,57 @@ class Pool:
             if connection.closed:
                 self._drop(connection)
 
+    @asynccontextmanager
+    async def stream(
+        self,
+        host: str,
+        port: int,
+        method: Method,
+        requests: list[bytes],
+        metadata: tuple[tuple[bytes, bytes], ...],
+        connect: float,
+        deadline: float | None,
+    ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """A streamed call of ``method`` (a watch): its ``requests`` sent in order, then
+        its answers one by one (until ``deadline``, when given); the call is left (reset)
+        on leaving.
+
+        Raises:
+            Transient, Hangup, NotEtcd, TlsFailure: As :meth:`exchange` (also while reading).
+            EtcdError: etcd ended the call with an error.
+        """
+        connection = await self.connection(host, port, connect)
+        arrived: deque[bytes] = deque()
+        woken = asyncio.Event()
+
+        def on_message(message: bytes) -> None:
+            arrived.append(message)
+            woken.set()
+
+        first, *more = requests
+        call = connection.call(method.path, first, metadata, False, on_message)
+        try:
+            for request in more:
+                call.send(request)
+            call.done.add_done_callback(lambda _: woken.set())
+            yield answers(call, arrived, woken, method.answer, deadline)
+        finally:
+            call.cancel()
+
     def _drop(self, connection: Connection) -> None:
         for key, known in list(self._open.items()):
             if known is connection:
                 del self._open[key]
         self._all.discard(connection)
 
-    def close(self) -> None:
-        """Close every connection."""
+    async def aclose(self) -> None:
+        """Close every connection, once those still opening gave up (a connection
+        abandoned mid-handshake would be left to the garbage collector). Idempotent."""
         self._closed = True
-        for opening in self._opening.values():
+        openings = list(self._opening.values())
+        for opening in openings:
             opening.cancel()
+        await asyncio.gather(*openings, return_exceptions=True)
         for connection in list(self._all):
             connection.close()
         self._all.clear()

@@ -1,5 +1,5 @@
-"""The write transactions of a request on etcd, as etcd's JSON gateway takes them (keys and
-values in base64).
+"""The write transactions of a request on etcd, in the shape of etcd's JSON API (keys and
+values in base64; :mod:`._proto` puts them on the wire).
 
 How it works: :func:`write_txn` turns a decided :class:`~._port.Plan` into one transaction
 compared against the read it was decided on (the header's mod revision, the node's own
