@@ -317,9 +317,9 @@ class Connection(asyncio.Protocol):
             raise ValueError("a push, never allowed")
 
     def _data(self, flags: int, stream: int, payload: bytes) -> None:
+        size = len(payload)  # padding included: it counts against the windows too
         if flags & PADDED:
             payload = payload[1 : len(payload) - payload[0]]
-        size = len(payload)
         self._received += size
         top_up = b""
         if self._received >= _REFILL:
