@@ -409,3 +409,36 @@ async def test_cluster_down_is_a_one_line_error(run_id: str) -> None:
 def _cluster_state(server: RedisServer) -> str:
     with server.client(socket_timeout=5.0) as client:
         return str(client.cluster("INFO")["cluster_state"])
+
+
+async def test_a_sentinel_lookup_given_up_leaves_no_connection_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The listener's Sentinel lookup times out (a sentinel that takes the connection and
+    never answers): redis-py's clean-up of the connection it was reading runs to its end
+    (a deadline that cancels at every await cut it short, and the connection was left
+    open, to warn when collected)."""
+    import gc
+    import socket
+    import warnings
+
+    from aelastic.backends.redis import _listener
+    from aelastic.backends.redis._listener import Listener
+    from aelastic.backends.redis._servers import SentinelPrimary
+
+    monkeypatch.setattr(_listener, "CONNECT_TIMEOUT", 0.3)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        server = SentinelPrimary(parse_endpoint(f"redis+sentinel://127.0.0.1:{port}/{SERVICE}"), 4)
+        listener = Listener(server, 5.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            listener.watch("aelastic:run")
+            await asyncio.sleep(1.0)  # lookups given up meanwhile
+            await listener.aclose()
+            await server.aclose()
+            gc.collect()
+        leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
+        assert not leaks, [str(w.message) for w in leaks]

@@ -24,7 +24,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import anyio
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 
@@ -134,7 +133,10 @@ class Listener:
                 if self._endpoint.kind == STANDALONE:
                     address = await self._server.pubsub_address()
                 else:
-                    with anyio.fail_after(CONNECT_TIMEOUT):  # never swallows a cancellation
+                    # asyncio's deadline, not anyio's: anyio's cancels again at every await
+                    # until the block is left, which cuts short redis-py's clean-up of the
+                    # Sentinel connection it was using (left open, to warn when collected)
+                    async with fail_after(CONNECT_TIMEOUT):
                         address = await self._server.pubsub_address()
                 self._server.expect()
                 try:
