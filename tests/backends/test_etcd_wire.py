@@ -243,3 +243,24 @@ async def test_a_connection_lost_before_any_answer_is_a_hangup_after_one_transie
     with pytest.raises(Transient) as info:
         await cut.done
     assert not isinstance(info.value, Hangup)
+
+
+async def test_an_oversized_answer_or_header_block_is_refused_not_buffered() -> None:
+    from aelastic.backends.etcd._call import MAX_MESSAGE
+    from aelastic.backends.etcd._h2 import CONTINUATION, MAX_HEADERS
+
+    connection, transport = connected()
+    call = connection.call("/etcdserverpb.KV/Range", b"")
+    transport.frames()
+    prefix = b"\x00" + (MAX_MESSAGE + 1).to_bytes(4, "big")
+    connection.data_received(frame(HEADERS, 4, 1, OK_HEADERS) + frame(DATA, 0, 1, prefix))
+    with pytest.raises(NotEtcd, match="gRPC message of"):
+        await call.done
+    assert [k for k, *_ in transport.frames()] == [3]  # RST_STREAM: the call is left
+    flooded, _ = connected()
+    waiting = flooded.call("/etcdserverpb.KV/Range", b"")
+    flooded.data_received(frame(HEADERS, 0, 1, OK_HEADERS))
+    filler = frame(CONTINUATION, 0, 1, b"\x00" * 16384)
+    flooded.data_received(filler * (MAX_HEADERS // 16384 + 1))
+    with pytest.raises(NotEtcd, match="header block over"):
+        await waiting.done

@@ -34,9 +34,11 @@ from typing import cast
 from urllib.parse import unquote
 
 from ._answers import Hangup, NotEtcd, Transient, tls_failure
+from ._call import Call, grpc_message
 from ._hpack import Decoder, HpackError, encode
 
-__all__ = ["Call", "Connection"]
+__all__ = ["Call", "Connection", "grpc_message"]
+
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
@@ -46,71 +48,12 @@ _HEAD = struct.Struct(">BHBBI")  # length (24 bits as 1 + 2 bytes), type, flags,
 _BIG = (1 << 31) - 1  # the largest window
 _REFILL = 1 << 30  # received bytes after which a window is topped up again
 _FRAME = 16384  # largest frame sent (the default every peer takes)
+MAX_HEADERS = 256 << 10  # largest header block taken (etcd's are a few hundred bytes)
 
 
 def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     size = len(payload)
     return _HEAD.pack(size >> 16, size & 0xFFFF, kind, flags, stream) + payload
-
-
-def grpc_message(message: bytes) -> bytes:
-    """A gRPC message: not compressed, its length, itself."""
-    return b"\x00" + struct.pack(">I", len(message)) + message
-
-
-class Call:
-    """One gRPC call: its answer's messages as they arrive, then its end.
-
-    ``on_message`` (when given) takes each message; otherwise they are kept in
-    :attr:`messages`. :attr:`done` resolves with ``(grpc status, message)`` or fails with
-    the connection's error.
-    """
-
-    def __init__(
-        self, connection: Connection, stream: int, on_message: Callable[[bytes], None] | None
-    ) -> None:
-        self.connection = connection
-        self.stream = stream
-        self.messages: list[bytes] = []
-        self.on_message = on_message
-        self.done: asyncio.Future[tuple[int, str]] = connection.loop.create_future()
-        self.headers_seen = False
-        self.window = connection.peer_window
-        self.backlog = bytearray()  # data waiting for a window
-        self.end_after_backlog = False
-        self.received = 0
-        self._body = bytearray()
-
-    def send(self, message: bytes, end: bool = False) -> None:
-        """Send one more message on the call's stream (``end``: the last)."""
-        self.connection.send_data(self, grpc_message(message), end)
-
-    def cancel(self) -> None:
-        """Leave the call (a reset for the member; no effect on a call that ended)."""
-        self.connection.reset(self)
-
-    def body(self, data: bytes) -> None:
-        buffer = self._body
-        buffer += data
-        while len(buffer) >= 5:
-            size = int.from_bytes(buffer[1:5], "big")
-            if len(buffer) < 5 + size:
-                break
-            if buffer[0]:
-                self.fail(NotEtcd("a compressed gRPC message, never asked for"))
-                return
-            message = bytes(buffer[5 : 5 + size])
-            del buffer[: 5 + size]
-            if self.on_message is not None:
-                self.on_message(message)
-            else:
-                self.messages.append(message)
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.done.done():
-            self.done.set_exception(exc)
-            self.done.exception()  # retrieved: its waiter may be gone
-        self.connection.forget(self)
 
 
 class Connection(asyncio.Protocol):
@@ -252,11 +195,15 @@ class Connection(asyncio.Protocol):
             self._transport.write(bytes(out))
 
     def reset(self, call: Call) -> None:
-        if self._calls.pop(call.stream, None) is not None and not self.closed:
-            assert self._transport is not None
-            self._transport.write(_frame(RST_STREAM, 0, call.stream, struct.pack(">I", 8)))
+        if self._calls.pop(call.stream, None) is not None:
+            self.rst(call.stream)
         if not call.done.done():
             call.done.cancel()
+
+    def rst(self, stream: int) -> None:
+        """Tell the member this side left ``stream`` (RST_STREAM, CANCEL)."""
+        if not self.closed and self._transport is not None:
+            self._transport.write(_frame(RST_STREAM, 0, stream, struct.pack(">I", 8)))
 
     def forget(self, call: Call) -> None:
         self._calls.pop(call.stream, None)
@@ -296,6 +243,8 @@ class Connection(asyncio.Protocol):
             if self._block is None or self._block[0] != stream:
                 raise ValueError("a CONTINUATION out of place")
             self._block[2].extend(payload)
+            if len(self._block[2]) > MAX_HEADERS:
+                raise ValueError(f"a header block over {MAX_HEADERS} bytes")
             if flags & END_HEADERS:
                 self._headers()
         elif kind == SETTINGS:
