@@ -16,8 +16,9 @@ Files go to ``$HEAL_DIR``. Modes:
   lives under a ``torch/distributed/`` directory, as a rank waiting for a stuck peer would).
 * ``hang_pair``: on attempt 0, after five progress reports, local rank 0 waits in the
   ``$HEAL_COLLECTIVE`` stand-in (after writing ``$HEAL_DIR/waiting``); local rank 1 starts
-  its reports once that file is there and, one report later (and ``$HEAL_PAIR_BUSY`` seconds
-  of more reports), hangs in ``stuck_in_step``.
+  its reports once that file is there and, one report later (and more reports until
+  ``$HEAL_PAIR_BUSY`` seconds after 0.4 s past the file's creation), hangs in
+  ``stuck_in_step``.
 * ``frozen PATH``: local rank 1 reads PATH (a file of a frozen FUSE mount: uninterruptible
   sleep) after writing ``$HEAL_DIR/reading``; local rank 0 waits for that file, then fails.
 """
@@ -76,7 +77,11 @@ def main() -> int:
         if attempt == 0 and local == 1:  # some time after rank 0: seen stalled second
             time.sleep(0.3)
             aelastic.worker.progress()
-            busy_until = time.monotonic() + float(os.environ.get("HEAL_PAIR_BUSY", "0"))
+            # Busy until a time counted from rank 0's wait (the file's), not from this
+            # worker's start: one started late on a loaded machine would go on for longer.
+            busy = float(os.environ.get("HEAL_PAIR_BUSY", "0"))
+            began = os.stat(waiting).st_mtime + 0.4
+            busy_until = time.monotonic() + max(began + busy - time.time(), 0.0)
             while time.monotonic() < busy_until:  # still making progress while rank 0 waits
                 time.sleep(0.05)
                 aelastic.worker.progress()
