@@ -261,7 +261,10 @@ class InPlace:
                 self._make_group()
                 return train(self.round)  # type: ignore[arg-type]
             except BaseException as exc:
-                if self._channel is None or not recoverable(exc):
+                if not recoverable(exc):
+                    raise
+                if self._channel is None:  # a broken group and nobody to recover it:
+                    _destroy_group()  # left alive, gloo's threads may abort the exit
                     raise
                 self._leave(exc)
                 self._wait_round(exc)
@@ -325,11 +328,7 @@ class InPlace:
         assert self._channel is not None
         _trace(f"group broken: {type(exc).__name__}")
         self._channel.send(op="broken", pid=os.getpid(), error=str(exc)[:500], gen=self._number)
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        _destroy_group()
 
     def _wait_round(self, error: BaseException) -> None:
         """Block until the agent sends the next round; raise ``error`` if it says fail."""
@@ -343,3 +342,12 @@ class InPlace:
         _trace(f"round {message['gen']} received")
         os.environ.update({k: str(v) for k, v in message["env"].items() if k in ROUND_KEYS})
         self._number = int(message["gen"])
+
+
+def _destroy_group() -> None:
+    """Destroy the default process group, if any (a broken one may fail to: ignored)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
