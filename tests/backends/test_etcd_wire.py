@@ -30,6 +30,7 @@ from aelastic.backends.etcd._pool import answers
 from aelastic.backends.etcd._proto import (
     METHODS,
     TXN,
+    WATCH,
     WATCH_ANSWER,
     ProtoError,
     decode,
@@ -90,6 +91,14 @@ def test_a_transaction_goes_to_protobuf_and_back_in_the_json_apis_shape() -> Non
         "success": [{"request_put": {"key": "aA==", "value": "dg==", "lease": "-5"}}],
         "failure": [{"request_range": {"key": "aA==", "count_only": True}}],
     }
+    watch = {"create_request": {"key": "aA==", "filters": ["NOPUT"], "watch_id": 2}}
+    assert decode(WATCH, encode_message(WATCH, watch)) == {
+        "create_request": {"key": "aA==", "filters": ["NOPUT"], "watch_id": "2"}
+    }  # a repeated enum, written unpacked; read either way
+    assert decode(WATCH, b"\x0a\x04\x2a\x02\x00\x01")["create_request"]["filters"] == [
+        "NOPUT",
+        "NODELETE",
+    ]
     unknown = b"\xa0\x06\x01" + encode_message(WATCH_ANSWER, {"watch_id": "3"})
     assert decode(WATCH_ANSWER, unknown) == {"watch_id": "3"}  # a newer etcd's field
     for broken in (b"\x0a\x05ab", b"\x08\xff", b"\x0f"):

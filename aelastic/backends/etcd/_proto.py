@@ -30,19 +30,36 @@ class ProtoError(ValueError):
 BYTES, I64, U64, I32, BOOL, STR, ENUM, MSG = range(8)
 
 
+def _varint(value: int) -> bytes:
+    if value < 0:
+        value += 1 << 64
+    if value < 128:
+        return bytes((value,))
+    out = bytearray()
+    while value >= 128:
+        out.append(value & 127 | 128)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 class Field(NamedTuple):
     name: str
     number: int
     kind: int
     sub: Any = None  # a message's schema, or an enum's names
     repeated: bool = False
+    key: bytes = b""  # the field's key on the wire (set by _schema)
 
 
 Schema = dict[int, Field]
 
 
 def _schema(*fields: Field) -> Schema:
-    return {f.number: f for f in fields}
+    # A number's key says varint (a repeated one is written unpacked, one key each), bytes'
+    # and messages' length-delimited.
+    return {f.number: f._replace(key=_varint(f.number << 3 | (2 * (f.kind in (BYTES, STR, MSG)))))
+            for f in fields}  # fmt: skip
 
 
 HEADER = _schema(
@@ -196,19 +213,6 @@ def _names(schema: Schema) -> dict[str, Field]:
     return found
 
 
-def _varint(value: int) -> bytes:
-    if value < 0:
-        value += 1 << 64
-    if value < 128:
-        return bytes((value,))
-    out = bytearray()
-    while value >= 128:
-        out.append(value & 127 | 128)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _scalar(field: Field, value: Any) -> int | bytes:
     """A field's value on the wire: an int (varint) or bytes (length-delimited)."""
     kind = field.kind
@@ -243,9 +247,12 @@ def encode(schema: Schema, doc: dict[str, Any]) -> bytes:
                 ):
                     continue  # proto3 leaves zero values out
             if isinstance(data, int):
-                out += _varint(field.number << 3) + _varint(data)
+                out += field.key
+                out += bytes((data,)) if 0 <= data < 128 else _varint(data)
             else:
-                out += _varint(field.number << 3 | 2) + _varint(len(data)) + data
+                out += field.key
+                out += _varint(len(data))
+                out += data
     return bytes(out)
 
 
@@ -271,13 +278,23 @@ def decode(schema: Schema, data: bytes) -> dict[str, Any]:
     doc: dict[str, Any] = {}
     pos, end = 0, len(data)
     while pos < end:
-        tag, pos = _read_varint(data, pos)
+        tag = data[pos]  # one byte, but for field numbers over 15
+        if tag < 128:
+            pos += 1
+        else:
+            tag, pos = _read_varint(data, pos)
         number, wire = tag >> 3, tag & 7
         raw: int | bytes
         if wire == 0:
-            raw, pos = _read_varint(data, pos)
+            if pos < end and data[pos] < 128:  # the common case: a small number
+                raw, pos = data[pos], pos + 1
+            else:
+                raw, pos = _read_varint(data, pos)
         elif wire == 2:
-            size, pos = _read_varint(data, pos)
+            if pos < end and data[pos] < 128:
+                size, pos = data[pos], pos + 1
+            else:
+                size, pos = _read_varint(data, pos)
             if pos + size > end:
                 raise ProtoError("a truncated field")
             raw, pos = data[pos : pos + size], pos + size
