@@ -56,6 +56,7 @@ from ._answers import (
 )
 from ._endpoint import EtcdEndpoint
 from ._failures import auth_failure, not_etcd, refused_by_member, tls_refused, unreachable
+from ._h2 import Metadata
 from ._pool import Pool
 from ._probe import CONNECT_TIMEOUT, LAST_ATTEMPT, SLOW, Terms
 from ._proto import METHODS, ProtoError, decode, encode
@@ -177,7 +178,8 @@ class EtcdClient:
             answers.append(answer)
         return answers
 
-    def _metadata(self) -> tuple[tuple[bytes, bytes], ...]:
+    def _metadata(self) -> Metadata:
+        """The gRPC metadata of every call: etcd's auth token, once logged in."""
         return ((b"token", self._token.encode()),) if self._token else ()
 
     async def call(
@@ -231,7 +233,7 @@ class EtcdClient:
         async def one(url: str, remaining: float) -> list[dict[str, Any] | EtcdError]:
             self.requests += 1
             answer = await self._renewals_now().renew(
-                url, self._members[url], self._token, lease,
+                url, self._members[url], self._metadata(), lease,
                 self._connect_within(remaining), remaining,
             )  # fmt: skip
             self._terms.saw(answer)
@@ -256,7 +258,7 @@ class EtcdClient:
         if not self._closed:
             url, within = self._urls[self._current], self.read_timeout
             self._renewals_now().warm(
-                url, self._members[url], self._token, self._connect_within(within), within
+                url, self._members[url], self._metadata(), self._connect_within(within), within
             )
 
     def _renewals_now(self) -> Renewals:

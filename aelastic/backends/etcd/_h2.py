@@ -37,7 +37,10 @@ from ._answers import Hangup, NotEtcd, Transient, tls_failure
 from ._call import Call, grpc_message
 from ._hpack import Decoder, HpackError, encode
 
-__all__ = ["Call", "Connection", "grpc_message"]
+__all__ = ["Call", "Connection", "Metadata", "grpc_message"]
+
+#: A call's gRPC metadata: (name, value) pairs sent as headers.
+Metadata = tuple[tuple[bytes, bytes], ...]
 
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -81,6 +84,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self._error: BaseException | None = None
         self._blocked: list[Call] = []
+        self._blocks: dict[tuple[str, Metadata], bytes] = {}  # request header blocks
 
     # -- asyncio.Protocol -----------------------------------------------------------------
 
@@ -137,7 +141,7 @@ class Connection(asyncio.Protocol):
         self,
         method: str,
         message: bytes | None,
-        metadata: tuple[tuple[bytes, bytes], ...] = (),
+        metadata: Metadata = (),
         end: bool = True,
         on_message: Callable[[bytes], None] | None = None,
     ) -> Call:
@@ -153,13 +157,15 @@ class Connection(asyncio.Protocol):
         self._next += 2
         call = Call(self, stream, on_message)
         self._calls[stream] = call
-        block = encode(
-            (
-                (b":method", b"POST"), (b":scheme", self._scheme), (b":path", method.encode()),
-                (b":authority", self._authority), (b"content-type", b"application/grpc"),
-                (b"te", b"trailers"), *metadata,
-            )
-        )  # fmt: skip
+        block = self._blocks.get((method, metadata))
+        if block is None:  # the same few methods, every call: encoded once a connection
+            block = self._blocks[(method, metadata)] = encode(
+                (
+                    (b":method", b"POST"), (b":scheme", self._scheme),
+                    (b":path", method.encode()), (b":authority", self._authority),
+                    (b"content-type", b"application/grpc"), (b"te", b"trailers"), *metadata,
+                )
+            )  # fmt: skip
         self._transport.write(_frame(HEADERS, END_HEADERS, stream, block))
         if message is not None:
             self.send_data(call, grpc_message(message), end)
@@ -321,14 +327,14 @@ class Connection(asyncio.Protocol):
                 call.done.set_result((code, text))
 
     def _settings(self, payload: bytes) -> None:
+        # (Only the initial window matters here: this side's header blocks index nothing,
+        # whatever table size the member allows, and its frames are never over 16 KiB.)
         for offset in range(0, len(payload) - 5, 6):
             key, value = struct.unpack_from(">HI", payload, offset)
             if key == 4:  # SETTINGS_INITIAL_WINDOW_SIZE: every open stream's window moves
                 change, self.peer_window = value - self.peer_window, value
                 for call in self._calls.values():
                     call.window += change
-            elif key == 1 and value < 4096:
-                pass  # the member's decoder table: this side's encoder never indexes
         assert self._transport is not None
         self._transport.write(_frame(SETTINGS, ACK, 0))
         self._unblock()

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from ...core.race import wait_within
 from ._answers import Hangup, NotEtcd, Transient, etcd_error, tls_failure
-from ._h2 import Call, Connection
+from ._h2 import Call, Connection, Metadata
 from ._proto import Method, ProtoError, Schema, decode
 
 __all__ = ["Answer", "Pool", "answers"]
@@ -119,7 +119,7 @@ class Pool:
         host: str,
         port: int,
         calls: list[tuple[str, bytes]],
-        metadata: tuple[tuple[bytes, bytes], ...],
+        metadata: Metadata,
         timeout: float,
         connect: float,
         ordered: bool = True,
@@ -168,7 +168,7 @@ class Pool:
         port: int,
         method: Method,
         requests: list[bytes],
-        metadata: tuple[tuple[bytes, bytes], ...],
+        metadata: Metadata,
         connect: float,
         deadline: float | None,
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:

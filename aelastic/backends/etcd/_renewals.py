@@ -30,7 +30,7 @@ from typing import Any
 
 from ...core.race import retrieve, wait_within
 from ._answers import Transient, etcd_error
-from ._h2 import Call
+from ._h2 import Call, Metadata
 from ._pool import Pool
 from ._proto import METHODS, ProtoError, decode, encode
 
@@ -99,17 +99,16 @@ class Renewals:
         self._opening: asyncio.Future[_Stream] | None = None
 
     async def _open(
-        self, url: str, member: tuple[str, int], token: str | None, connect: float, within: float
+        self, url: str, member: tuple[str, int], metadata: Metadata, connect: float, within: float
     ) -> _Stream:
         stream = _Stream(url)
         connection = await self._pool().connection(*member, min(connect, within))
-        metadata = ((b"token", token.encode()),) if token else ()
         stream.call = connection.call(METHOD.path, None, metadata, False, stream.message)
         stream.call.done.add_done_callback(stream.done)
         return stream
 
     async def _stream_to(
-        self, url: str, member: tuple[str, int], token: str | None, connect: float, within: float
+        self, url: str, member: tuple[str, int], metadata: Metadata, connect: float, within: float
     ) -> _Stream:
         stream = self._stream
         if stream is not None and stream.url == url and not stream.ended:
@@ -120,7 +119,7 @@ class Renewals:
                 stream.end(Transient(f"the keep-alive stream moved from {stream.url}"))
                 self._stream = None
             opening = self._opening = asyncio.ensure_future(
-                self._open(url, member, token, connect, within)
+                self._open(url, member, metadata, connect, within)
             )
             opening.add_done_callback(self._opened)
         stream = await asyncio.shield(opening)
@@ -139,7 +138,7 @@ class Renewals:
         self,
         url: str,
         member: tuple[str, int],
-        token: str | None,
+        metadata: Metadata,
         lease: int,
         connect: float,
         timeout: float,
@@ -155,7 +154,7 @@ class Renewals:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        stream = await self._stream_to(url, member, token, connect, timeout)
+        stream = await self._stream_to(url, member, metadata, connect, timeout)
         assert stream.call is not None
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
         stream.pending.setdefault(lease, deque()).append(future)
@@ -171,13 +170,13 @@ class Renewals:
         return stream is not None and stream.url == url and not stream.ended
 
     def warm(
-        self, url: str, member: tuple[str, int], token: str | None, connect: float, within: float
+        self, url: str, member: tuple[str, int], metadata: Metadata, connect: float, within: float
     ) -> None:
         """Start opening the stream to member ``url`` (in the background; a failure is left
         for the first renewal to meet again), unless it is open or opening."""
         if self.ready(url) or self._opening is not None:
             return
-        opening = asyncio.ensure_future(self._stream_to(url, member, token, connect, within))
+        opening = asyncio.ensure_future(self._stream_to(url, member, metadata, connect, within))
         opening.add_done_callback(retrieve)  # the renewal that needs it meets it again
 
     def close(self) -> None:
