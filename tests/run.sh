@@ -1,49 +1,125 @@
 #!/usr/bin/env bash
 # Set up everything the tests need on a fresh machine, then lint, type-check and test.
+#
+#   bash tests/run.sh [pytest args]            the whole suite on the locked toolchain
+#   bash tests/run.sh --newest [pytest args]   backend, rendezvous, agent and launcher tests on
+#                                              the newest redis, aiohttp and anyio the registry serves
+#   bash tests/run.sh --oldest [pytest args]   the same on the oldest releases pyproject.toml admits
+#
+# Each mode installs into a virtual environment of its own under .venv-test/ (made once,
+# reused while tests/requirements.lock, pyproject.toml and this script are unchanged), so the
+# packages of the machine or of an activated environment never decide a run. Refresh the lock
+# with `bash tests/lock.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-
-# torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
-"$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-"$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
-# Third-party clients tested under aelastic (tests/examples/test_frameworks.py): about 20 s,
-# with torch named again so that pip keeps the CPU build installed above.
-"$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" lightning accelerate
+LOCK=tests/requirements.lock
+MODE=locked
+case "${1:-}" in
+--newest | --oldest)
+    MODE="${1#--}"
+    shift
+    ;;
+esac
 
 # The Redis tests start their own redis-server, and redis-sentinel for failover (Debian ships
 # it as a package of its own); the etcd tests their own etcd (Debian's etcd-server: 3.4, the
-# v3 API); the NUMA binding tests use numactl as torchrun does.
-if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-sentinel >/dev/null 2>&1 \
-    || ! command -v etcd >/dev/null 2>&1 || ! command -v numactl >/dev/null 2>&1; then
+# v3 API); the NUMA binding tests use numactl as torchrun does; the pages are tested in a real
+# browser, Debian's chromium, driven by Playwright (which never downloads a browser here).
+missing=()
+for tool in redis-server:redis-server redis-sentinel:redis-sentinel etcd:etcd-server \
+    numactl:numactl chromium:chromium; do
+    command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool#*:}")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-sentinel \
-        etcd-server numactl >/dev/null
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
     # The tests start their own servers; the packaged services are not needed.
-    $SUDO service redis-server stop >/dev/null 2>&1 || true
-    $SUDO service redis-sentinel stop >/dev/null 2>&1 || true
-    $SUDO service etcd stop >/dev/null 2>&1 || true
+    for service in redis-server redis-sentinel etcd; do
+        $SUDO service "$service" stop >/dev/null 2>&1 || true
+    done
 fi
 
-# The pages are tested in a real browser: Debian's chromium, driven by Playwright (the dev
-# extra). Playwright never downloads a browser here (no `playwright install`).
-if ! command -v chromium >/dev/null 2>&1; then
-    SUDO=""
-    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-    $SUDO apt-get update -qq
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+# The environment: keyed on what decides its contents (and, for --newest, the day).
+key_of() {
+    {
+        cat "$LOCK" pyproject.toml "$0"
+        "$PY" --version
+        echo "$MODE"
+        [ "$MODE" != newest ] || date -u +%F
+    } | sha256sum | cut -c1-12
+}
+VENV="${AELASTIC_TEST_VENVS:-.venv-test}/$MODE-$(key_of)"
+pip=(pip_in "$VENV")
+pip_in() {
+    local venv="$1"
+    shift
+    # This machine's pip configuration may name package indexes that are not there: pip
+    # says so for every package, which says nothing about the run.
+    "$venv/bin/python" -m pip --quiet --disable-pip-version-check "$@" \
+        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+if [ ! -f "$VENV/.ready" ]; then
+    echo "tests/run.sh: making the $MODE test environment $VENV" >&2
+    rm -rf "$VENV"
+    "$PY" -m venv "$VENV"
+    case "$MODE" in
+    locked)
+        # Exactly the lock (torch's CPU build included), nothing resolved here.
+        "${pip[@]}" install --no-deps -r "$LOCK"
+        ;;
+    newest)
+        # The lock's tools, then the newest runtime releases the registry serves.
+        "${pip[@]}" install -r "$LOCK"
+        "${pip[@]}" install --upgrade "torch==2.13.0" redis aiohttp anyio
+        ;;
+    oldest)
+        # The lock's tools, then the oldest runtime releases pyproject.toml admits.
+        oldest=$(sed -n 's/^dependencies = \["anyio>=\([^"]*\)"\]/anyio==\1/p;
+            s/^redis = \["redis>=\([^"]*\)"\]/redis==\1/p;
+            s/^http = \["aiohttp>=\([^"]*\)"\]/aiohttp==\1/p' pyproject.toml)
+        [ "$(echo "$oldest" | wc -l)" -eq 3 ] || {
+            echo "tests/run.sh: cannot read the lower bounds of anyio, redis, aiohttp" >&2
+            exit 1
+        }
+        grep -v -E '^(anyio|redis|aiohttp)==' "$LOCK" >"$VENV/tools.txt"
+        # shellcheck disable=SC2086
+        "${pip[@]}" install -r "$VENV/tools.txt" $oldest
+        ;;
+    esac
+    "${pip[@]}" install --no-deps --no-build-isolation -e . 2>/dev/null \
+        || "${pip[@]}" install --no-deps -e .
+    if [ "$MODE" = locked ]; then
+        # What is installed is the lock, no more, no less.
+        if ! diff <(grep -v '^#' "$LOCK" | LC_ALL=C sort -f) \
+            <("${pip[@]}" freeze --all --exclude-editable | grep -v -i '^pip==' \
+                | LC_ALL=C sort -f); then
+            echo "tests/run.sh: the environment differs from $LOCK (above)" >&2
+            exit 1
+        fi
+        "${pip[@]}" check
+    fi
+    touch "$VENV/.ready"
 fi
+PYV="$VENV/bin/python"
+echo "tests/run.sh: $MODE toolchain: $("$PYV" -m pip freeze 2>/dev/null \
+    | grep -i -E '^(redis|aiohttp|anyio|torch)==' | tr '\n' ' ')" >&2
 
-"$PY" -m ruff check aelastic tests benchmarks examples
-"$PY" -m ruff format --check aelastic tests benchmarks examples
-"$PY" -m mypy
 # pytest exits 5 when it collects nothing; set -e turns that into a failure too. Every real
 # part is installed above, so a skipped test fails the run (tests/conftest.py). The tests
 # mostly wait on subprocesses and servers, so four pytest workers share the machine's two
-# cores (on a 2-core machine: 534 to 623 s in four runs, against 588 s in one with three;
-# AELASTIC_TEST_WORKERS=0 runs them in one process); pytest-benchmark, where installed, is
-# kept out (it refuses to run under xdist; the benchmarks are scripts of their own).
-AELASTIC_TESTS_NO_SKIP=1 "$PY" -m pytest -p no:benchmark -n "${AELASTIC_TEST_WORKERS:-4}" \
-    --dist worksteal "$@"
+# cores (AELASTIC_TEST_WORKERS=0 runs them in one process); pytest-benchmark, where installed,
+# is kept out (it refuses to run under xdist; the benchmarks are scripts of their own).
+pytest=("$PYV" -m pytest -p no:benchmark -n "${AELASTIC_TEST_WORKERS:-4}" --dist worksteal)
+export AELASTIC_TESTS_NO_SKIP=1
+if [ "$MODE" = locked ]; then
+    "$PYV" -m ruff check aelastic tests benchmarks examples
+    "$PYV" -m ruff format --check aelastic tests benchmarks examples
+    "$PYV" -m mypy
+    exec "${pytest[@]}" "$@"
+fi
+# The runtime ranges: what talks to redis-py, aiohttp and anyio.
+exec "${pytest[@]}" tests/backends tests/conformance tests/rendezvous tests/agent \
+    tests/launcher tests/test_sync.py "$@"

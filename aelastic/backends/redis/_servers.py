@@ -272,7 +272,9 @@ class SentinelPrimary(Standalone):
         endpoint = self.endpoint
         assert endpoint.service is not None
         kwargs = connection_kwargs(endpoint)
-        self.sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        # Typed from redis-py 8 on, untyped before: called through Any for both.
+        sentinel: Any = Sentinel
+        self.sentinel = sentinel(
             list(endpoint.hosts), sentinel_kwargs=sentinel_kwargs(endpoint, kwargs)
         )
         self._at: tuple[str, int] | None = None
