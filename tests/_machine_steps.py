@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from hypothesis import strategies as st
 
+from aelastic.core.health import FailureReport, NodeReport
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Request
 
@@ -31,6 +32,26 @@ NODES = [
     NodeDesc("Node_b", 3, 0),
     NodeDesc("nœud.example", 42, 0),
 ]
+#: What a join says of the node's workers, by node: roles and local world sizes that differ.
+PROFILES = [("default", 2), ("default", 1), ("trainer", 4), ("default", 2), ("trainer", 1),
+            ("eval", 3), ("default", 1), ("trainer", 2)]  # fmt: skip
+#: What a report says, by its variant: failures (primary, secondary, stalled) or a
+#: quarantine of the node's own host.
+REPORTS = [
+    NodeReport(failure=FailureReport(time=5.0, rank=1, local_rank=1, exitcode=1, message="boom")),
+    NodeReport(
+        failure=FailureReport(
+            time=3.0, rank=0, local_rank=0, exitcode=-6, message="gloo", secondary=True
+        )
+    ),
+    NodeReport(
+        failure=FailureReport(
+            time=9.0, rank=2, local_rank=0, exitcode=-9, message="hung\nat x.py:3", stalled=True
+        )
+    ),
+    NodeReport(quarantine="the job's root cause 2 times in a row"),
+]
+
 #: Each node's own secret; a forged request carries :data:`FORGED`.
 SECRETS = [f"{i:02d}" + "c0ffee" * 5 for i in range(len(NODES))]
 FORGED = "f0" * 16
@@ -76,6 +97,7 @@ class Step:
             )
         if self.operator:
             return Request.operator_close()
+        role, size = PROFILES[self.node]
         return Request(
             self.op,
             NODES[self.node],
@@ -84,10 +106,16 @@ class Step:
             finished=self.finished,
             port=1000 + self.node,
             secret=self.secret,
+            role=role,
+            local_world_size=size,
+            report=REPORTS[self.variant] if self.op is Op.REPORT else None,
         )
 
 
-ops = st.sampled_from([Op.JOIN] * 6 + [Op.LEAVE, Op.KEEP_ALIVE, Op.KEEP_ALIVE, Op.STATUS, Op.CLOSE])
+ops = st.sampled_from(
+    [Op.JOIN] * 6
+    + [Op.LEAVE, Op.KEEP_ALIVE, Op.KEEP_ALIVE, Op.STATUS, Op.CLOSE, Op.REPORT, Op.REPORT, Op.DONE]
+)
 
 steps = st.builds(
     Step,

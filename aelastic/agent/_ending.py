@@ -67,7 +67,6 @@ async def shutdown(agent: ElasticAgent, result: RunResult | None) -> None:
                 with anyio.move_on_after(last_word(agent._handler)):
                     await quietly(agent._handler.set_closed(), "close the rendezvous")
             succeeded = result is not None and result.state is WorkerState.SUCCEEDED
-            await agent._heal.leaving(agent._round)  # on purpose: not a lost host
             with anyio.move_on_after(last_word(agent._handler)):
                 await quietly(agent._handler.leave(finished=succeeded), "leave the rendezvous")
     finally:

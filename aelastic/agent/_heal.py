@@ -1,42 +1,32 @@
 """The agent's side of the job's health: report failures, read the root cause, budget, quarantine.
 
-How it works: the job's health is one document in the run's store
-(:mod:`aelastic.core.health`). When this node's workers fail (or stall and are stopped), the
-agent turns its own root cause into a :class:`~aelastic.core.health.FailureRecord`, counts
-itself among the round's failed nodes, and folds the record into the document with
-compare-and-set (:meth:`JobHealthKeeper.report_failure`); what it reads back is the job's
-root cause, the same on every node, which it publishes (:class:`~.events.JobFailure`). The
-document then says whether the job spent its job-wide budget (``job_max_restarts``) and
-whether this host was the root cause ``quarantine_after`` times in a row: the policy turns
-that into FAIL or QUARANTINE. Members lost (silent, or gone without saying they restart)
-are counted per host (:meth:`note_lost`); a quarantined host's agent, back again, leaves
-before joining (:meth:`before_rendezvous`). Every store call here is bounded in time and
-never fails the run: a store that cannot be reached only costs the report.
+How it works: the job's health is kept by the rendezvous itself (:mod:`aelastic.core.health`;
+the state machine changes it only on a member's report of itself, and counts the hosts of
+members dropped for their silence). When this node's workers fail (or stall and are
+stopped), the agent turns its own root cause into a
+:class:`~aelastic.core.health.FailureReport` and reports it (the rendezvous fills in the
+host, the node, its rank and the round: :meth:`JobHealthKeeper.report_failure`); what it
+reads back is the job's root cause, the same on every node, which it publishes
+(:class:`~.events.JobFailure`). The health then says whether the job spent its job-wide
+budget (``job_max_restarts``) and whether this host was the root cause ``quarantine_after``
+times in a row: the policy turns that into FAIL or QUARANTINE, and this node reports its
+own host set aside. A host the rendezvous counted lost ``quarantine_after`` times, or set
+aside, makes its agent, back again, leave before joining (:meth:`before_rendezvous`). Every
+call here is bounded in time and never fails the run: a rendezvous that cannot be reached
+only costs the report.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from contextlib import suppress
+from collections.abc import Mapping
 from dataclasses import replace
-from functools import partial
 from typing import TYPE_CHECKING
 
 import anyio
 
-from ..core.errors import RendezvousError, StoreTimeoutError
-from ..core.health import (
-    HEALTH_KEY,
-    FailureRecord,
-    JobHealth,
-    failed_key,
-    primary_key,
-    with_failure,
-    with_lost,
-    with_quarantined,
-)
-from ..core.store import Store
+from ..core.errors import RendezvousError
+from ..core.health import FailureReport, JobHealth, NodeReport
 from ._services import last_word
 from .api import ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from .errors import error_details
@@ -45,16 +35,15 @@ from .policy import Observation
 
 if TYPE_CHECKING:
     from ._publish import AgentPublisher
-    from .membership import RoundGroup
 
 __all__ = ["JobHealthKeeper", "NodeQuarantined"]
 
 log = logging.getLogger("aelastic.agent")
 
-#: Compare-and-set attempts per update (each loses only to another node's update).
-_TRIES = 8
 #: Seconds a node whose worker broke in a collective waits for the peer at fault's report.
 _PEER_GRACE = 3.0
+#: Seconds between two reads of the health while it waits for that report.
+_PEER_POLL = 0.2
 
 
 class NodeQuarantined(Exception):
@@ -72,77 +61,59 @@ class NodeQuarantined(Exception):
 
 
 class JobHealthKeeper:
-    """Reads and updates the job's health for one agent (see the module docstring).
+    """Reads the job's health and reports this node's part in it (see the module docstring).
 
     Args:
-        spec: The worker spec (budget, quarantine).
+        spec: The worker spec (budget, quarantine; its handler is the rendezvous).
         events: The agent's publisher.
     """
 
     def __init__(self, spec: WorkerSpec, events: AgentPublisher) -> None:
-        handler = spec.rdzv_handler
         self._spec = spec
+        self._handler = spec.rdzv_handler
         self._events = events
-        self._store = Store(handler.backend)  # run-wide keys, not a round's
-        self._host = handler.node.addr
-        self._limit = 2 * last_word(handler)
-        #: The document as last read (``None``: never read).
+        self._host = self._handler.node.addr
+        self._limit = 2 * last_word(self._handler)
+        #: The health as last read (``None``: never read).
         self.health: JobHealth | None = None
-        #: Nodes that failed in the round of :attr:`health`'s newest incident.
-        self.failed_nodes = 0
 
-    async def _update(self, change: Callable[[JobHealth], JobHealth | None]) -> JobHealth:
-        health = JobHealth()
-        for _ in range(_TRIES):
-            raw = await self._store.try_get(HEALTH_KEY)
-            health = self._decode(raw)
-            updated = change(health)
-            if updated is None:
-                break
-            data = updated.encode()
-            if await self._store.compare_set(HEALTH_KEY, raw or b"", data) == data:
-                health = updated
-                break
-        self.health = health
-        return health
-
-    @staticmethod
-    def _decode(raw: bytes | None) -> JobHealth:
-        try:
-            return JobHealth.decode(raw)
-        except ValueError as exc:
-            log.warning("the job's health record is unreadable, starting a new one: %s", exc)
-            return JobHealth()
+    @property
+    def failed_nodes(self) -> int:
+        """Nodes that failed in the round of :attr:`health`'s newest incident."""
+        latest = None if self.health is None else self.health.latest
+        return 0 if latest is None else latest.failed
 
     async def read(self) -> JobHealth | None:
-        """The document now (``None``: the store did not answer in time)."""
+        """The health now (``None``: the rendezvous did not answer in time)."""
         with anyio.move_on_after(self._limit):
             try:
-                self.health = self._decode(await self._store.try_get(HEALTH_KEY))
-                latest = self.health.latest
-                if latest is not None:
-                    count = await self._store.try_get(failed_key(latest.round))
-                    self.failed_nodes = int(count or 0)
+                self.health = await self._handler.health() or JobHealth()
                 return self.health
-            except (RendezvousError, ValueError) as exc:
-                log.warning("could not read the job's health record: %s", exc)
+            except RendezvousError as exc:
+                log.warning("could not read the job's health: %s", exc)
         return None
 
-    async def before_rendezvous(self, previous: RoundGroup | None) -> None:
-        """Before each rendezvous (quarantine on): say that this node leaves its previous
-        round on purpose (:meth:`leaving`), then leave the job if its host is set aside.
+    def _set_aside(self, health: JobHealth) -> str | None:
+        """Why this host is set aside, by ``health`` (``None``: it is not)."""
+        reason = health.quarantined.get(self._host)
+        after = self._spec.quarantine_after
+        lost = health.lost.get(self._host)
+        if reason is None and after is not None and lost is not None and lost.count >= after:
+            reason = f"lost {lost.count} times"
+        return reason
+
+    async def before_rendezvous(self) -> None:
+        """Before each rendezvous (quarantine on): leave the job if this host is set aside.
 
         Raises:
             NodeQuarantined: It is.
         """
         if self._spec.quarantine_after is None:
             return
-        await self.leaving(previous)
         health = await self.read()
-        reason = None if health is None else health.quarantined.get(self._host)
+        reason = None if health is None else self._set_aside(health)
         if reason is not None:
-            self._events.publish(Quarantined, host=self._host, reason=reason)
-            raise NodeQuarantined(self._host, reason)
+            raise await self.quarantine(reason)
 
     async def observe(
         self,
@@ -150,26 +121,12 @@ class JobHealthKeeper:
         failures: Mapping[int, ProcessFailure],
         group: WorkerGroup,
     ) -> Observation:
-        """``observation`` with what the job's health adds: after this node's failures,
-        whether its host is set aside or the job spent its budget; after a change of the
-        group, the lost hosts are counted (quarantine on)."""
+        """``observation`` with what the job's health adds after this node's failures:
+        whether its host is set aside or the job spent its budget."""
         if failures:
             quarantine, budget = await self.report_failure(failures, group)
             return replace(observation, quarantine=quarantine, job_budget_spent=budget)
-        if observation.lost_hosts:
-            await self.note_lost(observation.lost_hosts, group.round or 0)
         return observation
-
-    async def leaving(self, round_group: RoundGroup | None) -> None:
-        """Say in the round's store that this node leaves to restart or rescale, so that
-        the others do not count it lost (quarantine on)."""
-        if self._spec.quarantine_after is None or round_group is None:
-            return
-        with anyio.move_on_after(self._limit):
-            try:
-                await round_group.mark_leaving(self._spec.rdzv_handler.node)
-            except RendezvousError as exc:
-                log.warning("could not say that this node restarts: %s", exc)
 
     async def tell(self) -> None:
         """Read the job's health and publish its root cause, if any (the run ends)."""
@@ -179,7 +136,7 @@ class JobHealthKeeper:
     async def report_failure(
         self, failures: Mapping[int, ProcessFailure], group: WorkerGroup
     ) -> tuple[str | None, str | None]:
-        """Fold this node's root cause into the job's health; publish the job's root cause.
+        """Report this node's root cause to the job's health; publish the job's root cause.
 
         Returns:
             ``(quarantine, budget_spent)``: why this host is to be set aside, why the job
@@ -187,38 +144,48 @@ class JobHealthKeeper:
         """
         root = RunResult(WorkerState.FAILED, failures=dict(failures)).root_cause
         assert root is not None
-        round_ = group.round or 0
-        record = FailureRecord(
+        report = FailureReport(
             time=root.timestamp,
-            host=self._host,
-            node=self._spec.rdzv_handler.node.key,
-            node_rank=group.group_rank or 0,
             rank=root.global_rank,
             local_rank=root.local_rank,
             exitcode=root.exitcode,
             message=f"{error_details(root)}\n{root.message}"
             if root.stalled
             else error_details(root),
-            round=round_,
             stalled=root.stalled,
             secondary=root.secondary,
         )
+        round_ = group.round or 0
+        if report.secondary:  # the peer at fault most likely reports at once
+            await self._wait_for_primary(round_)
         health: JobHealth | None = None
-        if record.secondary:  # the peer at fault most likely reports at once
-            with anyio.move_on_after(_PEER_GRACE), suppress(StoreTimeoutError, RendezvousError):
-                await self._store.wait([primary_key(round_)], _PEER_GRACE)
         with anyio.move_on_after(self._limit):
             try:
-                self.failed_nodes = await self._store.add(failed_key(round_), 1)
-                health = await self._update(lambda h: with_failure(h, record))
-                if not record.secondary:
-                    await self._store.set(primary_key(round_), b"1")
-                self.failed_nodes = int(await self._store.try_get(failed_key(round_)) or 0)
+                if not await self._handler.report(NodeReport(failure=report)):
+                    log.warning(
+                        "the failure was not recorded in the job's health: this node is in "
+                        "no complete round any more"
+                    )
+                health = await self.read()
             except RendezvousError as exc:
-                log.warning("could not report the failure to the job's health record: %s", exc)
+                log.warning("could not report the failure to the job's health: %s", exc)
         if health is None or health.latest is None:
             return None, None
         return self._judge(health, round_)
+
+    async def _wait_for_primary(self, round_: int) -> None:
+        """Until a failure of a worker itself (not one broken in a collective) is reported
+        in ``round_``, or :data:`_PEER_GRACE` passed."""
+        with anyio.move_on_after(_PEER_GRACE):
+            while True:
+                try:
+                    health = await self._handler.health()
+                except RendezvousError:
+                    return
+                latest = None if health is None else health.latest
+                if latest is not None and latest.round >= round_ and not latest.root.secondary:
+                    return
+                await anyio.sleep(_PEER_POLL)
 
     def _judge(self, health: JobHealth, round_: int) -> tuple[str | None, str | None]:
         spec, latest = self._spec, health.latest
@@ -252,25 +219,12 @@ class JobHealthKeeper:
         )
 
     async def quarantine(self, reason: str) -> NodeQuarantined:
-        """Record this host as set aside; publish it; the error the agent ends with."""
+        """Set this host aside in the job's health; publish it; the error the agent ends
+        with."""
         with anyio.move_on_after(self._limit):
             try:
-                await self._update(lambda h: with_quarantined(h, self._host, reason))
+                await self._handler.report(NodeReport(quarantine=reason))
             except RendezvousError as exc:
                 log.warning("could not record the quarantine: %s", exc)
         self._events.publish(Quarantined, host=self._host, reason=reason)
         return NodeQuarantined(self._host, reason)
-
-    async def note_lost(self, hosts: tuple[str, ...], round_: int) -> None:
-        """Count each of ``hosts`` as lost in ``round_`` (quarantine on only)."""
-        after = self._spec.quarantine_after
-        if after is None:
-            return
-        with anyio.move_on_after(self._limit):
-            try:
-                for host in hosts:  # a host another survivor counted already costs a read
-                    await self._update(
-                        partial(with_lost, host=host, round_=round_, quarantine_after=after)
-                    )
-            except RendezvousError as exc:
-                log.warning("could not count the lost node(s): %s", exc)

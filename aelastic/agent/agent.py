@@ -47,7 +47,7 @@ from ._forks import ForkServer, fork_server_for
 from ._heal import JobHealthKeeper
 from ._publish import AgentPublisher
 from ._recover import PeerLoss
-from ._round import form_round
+from ._round import form_round, prepare_join
 from ._services import agent_services
 from ._supervise import supervise
 from ._unkillable import WorkersUnkillable
@@ -62,7 +62,7 @@ from .events import (
     WorkersStarted,
 )
 from .logs import run_log_dir
-from .membership import GroupChanged, RoundGroup
+from .membership import RoundGroup
 from .policy import Action, Decision, Trigger, decide
 from .ranks import ReservedPort
 from .standby import StandbyPool
@@ -220,7 +220,7 @@ class ElasticAgent:
         self._standbys.schedule()  # a spare's workers are warm before it has a rank
         while True:
             try:
-                await self._heal.before_rendezvous(self._round)
+                await self._heal.before_rendezvous()
                 await self._rendezvous()
             except RendezvousGracefulExitError as exc:
                 log.info("rendezvous gracefully exited: %s", exc)
@@ -229,10 +229,6 @@ class ElasticAgent:
                 if failures:  # our own failure is the root cause, the rendezvous the end
                     return self._failed(failures, f"no restart ({typed(exc)})")
                 raise
-            except GroupChanged as changed:
-                await self._act_on_membership(changed.decision, keep=True)
-                stopped_at = stopped_at if self._peer.held else time.monotonic()
-                continue
             failures = {}
             if not (self._peer.held and self._resume(stopped_at)):
                 await self._stop_workers(WorkerState.STOPPED)  # held ones that cannot resume
@@ -314,10 +310,11 @@ class ElasticAgent:
     async def _rendezvous(self) -> None:
         self._events.set_state(WorkerState.INIT)
         started = time.monotonic()
+        prepare_join(self._handler, self._spec, self._port)
         info = await self._handler.next_rendezvous()
         self._joined = True
         self._round = await form_round(
-            self._handler, info, self._group, self._port, self._events, self._restarts_left, started
+            self._handler, info, self._group, self._port, self._events, started
         )
 
     # -- workers --------------------------------------------------------------------------

@@ -60,8 +60,6 @@ class Observation:
         lost_finished: Members that are gone after their workers succeeded.
         waiting: Nodes waiting to join the next round.
         peers_finished: Some member of the round already finished (its workers succeeded).
-        lost_hosts: Hosts of lost members that did not say they leave to restart (gone
-            silent or killed): they count towards quarantine.
         quarantine: Why this node's host is set aside (``None``: it is not).
         job_budget_spent: Why the job spent its job-wide restart budget (``None``: it did
             not, or there is none).
@@ -74,7 +72,6 @@ class Observation:
     lost_finished: int = 0
     waiting: int = 0
     peers_finished: bool = False
-    lost_hosts: tuple[str, ...] = ()
     quarantine: str | None = None
     job_budget_spent: str | None = None
 

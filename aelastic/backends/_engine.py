@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..core.brief import short_beat
-from ..core.machine import snapshot_of, status_of, step
+from ..core.health import JobHealth
+from ..core.machine import LONG_AGO_MS, health_of, snapshot_of, status_of, step
 from ..core.protocol import INT64_MAX, INT64_MIN
 from ..core.state import NodeDesc, Reply, Request, RunState, Snapshot, Status, Transition
 from ..core.token import NO_STATE, make, new_epoch
@@ -299,14 +300,23 @@ class Engine:
                 self._on_change(run_id)
             return not run.empty()
 
-    def forget_if_over(self, run_id: str) -> bool:
-        """Forget ``run_id`` if it is closed and no node is in it; whether it was."""
+    def free_if_over(self, run_id: str) -> bool:
+        """Make ``run_id``, if no node is in it any more (it closed, or its nodes all left),
+        free for a new job at once, with no grace (it stays closed until a join makes it
+        new); whether it was over."""
         with self.lock:
             run = self.runs.get(run_id)
             state = None if run is None else run.state
-            if state is None or not state.closed or state.beats:
+            if state is None or state.beats or state.vacated_ms is None:
                 return False
-        return self.delete(run_id)
+            state.vacated_ms = LONG_AGO_MS
+            return True
+
+    def health(self, run_id: str) -> JobHealth | None:
+        """The job's health of ``run_id`` (``None``: no such run)."""
+        with self.lock:
+            run = self.runs.get(run_id)
+            return None if run is None or run.state is None else health_of(run.state)
 
     def wake_everyone(self) -> None:
         """Wake every waiter of every run (a server shutting down)."""

@@ -38,6 +38,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.errors import RendezvousConnectionError, RendezvousError, RendezvousLostError
+from ..core.health import JobHealth
 from ..core.params import RendezvousParameters, parse_rendezvous_endpoint
 from ..core.protocol import RendezvousBackend
 from ..core.state import Op, Reply, Request, Snapshot, Status
@@ -240,6 +241,10 @@ class HostedBackend:
 
     async def snapshot(self) -> Snapshot | None:
         result: Snapshot | None = await self._reach("snapshot")
+        return result
+
+    async def health(self) -> JobHealth | None:
+        result: JobHealth | None = await self._reach("health")
         return result
 
     async def close_run(self) -> bool:

@@ -4,9 +4,10 @@ How it works: handlers in one process that name the same ``endpoint`` share one
 :class:`~._engine.Engine`, which applies the pure state machine to each run under a lock
 (safe across threads and event loops) and wakes waiters on changes. Time is the handler's
 clock (a request carries it), so a test's manual clock drives timeouts and heartbeats.
-A run lives in its process: once the last backend of a closed run that no node is in any
-more is closed, the run is forgotten (a node of its job would be a handler of this process:
-none can still come), so its id is free at once for the next job of the process.
+A run lives in its process: once the last backend of a run that no node is in any more is
+closed (the run closed, or its nodes all left), the run stays as it is (closed: every new
+handler of it sees it closed) but its id is free at once for the next job of the process
+(no grace: a node of its job would be a handler of this process, and none is left).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from ..core.health import JobHealth
 from ..core.params import RendezvousParameters
 from ..core.redact import redact_endpoint
 from ..core.state import Reply, Request, Snapshot, Status, Transition
@@ -74,6 +76,9 @@ class MemoryBackend:
     async def snapshot(self) -> Snapshot | None:
         return self._engine.snapshot(self._run_id, now_ms())
 
+    async def health(self) -> JobHealth | None:
+        return self._engine.health(self._run_id)
+
     async def close_run(self) -> bool:
         reply = self._engine.apply(self._run_id, Request.operator_close(), now_ms())
         return reply.transition is Transition.MARK_CLOSED
@@ -106,8 +111,8 @@ class MemoryBackend:
         return await self._engine.kv_wait(self._run_id, keys, timeout)
 
     async def aclose(self) -> None:
-        """Let go of the run (its data stays for other handlers of this process); the last
-        backend of a closed run that no node is in forgets it: its id is free again."""
+        """Let go of the run (its data stays for other handlers of this process); once the
+        last backend of a run that no node is in lets go, its id is free for a new job."""
         if self._released:
             return
         self._released = True
@@ -118,7 +123,7 @@ class MemoryBackend:
                 _users[key] = left
                 return
             _users.pop(key, None)
-        self._engine.forget_if_over(self._run_id)
+        self._engine.free_if_over(self._run_id)
 
 
 def create_backend(params: RendezvousParameters) -> MemoryBackend:

@@ -33,7 +33,7 @@ from typing import Any
 from ..backends.registry import create_backend
 from ..core._signals import sigint_interrupts
 from ..core.errors import RendezvousError, RendezvousStateError
-from ..core.health import HEALTH_KEY, JobHealth, failed_key, shown
+from ..core.health import JobHealth, shown
 from ..core.machine import expiry_ms
 from ..core.params import RendezvousParameters, RendezvousSettings
 from ..core.protocol import RendezvousBackend
@@ -160,23 +160,16 @@ def format_snapshot(snapshot: Snapshot | None, settings: RendezvousSettings) -> 
 
 
 async def read_health(backend: RendezvousBackend) -> tuple[JobHealth | None, int]:
-    """The job's health document and how many nodes failed in its newest failure's round
-    (``(None, 0)``: nothing failed yet).
+    """The job's health as the rendezvous keeps it and how many nodes failed in its newest
+    failure's round (``(None, 0)``: no such run).
 
     Raises:
-        RendezvousStateError: The document is not one this version wrote.
+        RendezvousStateError: The backend's answer is not one this version understands.
     """
-    (raw,) = await backend.kv_get([HEALTH_KEY])
-    if raw is None:
-        return None, 0
-    try:
-        health = JobHealth.decode(raw)
-    except ValueError as exc:
-        raise RendezvousStateError(str(exc)) from None
-    if health.latest is None:
+    health = await backend.health()
+    if health is None or health.latest is None:
         return health, 0
-    (count,) = await backend.kv_get([failed_key(health.latest.round)])
-    return health, int(count or 0)
+    return health, health.latest.failed
 
 
 def health_to_json(health: JobHealth | None, failed_nodes: int) -> dict[str, Any] | None:

@@ -24,6 +24,11 @@ class Op(enum.Enum):
     #: A backend's report that the node's connection ended (never sent by a node): the
     #: node is lost unless heard from since (:func:`~.machine.departure_grace_ms`).
     DEPART = "depart"
+    #: A member reports its own workers' failure in its round, or sets its own host aside
+    #: (the job's health: :mod:`.health`).
+    REPORT = "report"
+    #: A member says its workers succeeded in its round (the exit barrier).
+    DONE = "done"
 
 
 class Outcome(enum.Enum):
@@ -53,3 +58,5 @@ class Transition(enum.Enum):
     REMOVE = "remove"
     MARK_COMPLETE = "mark_complete"
     MARK_CLOSED = "mark_closed"
+    REPORT = "report"
+    MARK_DONE = "mark_done"

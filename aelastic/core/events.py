@@ -151,6 +151,10 @@ class RendezvousWaiting(Event):
         join_timeout_in: Seconds until this node's join times out.
         last_call_in: Seconds until the last call completes the round (``None``: no last
             call yet).
+        id_wait: Set when the node waits for the run's id to be free (a job that used it
+            has ended): why (``closed``, ``made with other rules``).
+        id_free_in: Seconds until the id is free (``None``: once the ended job's nodes,
+            still in the run, are gone).
     """
 
     kind: ClassVar[EventKind] = EventKind.WAITING
@@ -161,6 +165,8 @@ class RendezvousWaiting(Event):
     waiting: bool = False
     join_timeout_in: float = 0.0
     last_call_in: float | None = None
+    id_wait: str | None = None
+    id_free_in: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

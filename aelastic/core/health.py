@@ -1,23 +1,24 @@
-"""The job's health, kept in the rendezvous store: first failures, restarts spent, quarantine.
+"""The job's health, kept by the rendezvous itself: first failures, restarts spent, quarantine.
 
-How it works: one JSON document per run, under :data:`HEALTH_KEY` in the members' store
-(run-wide, not per round; every backend has it), read by every agent, ``aelastic status``
-and the run page, so they all show the same thing. It holds the job's recent *incidents*
-(a round whose workers failed somewhere): the incident's root cause (one
-:class:`FailureRecord`), and how many incidents in a row that host was the root cause; the
-number of incidents so far (the job-wide restart budget counts them); the hosts lost, and
-the hosts set aside (quarantined). How many nodes failed in a round is a counter of its
-own (:func:`failed_key`, ``add`` needs no read-modify-write); a node whose own failure is
-a failure of the worker itself marks the round (:func:`primary_key`), so that a node whose
-worker only broke in a collective can wait for that report before it reads the root cause.
+How it works: one :class:`JobHealth` per run, held in the run's rendezvous state next to its
+participants and heartbeats (never in the members' key-value store, which every store client
+can write), and changed only by the state machine (:mod:`.machine`): from what a member
+reports *for itself* (``Op.REPORT``: a :class:`NodeReport`, its workers' first failure in
+its round, or its own host set aside) and from what the machine sees (a member of a complete
+round dropped for its silence is a *lost* host). The machine fills in who and where (the
+host, the node, its rank, the round): a report names none of them, so nobody can report
+for another node, for a round that is over, or from outside the run. Every agent,
+``aelastic status`` and the run page read the same document (the backend's ``health()``).
 
-Changes are pure functions of the document (:func:`with_failure`, :func:`with_lost`,
-:func:`with_quarantined`) returning the new document, or ``None`` when nothing changes; an
-agent applies them with compare-and-set, so concurrent reports of one incident converge on
-the best root cause: a failure of the worker itself beats one that broke in a collective
-because of a peer (``secondary``), then the earliest. Everything is bounded (messages,
-lists, hosts): a worker's 50 MB traceback never reaches the store. :func:`shown` escapes
-control characters for display. Pure: no I/O, no clock.
+It holds the job's recent *incidents* (a round whose workers failed somewhere): the
+incident's root cause (one :class:`FailureRecord`), how many nodes failed in it, and how
+many incidents in a row that host was the root cause; the number of incidents so far (the
+job-wide restart budget counts them); the hosts lost, and the hosts set aside (quarantined).
+Concurrent reports of one incident converge on the best root cause: a failure of the worker
+itself beats one that broke in a collective because of a peer (``secondary``), then the
+earliest. Everything is bounded (messages, lists, hosts): a worker's 50 MB traceback never
+reaches the rendezvous. :func:`shown` escapes control characters for display. Pure: no I/O,
+no clock.
 """
 
 from __future__ import annotations
@@ -31,25 +32,23 @@ from types import MappingProxyType
 from typing import Any
 
 __all__ = [
-    "HEALTH_KEY",
     "MAX_INCIDENTS",
     "MAX_MESSAGE",
     "FailureRecord",
+    "FailureReport",
     "Incident",
     "JobHealth",
     "LostCount",
+    "NodeReport",
     "bounded_message",
-    "failed_key",
-    "primary_key",
+    "reported",
     "shown",
     "with_failure",
     "with_lost",
     "with_quarantined",
 ]
 
-_FORMAT = "aelastic.job.health/1"
-#: The document's key in the run's store.
-HEALTH_KEY = "job/health"
+_FORMAT = "aelastic.job.health/2"
 #: Incidents the document keeps (the newest).
 MAX_INCIDENTS = 16
 #: Characters of a failure message kept (its end: where the exception is).
@@ -59,16 +58,8 @@ MAX_LINES = 20
 #: Hosts listed (quarantined, lost) at most.
 MAX_HOSTS = 256
 _MAX_SHORT = 300
-
-
-def failed_key(round_: int) -> str:
-    """The key counting the nodes whose workers failed in round ``round_``."""
-    return f"job/failed/{round_}"
-
-
-def primary_key(round_: int) -> str:
-    """The key set once a node reported a failure of its worker itself in round ``round_``."""
-    return f"job/primary/{round_}"
+#: Characters of a report's message taken from the wire at most (it is bounded further).
+MAX_REPORTED = 64 * 1024
 
 
 def shown(text: str) -> str:
@@ -218,14 +209,157 @@ def _rank_key(record: FailureRecord) -> tuple[bool, float, int, int]:
     return (record.secondary, record.time, record.node_rank, record.rank)
 
 
+_INT32 = (1 << 31) - 1
+
+
+def _bounded_int(doc: Mapping[str, Any], key: str, low: int = -_INT32) -> int:
+    value = doc[key]
+    if type(value) is not int or not low <= value <= _INT32:
+        raise ValueError(f"'{key}' must be an integer in [{low}, {_INT32}]")
+    return value
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """A member's own first failure in its round, as it reports it (``Op.REPORT``): what
+    failed and how, never who or where (the rendezvous fills in the host, the node, its
+    rank and the round: :meth:`record`).
+
+    Attributes:
+        time: When the agent saw it (wall-clock seconds of the failing node's host).
+        rank: The worker's global rank; ``local_rank`` its local rank.
+        exitcode: The worker's exit code (negative: the signal that ended it).
+        message: What it said (bounded to :data:`MAX_MESSAGE` characters).
+        stalled: The worker was hung (no progress) and was stopped.
+        secondary: It broke inside a collective (a peer's failure, most likely).
+    """
+
+    time: float
+    rank: int
+    local_rank: int
+    exitcode: int
+    message: str
+    stalled: bool = False
+    secondary: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "message", bounded_message(self.message[-MAX_REPORTED:]))
+
+    def record(self, host: str, node: str, node_rank: int, round_: int) -> FailureRecord:
+        """The failure record of this report by ``node`` (on ``host``, of rank
+        ``node_rank``) in round ``round_``."""
+        return FailureRecord(
+            time=self.time,
+            host=host,
+            node=node,
+            node_rank=node_rank,
+            rank=self.rank,
+            local_rank=self.local_rank,
+            exitcode=self.exitcode,
+            message=self.message,
+            round=round_,
+            stalled=self.stalled,
+            secondary=self.secondary,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form."""
+        return {
+            "time": self.time,
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "exitcode": self.exitcode,
+            "message": self.message,
+            "stalled": self.stalled,
+            "secondary": self.secondary,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> FailureReport:
+        """Parse the JSON form (every field checked, sizes bounded).
+
+        Raises:
+            ValueError: ``doc`` is not a failure report.
+        """
+        if type(doc) is not dict:
+            raise ValueError("a failure report must be a JSON object")
+        unknown = set(doc) - _REPORT_FIELDS
+        if unknown:
+            raise ValueError(f"unknown field(s) in a failure report: {sorted(unknown)}")
+        try:
+            time = doc["time"]
+            if type(time) not in (int, float) or not math.isfinite(time):
+                raise ValueError("'time' must be a finite number")
+            message = _text(doc["message"])
+            if len(message) > MAX_REPORTED:
+                raise ValueError(f"'message' is longer than {MAX_REPORTED} characters")
+            flags = [doc.get("stalled", False), doc.get("secondary", False)]
+            if any(type(flag) is not bool for flag in flags):
+                raise ValueError("'stalled' and 'secondary' must be booleans")
+            return cls(
+                time=float(time),
+                rank=_bounded_int(doc, "rank", 0),
+                local_rank=_bounded_int(doc, "local_rank", 0),
+                exitcode=_bounded_int(doc, "exitcode"),
+                message=message,
+                stalled=flags[0],
+                secondary=flags[1],
+            )
+        except KeyError as exc:
+            raise ValueError(f"a failure report needs {exc}") from None
+
+
+_REPORT_FIELDS = frozenset(
+    {"time", "rank", "local_rank", "exitcode", "message", "stalled", "secondary"}
+)
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What a member reports of itself (``Op.REPORT``): its workers' failure, or that its
+    own host is set aside (``quarantine``: why). Exactly one of the two."""
+
+    failure: FailureReport | None = None
+    quarantine: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.failure is None) == (self.quarantine is None):
+            raise ValueError("a report is a failure or a quarantine, not both or neither")
+        if self.quarantine is not None:
+            object.__setattr__(self, "quarantine", _short(self.quarantine))
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form."""
+        if self.failure is not None:
+            return {"failure": self.failure.to_json()}
+        return {"quarantine": self.quarantine}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> NodeReport:
+        """Parse the JSON form.
+
+        Raises:
+            ValueError: ``doc`` is not a report.
+        """
+        if type(doc) is not dict or len(doc) != 1 or not set(doc) <= {"failure", "quarantine"}:
+            raise ValueError("a report must be {'failure': {...}} or {'quarantine': reason}")
+        if "failure" in doc:
+            return cls(failure=FailureReport.from_json(doc["failure"]))
+        reason = doc["quarantine"]
+        if type(reason) is not str or len(reason) > MAX_REPORTED:
+            raise ValueError("'quarantine' must be a reason (text)")
+        return cls(quarantine=reason)
+
+
 @dataclass(frozen=True)
 class Incident:
-    """A round whose workers failed: its root cause, and how many incidents in a row
-    (this one included) had their root cause on that host."""
+    """A round whose workers failed: its root cause, how many incidents in a row (this one
+    included) had their root cause on that host, and how many nodes reported a failure."""
 
     round: int
     root: FailureRecord
     streak: int = 1
+    failed: int = 1
 
 
 @dataclass(frozen=True)
@@ -256,6 +390,9 @@ class JobHealth:
     quarantined: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     lost: Mapping[str, LostCount] = field(default_factory=lambda: MappingProxyType({}))
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> JobHealth:
+        return self  # immutable (a copied run state shares it)
+
     @property
     def latest(self) -> Incident | None:
         """The newest incident."""
@@ -267,7 +404,7 @@ class JobHealth:
             "format": _FORMAT,
             "incidents_total": self.incidents_total,
             "incidents": [
-                {"round": i.round, "streak": i.streak, "root": i.root.to_json()}
+                {"round": i.round, "streak": i.streak, "failed": i.failed, "root": i.root.to_json()}
                 for i in self.incidents
             ],
             "quarantined": dict(self.quarantined),
@@ -288,11 +425,27 @@ class JobHealth:
         if data is None:
             return cls()
         try:
-            doc = json.loads(data)
+            return cls.from_json(json.loads(data))
+        except ValueError as exc:
+            raise ValueError(f"invalid job health document {data[:200]!r}: {exc}") from None
+
+    @classmethod
+    def from_json(cls, doc: Any) -> JobHealth:
+        """Parse the JSON form.
+
+        Raises:
+            ValueError: ``doc`` is not a document this version wrote.
+        """
+        try:
             if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
-                raise ValueError("not a job health document")
+                raise ValueError("not a job health document of this version")
             incidents = tuple(
-                Incident(int(i["round"]), FailureRecord.from_json(i["root"]), int(i["streak"]))
+                Incident(
+                    int(i["round"]),
+                    FailureRecord.from_json(i["root"]),
+                    int(i["streak"]),
+                    int(i.get("failed", 1)),
+                )
                 for i in doc["incidents"]
             )
             lost = {_text(h): LostCount(int(c[0]), int(c[1])) for h, c in doc["lost"].items()}
@@ -303,8 +456,8 @@ class JobHealth:
                 _frozen(quarantined),
                 _frozen(lost),
             )
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-            raise ValueError(f"invalid job health document {data[:200]!r}: {exc}") from None
+        except (KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise ValueError(f"invalid job health document: {exc!r}") from None
 
 
 def with_failure(health: JobHealth, record: FailureRecord) -> JobHealth | None:
@@ -317,7 +470,7 @@ def with_failure(health: JobHealth, record: FailureRecord) -> JobHealth | None:
         if _rank_key(record) >= _rank_key(latest.root):
             return None
         before = health.incidents[-2] if len(health.incidents) > 1 else None
-        incident = Incident(record.round, record, _streak(before, record))
+        incident = Incident(record.round, record, _streak(before, record), latest.failed)
         return replace(health, incidents=(*health.incidents[:-1], incident))
     incident = Incident(record.round, record, _streak(latest, record))
     return replace(
@@ -325,6 +478,18 @@ def with_failure(health: JobHealth, record: FailureRecord) -> JobHealth | None:
         incidents_total=health.incidents_total + 1,
         incidents=(*health.incidents, incident)[-MAX_INCIDENTS:],
     )
+
+
+def reported(health: JobHealth, record: FailureRecord, failed: int) -> JobHealth:
+    """``health`` after a node reported ``record``, ``failed`` nodes having reported a
+    failure in its round so far (the machine counts them); ``health`` itself when the
+    report is of a round older than the newest incident."""
+    changed = with_failure(health, record) or health
+    latest = changed.latest
+    if latest is None or latest.round != record.round or latest.failed == failed:
+        return changed
+    incident = replace(latest, failed=failed)
+    return replace(changed, incidents=(*changed.incidents[:-1], incident))
 
 
 def _streak(before: Incident | None, record: FailureRecord) -> int:

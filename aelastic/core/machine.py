@@ -17,11 +17,19 @@ same random interleavings. Its semantics are torch's ``DynamicRendezvousHandler`
   the next round opens. A member that leaves a complete round is counted as finished (its
   workers succeeded: the others need not act) or lost.
 * CLOSE: the run is closed; later joins fail with ``RendezvousClosedError`` (and end the
-  joining node's part in it). Once its last node has gone, a closed run stays closed for
+  joining node's part in it). Closing is a run-level act (torch's ``set_closed``): any
+  requester closes it, a member or not, and a close of a run no join made makes it,
+  closed. Once its last node has gone, a closed run stays closed for
   :func:`reuse_grace_ms` (two heartbeat windows), so that a late node of its job still
   learns that it closed; then the next join makes it a new run (the next round, the
-  joiner's rules): a job id can be used again.
+  joiner's rules, no history): a job id can be used again. A run that is not closed but
+  empty (it never formed, or its nodes all left or went silent) is free the same way.
 * KEEP_ALIVE: the node's heartbeat. STATUS: nothing but the pruning.
+* REPORT: a member reports its own workers' failure in its complete round (or sets its own
+  host aside); the machine fills in who, where and the round and folds it into the job's
+  health (:mod:`.health`), which also counts the hosts of members dropped for their silence.
+  DONE: a member says its workers succeeded; the status counts it (``done``) and the exit
+  barrier is passed once every member is done or left finished.
 * DEPART: a backend's report (never a node's request) that a node's connection ended at
   ``since_ms``, a fact it can tell before the heartbeat window ends (the HTTP server sees
   the node's channel end without a goodbye; on Redis a survivor sees the node's named
@@ -36,10 +44,12 @@ One set of rules per run: the join that makes a run fixes its rules (node bounds
 call, heartbeat window), and every later decision uses them, whoever asks; a join whose
 rules differ is refused (:attr:`~.state.Outcome.ERROR_RULES`, the reply names the run's).
 A node acts only for itself: its first join stores the secret it sent, and a join,
-keep-alive, leave or close for a listed node with another secret changes nothing
-(:attr:`~.state.Outcome.ERROR_FORBIDDEN`). A close takes a member's secret, or the
-operator (``Request.operator``, made by a backend for a caller it trusts). A state that no
-join made (a status, a leave or a close of an unknown run) is answered and not stored.
+keep-alive, leave, report or done for a listed node with another secret changes nothing
+(:attr:`~.state.Outcome.ERROR_FORBIDDEN`). The job's control state (the workers' ranks,
+fixed at completion from the members' joins; the exit barrier; the job's health) is made
+here from such requests only, never read from anything a store client writes. A state that
+no join or close made (a status, a leave, a report of an unknown run; the operator's close
+of one) is answered and not stored.
 
 Every request first prunes the nodes silent for the run's heartbeat window. Cost: O(1) per
 request (plus O(pruned)), O(N) once per round at completion. The status's token changes
@@ -53,12 +63,14 @@ from __future__ import annotations
 import hmac
 
 from ._times import beat_due_ms, confirmable, departure_grace_ms, expiry_ms, reuse_grace_ms
+from .health import JobHealth, reported, with_lost, with_quarantined
 from .params import Rules
 from .state import (
     MAX_LOST_SAMPLE,
     NodeDesc,
     Op,
     Outcome,
+    Placement,
     Reply,
     Request,
     RunState,
@@ -68,10 +80,12 @@ from .state import (
 )
 
 __all__ = [
+    "LONG_AGO_MS",
     "beat_due_ms",
     "confirmable",
     "departure_grace_ms",
     "expiry_ms",
+    "health_of",
     "prune",
     "reopen_at_ms",
     "reuse_grace_ms",
@@ -81,7 +95,17 @@ __all__ = [
 ]
 
 
+#: A vacancy so old that its grace is over whatever the clock says: a backend that knows no
+#: node of the run's job can still come (the memory backend, once the last handler of the
+#: process let go) dates the vacancy of an empty run so, and its id is free at once.
+LONG_AGO_MS = -(1 << 53)
+
+
 # -- when the token moves -------------------------------------------------------------------
+
+
+def _all_done(state: RunState) -> bool:
+    return state.complete and state.world > 0 and len(state.done) + state.finished >= state.world
 
 
 def _signature(state: RunState) -> tuple[object, ...]:
@@ -93,6 +117,7 @@ def _signature(state: RunState) -> tuple[object, ...]:
         bool(state.wait_list),
         state.lost > 0,
         state.finished > 0,
+        _all_done(state),
     )
 
 
@@ -112,6 +137,10 @@ def _open_next_round(state: RunState) -> None:
     state.world = state.lost = state.finished = 0
     state.lost_sample = []
     state.master = None
+    state.profiles.clear()
+    state.placements.clear()
+    state.done.clear()
+    state.failed.clear()
 
 
 def _owns(state: RunState, node: NodeDesc, secret: str) -> bool:
@@ -120,12 +149,16 @@ def _owns(state: RunState, node: NodeDesc, secret: str) -> bool:
     return stored is not None and hmac.compare_digest(stored.encode(), secret.encode())
 
 
-def _remove(state: RunState, node: NodeDesc, at_ms: int, finished: bool = False) -> None:
-    """Remove ``node`` (gone at ``at_ms``: a closed run empty since then may be reused)."""
+def _remove(
+    state: RunState, node: NodeDesc, at_ms: int, finished: bool = False, silent: bool = False
+) -> None:
+    """Remove ``node`` (gone at ``at_ms``: a run empty since then may be reused). A member of
+    a complete round that said it was done, or leaves ``finished``, counts as finished; else
+    it is lost, and its host counted lost when it went ``silent`` (dropped, not a leave)."""
     assert state.rules is not None
     state.beats.pop(node, None)
     state.secrets.pop(node, None)
-    if state.closed and not state.beats:
+    if not state.beats:
         state.vacated_ms = at_ms
     if node not in state.participants:
         state.wait_list.discard(node)
@@ -133,17 +166,23 @@ def _remove(state: RunState, node: NodeDesc, at_ms: int, finished: bool = False)
         return
     del state.participants[node]
     state.ports.pop(node, None)
+    state.profiles.pop(node, None)
     if not state.complete:
         if len(state.participants) < state.rules.min_nodes:
             state.deadline_ms = None
-    elif not state.participants:
-        _open_next_round(state)
-    elif finished:
+        return
+    done = node in state.done
+    state.done.discard(node)
+    if finished or done:
         state.finished += 1
     else:
         state.lost += 1
         if len(state.lost_sample) < MAX_LOST_SAMPLE:
             state.lost_sample.append(node.key)
+        if silent:
+            state.health = with_lost(state.health, node.addr, state.round, None) or state.health
+    if not state.participants:
+        _open_next_round(state)
 
 
 def prune(state: RunState, now_ms: int) -> int:
@@ -158,7 +197,7 @@ def prune(state: RunState, now_ms: int) -> int:
         dead.append((beat, node.key, node))
     dead.sort()  # by time, then name: the order of a sorted set (Redis)
     for beat, _, node in dead:
-        _remove(state, node, expiry_ms(beat, state.rules.window_ms))
+        _remove(state, node, expiry_ms(beat, state.rules.window_ms), silent=True)
     return len(dead)
 
 
@@ -175,6 +214,28 @@ def _complete(state: RunState) -> None:
     state.world = len(order)
     state.lost = state.finished = 0
     state.lost_sample = []
+    state.placements = _placements(order, state.profiles)
+    state.done.clear()
+    state.failed.clear()
+
+
+def _placements(
+    order: list[NodeDesc], profiles: dict[NodeDesc, tuple[str, int]]
+) -> dict[NodeDesc, Placement]:
+    """Where each member's workers stand (torch's rank assignment), members in rank order."""
+    sizes: dict[str, int] = {}
+    for node in order:
+        role, size = profiles.get(node, ("default", 1))
+        sizes[role] = sizes.get(role, 0) + size
+    world = sum(sizes.values())
+    base, role_bases = 0, dict.fromkeys(sizes, 0)
+    placements = {}
+    for node in order:
+        role, size = profiles.get(node, ("default", 1))
+        placements[node] = Placement(base, world, role_bases[role], sizes[role])
+        base += size
+        role_bases[role] += size
+    return placements
 
 
 # -- the operations -------------------------------------------------------------------------
@@ -205,21 +266,24 @@ def _enter(state: RunState, req: Request, now_ms: int) -> None:
     """A node not yet listed is listed: its heartbeat and its secret."""
     if req.node not in state.secrets:
         state.secrets[req.node] = req.secret
+    state.vacated_ms = None
     _beat(state, req.node, now_ms)
 
 
 def reopen_at_ms(state: RunState) -> int | None:
-    """When the closed run ``state`` can be reused (``None``: nodes are still in it)."""
+    """When the run ``state``, empty, can be made a new one by a join of other rules or
+    after it closed (``None``: nodes are still in it)."""
     if state.beats or state.vacated_ms is None or state.rules is None:
         return None
     return state.vacated_ms + reuse_grace_ms(state.rules)
 
 
 def _reopen(state: RunState, rules: Rules) -> None:
-    """The closed, empty run becomes a new one: the next round, the joiner's rules."""
+    """The empty run becomes a new one: the next round, the joiner's rules, no history."""
     state.closed = False
     state.rules = rules
     state.vacated_ms = None
+    state.health = JobHealth()
     _open_next_round(state)
 
 
@@ -237,11 +301,11 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
     node = req.node
     if state.knows(node) and not _owns(state, node, req.secret):
         return _FORBIDDEN
-    if state.closed:
-        reopen = reopen_at_ms(state)
-        if reopen is None or now_ms < reopen:
-            return _join_closed(state, node, now_ms)
-        _reopen(state, req.rules)
+    reopen = reopen_at_ms(state)
+    if reopen is not None and reopen <= now_ms:
+        _reopen(state, req.rules)  # empty for its grace: a new job may take the id
+    elif state.closed:
+        return _join_closed(state, node, now_ms)
     if state.rules is None:
         state.rules = req.rules  # this join makes the run: its rules are the run's
     elif req.rules != state.rules:
@@ -289,6 +353,7 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
     state.seq += 1
     state.participants[node] = state.seq
     state.ports[node] = req.port
+    state.profiles[node] = (req.role, req.local_world_size)
     _enter(state, req, now_ms)
     count = len(state.participants)
     if count == rules.min_nodes:
@@ -300,14 +365,51 @@ def _join(state: RunState, req: Request, now_ms: int) -> _Answer:
 
 
 def _close(state: RunState, req: Request, now_ms: int) -> _Answer:
-    if state.closed or not state.made:
-        return _Answer(Outcome.FINISH)  # closed already, or no run to close
-    if not req.operator and not _owns(state, req.node, req.secret):
-        return _FORBIDDEN  # only a member, or the operator, closes a run
+    """Close the run: a run-level act that any handler of it may do (torch's ``set_closed``),
+    a member or not; a close of a run no join made makes it, closed (a handler that never
+    joined closes the run for everyone), but the operator's close of an unknown run."""
+    if state.closed:
+        return _Answer(Outcome.FINISH)  # closed already: the same answer
+    if not state.made:
+        if req.operator:
+            return _Answer(Outcome.FINISH)  # nothing to close, nothing stored
+        state.rules = req.rules
     state.closed = True
     if not state.beats:
         state.vacated_ms = now_ms
     return _Answer(Outcome.FINISH, Transition.MARK_CLOSED)
+
+
+def _report(state: RunState, req: Request, now_ms: int) -> _Answer:
+    """A member's report of itself: its workers' failure in its complete round (folded into
+    the job's health, who and where filled in here), or its own host set aside."""
+    node, report = req.node, req.report
+    if report is None:
+        return _Answer(Outcome.FINISH)
+    _beat(state, node, now_ms)
+    if report.quarantine is not None:
+        changed = with_quarantined(state.health, node.addr, report.quarantine)
+        if changed is None:
+            return _Answer(Outcome.FINISH)
+        state.health = changed
+        return _Answer(Outcome.FINISH, Transition.REPORT)
+    assert report.failure is not None
+    rank = state.participants.get(node)
+    if not state.complete or rank is None:
+        return _Answer(Outcome.FINISH)  # in no complete round: nothing to report of
+    state.failed.add(node)
+    record = report.failure.record(node.addr, node.key, rank, state.round)
+    state.health = reported(state.health, record, len(state.failed))
+    return _Answer(Outcome.FINISH, Transition.REPORT)
+
+
+def _done(state: RunState, node: NodeDesc, now_ms: int) -> _Answer:
+    """A member says its workers succeeded in its complete round (the exit barrier)."""
+    _beat(state, node, now_ms)
+    if not state.complete or node not in state.participants or node in state.done:
+        return _Answer(Outcome.FINISH)
+    state.done.add(node)
+    return _Answer(Outcome.FINISH, Transition.MARK_DONE)
 
 
 def _depart(state: RunState, req: Request, now_ms: int) -> _Answer:
@@ -320,7 +422,7 @@ def _depart(state: RunState, req: Request, now_ms: int) -> _Answer:
         return _Answer(Outcome.WAIT, wake_at_ms=due)  # ask again then
     if state.beats[req.node] > req.since_ms:
         return _Answer(Outcome.FINISH)  # heard from since: it is alive
-    _remove(state, req.node, now_ms)
+    _remove(state, req.node, now_ms, silent=True)
     return _Answer(Outcome.FINISH, Transition.REMOVE)
 
 
@@ -335,12 +437,16 @@ def _apply(state: RunState, req: Request, now_ms: int) -> _Answer:
     if op is Op.DEPART and req.operator:
         return _depart(state, req, now_ms)
     if not _owns(state, node, req.secret):
-        return _FORBIDDEN  # a leave, a heartbeat or a departure for another node
+        return _FORBIDDEN  # a leave, a heartbeat, a report or a departure for another node
     if op is Op.DEPART:
         return _depart(state, req, now_ms)
     if op is Op.LEAVE:
         _remove(state, node, now_ms, req.finished)
         return _Answer(Outcome.FINISH, Transition.REMOVE)
+    if op is Op.REPORT:
+        return _report(state, req, now_ms)
+    if op is Op.DONE:
+        return _done(state, node, now_ms)
     _beat(state, node, now_ms)
     return _Answer(Outcome.FINISH, Transition.KEEP_ALIVE)
 
@@ -371,7 +477,7 @@ def step(state: RunState, request: Request, now_ms: int) -> Reply:
     master = state.master if finished_join else None
     oldest = next(iter(state.beats.values()), None) if request.op is Op.KEEP_ALIVE else None
     refused_rules = answer.outcome is Outcome.ERROR_RULES
-    closed = answer.outcome is Outcome.ERROR_CLOSED
+    closed = answer.outcome in (Outcome.ERROR_CLOSED, Outcome.ERROR_RULES)
     return Reply(
         outcome=answer.outcome,
         status=status_of(state, now_ms),
@@ -386,4 +492,10 @@ def step(state: RunState, request: Request, now_ms: int) -> Reply:
         pruned=pruned,
         run_rules=state.rules if refused_rules else None,
         reopen_at_ms=reopen_at_ms(state) if closed else None,
+        placement=state.placements.get(node) if finished_join else None,
     )
+
+
+def health_of(state: RunState) -> JobHealth:
+    """The job's health as the run keeps it."""
+    return state.health

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from .health import JobHealth
 from .state import NodeDesc, Reply, Request, Snapshot, Status
 from .token import NO_STATE, Token
 
@@ -116,6 +117,11 @@ class RendezvousBackend(KeyValueBackend, Protocol):
 
     async def snapshot(self) -> Snapshot | None:
         """The whole membership, or ``None`` when the run has no state."""
+
+    async def health(self) -> JobHealth | None:
+        """The job's health as the run keeps it (:mod:`.health`), or ``None`` when the run
+        has no state. Only the state machine changes it (a member's report of itself, a
+        member dropped for its silence): it is never stored where a store client writes."""
 
     async def close_run(self) -> bool:
         """Close the run as its operator (``aelastic status --close``): later joins fail

@@ -22,18 +22,22 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ._ops import Op, Outcome, Transition
+from .health import JobHealth, NodeReport
 from .params import Rules
 from .token import NO_STATE, make
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "MAX_LOCAL_WORLD_SIZE",
     "MAX_LOST_SAMPLE",
+    "MAX_ROLE",
     "OPERATOR",
     "MemberEntry",
     "NodeDesc",
     "Op",
     "Outcome",
+    "Placement",
     "Reply",
     "Request",
     "RunState",
@@ -47,8 +51,13 @@ __all__ = [
 #: Format tag of the rendezvous state.
 FORMAT = "aelastic.rendezvous.state"
 #: Version of the state's layout and wire format. Version 1 was one JSON blob per run;
-#: version 2 took each request's rules and had no node secrets.
-FORMAT_VERSION = 3
+#: version 2 took each request's rules and had no node secrets; version 3 kept the job's
+#: control state (ranks of workers, failures, the exit barrier) in the members' store.
+FORMAT_VERSION = 4
+#: Characters of a worker role's name at most.
+MAX_ROLE = 256
+#: Workers of one node at most (a join saying more is refused on the wire).
+MAX_LOCAL_WORLD_SIZE = 1 << 16
 #: How many lost members a status names (the counts are exact).
 MAX_LOST_SAMPLE = 4
 
@@ -114,6 +123,11 @@ class Request:
         confirmed: A departure a member backs: one of the run's members, heard since, said
             its workers' collective broke after the connection ended (the backend checked
             both); no grace then.
+        role: A join's worker role (torch's ``WorkerSpec.role``): the workers' role ranks
+            count within it.
+        local_world_size: A join's number of workers on the node: the round's worker
+            ranks are fixed from these (:class:`Placement`).
+        report: What a REPORT says of the node itself (its failure, or its host set aside).
     """
 
     op: Op
@@ -127,6 +141,9 @@ class Request:
     operator: bool = False
     since_ms: int | None = None
     confirmed: bool = False
+    role: str = "default"
+    local_world_size: int = 1
+    report: NodeReport | None = None
 
     @classmethod
     def departure(
@@ -175,6 +192,8 @@ class Status:
         lost: Members of the complete round that left or died before finishing.
         finished: Members of the complete round that left after their workers succeeded.
         lost_sample: Names of the first lost members (at most :data:`MAX_LOST_SAMPLE`).
+        done: Members of the complete round that said their workers succeeded and are
+            still there (the exit barrier is passed once ``done + finished == world``).
     """
 
     token: str = ""
@@ -190,6 +209,13 @@ class Status:
     lost: int = 0
     finished: int = 0
     lost_sample: tuple[str, ...] = ()
+    done: int = 0
+
+    @property
+    def all_done(self) -> bool:
+        """Whether every member of the complete round said its workers succeeded (or left
+        after they did): the exit barrier is passed."""
+        return self.complete and self.world > 0 and self.done + self.finished >= self.world
 
     def signature(self) -> tuple[object, ...]:
         """The fields whose change notifies watchers."""
@@ -201,7 +227,27 @@ class Status:
             self.waiting > 0,
             self.lost > 0,
             self.finished > 0,
+            self.all_done,
         )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one node's workers stand in the round's job, fixed at completion from every
+    member's join (torch's rank assignment: global ranks are prefix sums of the members'
+    local world sizes in rank order, role ranks the same sums within the role).
+
+    Attributes:
+        base: The global rank of the node's first worker.
+        world: Workers in the round (torch's ``WORLD_SIZE``).
+        role_base: The role rank of the node's first worker.
+        role_world: Workers of the node's role in the round.
+    """
+
+    base: int
+    world: int
+    role_base: int
+    role_world: int
 
 
 @dataclass(frozen=True)
@@ -222,8 +268,10 @@ class Reply:
         pruned: How many silent nodes this request removed.
         run_rules: The run's rules, when a join was refused for other ones
             (:attr:`Outcome.ERROR_RULES`).
-        reopen_at_ms: When a closed run refusing a join can be used again by a new job
-            (:attr:`Outcome.ERROR_CLOSED`; ``None``: nodes are still in it).
+        reopen_at_ms: When a run refusing a join (closed, or of other rules) can be used
+            again by a new job (:attr:`Outcome.ERROR_CLOSED`, :attr:`Outcome.ERROR_RULES`;
+            ``None``: nodes are still in it).
+        placement: Where this node's workers stand in the round (a join that finished).
     """
 
     outcome: Outcome
@@ -239,6 +287,7 @@ class Reply:
     pruned: int = 0
     run_rules: Rules | None = None
     reopen_at_ms: int | None = None
+    placement: Placement | None = None
 
 
 @dataclass(frozen=True)
@@ -288,8 +337,12 @@ class RunState:
     as hundreds per beat at thousands of nodes, until it is resized; measured 3.3 us against
     1.0 us a beat at 4,096 nodes). ``rules`` is
     ``None`` until a join makes the run (a state without rules is not stored); ``secrets``
-    holds each listed node's secret (never shown); ``vacated_ms`` when a closed run's last
-    node left (the run can be reused :func:`~.machine.reuse_grace_ms` later).
+    holds each listed node's secret (never shown); ``vacated_ms`` when the run's last node
+    left (the run can be reused :func:`~.machine.reuse_grace_ms` later). ``profiles`` holds
+    each participant's role and local world size (from its join), ``placements`` where each
+    member's workers stand once the round is complete; ``done`` the members that said their
+    workers succeeded, ``failed`` those that reported a failure, in this round; ``health``
+    the job's health (:mod:`.health`), kept across rounds.
     """
 
     epoch: str
@@ -311,8 +364,13 @@ class RunState:
     redundancy_list: set[NodeDesc] = field(default_factory=set)
     beats: OrderedDict[NodeDesc, int] = field(default_factory=OrderedDict)
     secrets: dict[NodeDesc, str] = field(default_factory=dict, repr=False)
-    #: When the last node of a closed run left (``None``: open, or nodes are still in it).
+    #: When the run's last node left (``None``: nodes are in it, or none ever was).
     vacated_ms: int | None = None
+    profiles: dict[NodeDesc, tuple[str, int]] = field(default_factory=dict)
+    placements: dict[NodeDesc, Placement] = field(default_factory=dict)
+    done: set[NodeDesc] = field(default_factory=set)
+    failed: set[NodeDesc] = field(default_factory=set)
+    health: JobHealth = field(default_factory=JobHealth)
 
     @property
     def made(self) -> bool:
@@ -346,6 +404,7 @@ def status_of(state: RunState, now_ms: int) -> Status:
         lost=state.lost,
         finished=state.finished,
         lost_sample=tuple(state.lost_sample),
+        done=len(state.done),
     )
 
 

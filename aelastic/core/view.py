@@ -28,6 +28,8 @@ class MembershipView:
         waiting: Nodes waiting to join the next round (torch's ``num_nodes_waiting``).
         lost_count: How many members left or went silent before finishing.
         finished: How many members left after their workers succeeded.
+        done: How many members said their workers succeeded and are still there.
+        all_done: Every member said its workers succeeded (or left after they did).
     """
 
     round: int
@@ -37,6 +39,8 @@ class MembershipView:
     waiting: int
     lost_count: int = 0
     finished: int = 0
+    done: int = 0
+    all_done: bool = False
 
     @property
     def changed(self) -> bool:
@@ -47,6 +51,7 @@ class MembershipView:
             or self.lost_count > 0
             or self.waiting > 0
             or self.finished > 0
+            or self.all_done
         )
 
 
@@ -69,4 +74,6 @@ def view_of(status: Status, node: NodeDesc, round_: int, removed: bool = False) 
         waiting=status.waiting,
         lost_count=status.lost if same else 0,
         finished=status.finished if same else 0,
+        done=status.done if same else 0,
+        all_done=same and status.all_done,
     )

@@ -12,13 +12,17 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .health import JobHealth, NodeReport
 from .params import Rules
 from .state import (
+    MAX_LOCAL_WORLD_SIZE,
     MAX_LOST_SAMPLE,
+    MAX_ROLE,
     MemberEntry,
     NodeDesc,
     Op,
     Outcome,
+    Placement,
     Reply,
     Request,
     Snapshot,
@@ -29,6 +33,8 @@ from .token import is_valid
 
 __all__ = [
     "WireError",
+    "health_from_json",
+    "health_to_json",
     "reply_from_json",
     "reply_to_json",
     "request_from_json",
@@ -123,6 +129,7 @@ def status_to_json(status: Status) -> dict[str, Any]:
         "lost": status.lost,
         "finished": status.finished,
         "lost_sample": list(status.lost_sample),
+        "done": status.done,
     }
 
 
@@ -151,6 +158,7 @@ def status_from_json(doc: Any) -> Status:
         lost=_int(d, "lost"),
         finished=_int(d, "finished"),
         lost_sample=tuple(_node(k).key for k in sample),
+        done=_int(d, "done") if "done" in d else 0,
     )
 
 
@@ -189,8 +197,9 @@ def rules_from_json(doc: Any) -> Rules | None:
 
 def request_to_json(request: Request) -> dict[str, Any]:
     """The JSON form of ``request`` (``now_ms`` is never sent: servers use their clock; nor
-    is ``operator``: only a backend makes an operator's request)."""
-    return {
+    is ``operator``: only a backend makes an operator's request). A join's profile and a
+    report travel with those requests only."""
+    doc = {
         "op": request.op.value,
         "node": request.node.key,
         **rules_to_json(request.rules),
@@ -199,6 +208,12 @@ def request_to_json(request: Request) -> dict[str, Any]:
         "port": request.port,
         "secret": request.secret,
     }
+    if request.op is Op.JOIN:
+        doc["role"] = request.role
+        doc["local_world_size"] = request.local_world_size
+    if request.report is not None:
+        doc["report"] = request.report.to_json()
+    return doc
 
 
 def request_from_json(doc: Any) -> Request:
@@ -233,6 +248,23 @@ def request_from_json(doc: Any) -> Request:
         type(secret) is str and _SECRET.match(secret) is not None,
         "'secret' must be the node's secret: 16 to 128 characters of [0-9A-Za-z_-]",
     )
+    role = d.get("role", "default")
+    _require(
+        type(role) is str and 0 < len(role) <= MAX_ROLE and role.isprintable(),
+        f"'role' must be a name of 1 to {MAX_ROLE} printable characters",
+    )
+    local_world_size = _int(d, "local_world_size") if "local_world_size" in d else 1
+    _require(
+        1 <= local_world_size <= MAX_LOCAL_WORLD_SIZE,
+        f"'local_world_size' must be 1 to {MAX_LOCAL_WORLD_SIZE}",
+    )
+    report = None
+    if "report" in d:
+        _require(op is Op.REPORT, "only a report carries 'report'")
+        try:
+            report = NodeReport.from_json(d["report"])
+        except ValueError as exc:
+            raise WireError(str(exc)) from None
     return Request(
         op=op,
         node=node,
@@ -241,11 +273,28 @@ def request_from_json(doc: Any) -> Request:
         finished=finished,
         port=port,
         secret=str(secret),
+        role=role,
+        local_world_size=local_world_size,
+        report=report,
     )
 
 
 _REQUEST_FIELDS = frozenset(
-    {"op", "node", "min", "max", "last_call", "window", "expired", "finished", "port", "secret"}
+    {
+        "op",
+        "node",
+        "min",
+        "max",
+        "last_call",
+        "window",
+        "expired",
+        "finished",
+        "port",
+        "secret",
+        "role",
+        "local_world_size",
+        "report",
+    }
 )
 
 
@@ -265,7 +314,25 @@ def reply_to_json(reply: Reply) -> dict[str, Any]:
         "pruned": reply.pruned,
         "rules": None if reply.run_rules is None else rules_to_json(reply.run_rules),
         "reopen_at": reply.reopen_at_ms,
+        "placement": None if reply.placement is None else _placement_to_json(reply.placement),
     }
+
+
+def _placement_to_json(placement: Placement) -> list[int]:
+    return [placement.base, placement.world, placement.role_base, placement.role_world]
+
+
+def _placement(value: Any) -> Placement | None:
+    if value is None:
+        return None
+    _require(type(value) is list and len(value) == 4, "'placement' must be 4 integers")
+    row = dict(zip(("base", "world", "role_base", "role_world"), value, strict=True))
+    placement = Placement(*(_int(row, key) for key in row))
+    _require(
+        placement.base < placement.world and placement.role_base < placement.role_world,
+        "'placement' must place the node within the world",
+    )
+    return placement
 
 
 def reply_from_json(doc: Any) -> Reply:
@@ -294,6 +361,7 @@ def reply_from_json(doc: Any) -> Reply:
         pruned=_int(d, "pruned"),
         run_rules=rules_from_json(d.get("rules")),
         reopen_at_ms=_int(d, "reopen_at", optional=True),
+        placement=_placement(d.get("placement")),
     )
 
 
@@ -341,3 +409,23 @@ def snapshot_from_json(doc: Any) -> Snapshot:
         master_port=_int(d, "master_port", optional=True),
         rules=rules_from_json(d.get("rules")),
     )
+
+
+# -- the job's health -----------------------------------------------------------------------
+
+
+def health_to_json(health: JobHealth) -> dict[str, Any]:
+    """The JSON form of the job's ``health``."""
+    return health.to_json()
+
+
+def health_from_json(doc: Any) -> JobHealth:
+    """The job's health that ``doc`` describes.
+
+    Raises:
+        WireError: ``doc`` is not a health document of this version.
+    """
+    try:
+        return JobHealth.from_json(doc)
+    except ValueError as exc:
+        raise WireError(str(exc)) from None

@@ -40,10 +40,11 @@ from ..core.events import (
     RendezvousWaiting,
     reporting,
 )
+from ..core.health import NodeReport
 from ..core.params import RendezvousSettings, free_port
 from ..core.protocol import RendezvousBackend
 from ..core.race import Signal, first_of
-from ..core.state import NodeDesc, Op, Outcome, Reply, Request, Status, Transition
+from ..core.state import NodeDesc, Op, Outcome, Placement, Reply, Request, Status, Transition
 from ._heartbeat import Heartbeats
 from ._refusals import join_refused
 
@@ -128,7 +129,18 @@ class NodeRequests:
         self._status: Status | None = None
         self._round: _Round | None = None
         self._joined = False
+        #: Whether this node was ever in the run, or closed it: a closed run is then over
+        #: for it (``RendezvousClosedError``); a node new to a run waits for its id instead.
+        self._took_part = False
+        self._closed_it = False
         self._removed = False
+        #: What this node's joins say of its workers, and the port they offer for the
+        #: workers' bootstrap (``None``: a free one is picked at each join).
+        self._profile: tuple[str, int] = ("default", 1)
+        self._waited_for_id: str | None = None
+        self._port: int | None = None
+        #: Where this node's workers stand in its last completed round.
+        self.placement: Placement | None = None
         self._news = Signal()
         self._heartbeats = Heartbeats(
             self, settings, clock, self._holds, f"aelastic-heartbeat-{self._node}"
@@ -195,7 +207,9 @@ class NodeRequests:
         port: int = 0,
         hold: float = 0.0,
         seen: str | None = None,
+        report: NodeReport | None = None,
     ) -> Reply:
+        role, local_world_size = self._profile
         request = Request(
             op,
             self._node,
@@ -205,6 +219,9 @@ class NodeRequests:
             port=port,
             now_ms=round(self._clock.time() * 1000),
             secret=self._secret,
+            role=role,
+            local_world_size=local_world_size,
+            report=report,
         )
         listened = self.hub.listened
         try:
@@ -246,9 +263,18 @@ class NodeRequests:
         if old is None or old.signature() != status.signature():
             self._news.set()
 
+    def set_profile(self, role: str, local_world_size: int, port: int | None = None) -> None:
+        """What this node's next joins say: its workers' role and how many there are (the
+        round's worker ranks are fixed from every member's), and the port offered for the
+        workers' bootstrap should it become rank 0 (``None``: a free one at each join)."""
+        if local_world_size < 1:
+            raise ValueError(f"local_world_size must be at least 1, not {local_world_size}")
+        self._profile = (role, local_world_size)
+        self._port = port
+
     async def _join(self, deadline: float) -> Reply:
         """Ask to join until the round completes; ``deadline`` is on the monotonic clock."""
-        port = free_port()
+        port = self._port or free_port()
         expired = False
         interval = self._settings.keep_alive_interval
         clock = self._clock
@@ -261,13 +287,21 @@ class NodeRequests:
                 deadline = clock.monotonic() + self._settings.join_timeout
             outcome = reply.outcome
             if outcome is Outcome.FINISH:
+                self._took_part = True
                 return reply
             if outcome is Outcome.ERROR_FORBIDDEN and renamed < _RENAMES:
                 renamed += 1
                 self._rename()
                 continue
             if outcome is not Outcome.WAIT:
-                raise join_refused(self._settings, self._node, reply)
+                free_in = self._id_free_in(reply)
+                if free_in is None or clock.monotonic() + free_in > deadline:
+                    raise join_refused(self._settings, self._node, reply)
+                self._publish_id_wait(reply, free_in, deadline)
+                # Ask again when the id is free (or sooner, if the run's status moves).
+                await self._wait_change(reply.status.token, min(free_in, interval) + _LATE)
+                continue
+            self._took_part = True
             if self.hub.listened:
                 self._publish_wait(reply.status, deadline)
             # Ask again when the status changes, the last call ends, the join times out,
@@ -280,6 +314,42 @@ class NodeRequests:
             if wake > 0:
                 await self._wait_change(reply.status.token, wake)
             expired = clock.monotonic() > deadline
+
+    def _id_free_in(self, reply: Reply) -> float | None:
+        """Seconds until the run's id is free for this node's job, when the run refused its
+        join for having ended (closed, or empty with other rules) and this node was never in
+        it (a node of the ended job is told it ended, never made to wait); ``None``: refuse."""
+        if self._took_part:
+            return None
+        closed = reply.outcome is Outcome.ERROR_CLOSED
+        if reply.reopen_at_ms is None:
+            # Closed with nodes still in it: they leave (or are dropped) within a window.
+            return self._settings.keep_alive_interval if closed else None
+        if not closed and reply.outcome is not Outcome.ERROR_RULES:
+            return None
+        return max(reply.reopen_at_ms - reply.status.now_ms, 0) / 1000
+
+    def _publish_id_wait(self, reply: Reply, free_in: float, deadline: float) -> None:
+        what = "closed" if reply.outcome is Outcome.ERROR_CLOSED else "made with other rules"
+        if self._waited_for_id is None:
+            log.info(
+                "run '%s' was used by a job that has ended (%s): node %s waits %.0f s for its "
+                "id to be free",
+                self._settings.run_id,
+                what,
+                self._node,
+                free_in,
+            )
+        self._waited_for_id = what
+        if self.hub.listened:
+            self.publish(
+                RendezvousWaiting(
+                    round=reply.status.round,
+                    join_timeout_in=max(deadline - self._clock.monotonic(), 0.0),
+                    id_free_in=free_in if reply.reopen_at_ms is not None else None,
+                    id_wait=what,
+                )
+            )
 
     def _rename(self) -> None:
         """Take another name: this one is listed under another secret (another process of

@@ -20,7 +20,7 @@ from ..core.errors import (
 from ..core.params import RendezvousSettings, Rules
 from ..core.state import NodeDesc, Outcome, Reply
 
-__all__ = ["close_refused", "join_refused"]
+__all__ = ["join_refused"]
 
 
 def _seconds(ms: int) -> str:
@@ -93,13 +93,4 @@ def join_refused(settings: RendezvousSettings, node: NodeDesc, reply: Reply) -> 
         )
     return RendezvousTimeoutError(
         f"The rendezvous '{run_id}' did not complete on time for node {node}."
-    )
-
-
-def close_refused(run_id: str, node: NodeDesc) -> RendezvousError:
-    """The error of a close the run refused (this node is not one of its members)."""
-    return RendezvousError(
-        f"Node {node} cannot close run '{run_id}': it is not a member of it (it left, or "
-        "went silent longer than the heartbeat window and was dropped). A member or the "
-        "operator (`aelastic status --close`) closes a run."
     )

@@ -22,14 +22,14 @@ import logging
 
 from ..core.errors import RendezvousClosedError, RendezvousError, reason
 from ..core.events import RendezvousEvent
+from ..core.health import JobHealth, NodeReport
 from ..core.params import RendezvousInfo, RendezvousSettings, RendezvousStoreInfo
 from ..core.protocol import DepartureReporter, RendezvousBackend
 from ..core.race import first_of
-from ..core.state import NodeDesc, Op, Outcome
+from ..core.state import NodeDesc, Op, Transition
 from ..core.store import Store
 from ..core.view import MembershipView, view_of
 from ._node import HandlerStats, NodeRequests, _Round
-from ._refusals import close_refused
 
 __all__ = ["DynamicRendezvousHandler", "HandlerStats", "RendezvousEvent"]
 
@@ -104,10 +104,10 @@ class DynamicRendezvousHandler(NodeRequests):
             RendezvousConnectionError: The backend could not be reached.
             RendezvousStateError: The stored state is foreign, corrupt or of another version.
         """
-        if self._shut_down:
+        if self._shut_down or self._closed_it:
             raise RendezvousClosedError(f"The rendezvous '{self.get_run_id()}' is closed.")
         await self._heartbeats.stop()
-        self._round, self._removed = None, False
+        self._round, self._removed, self.placement = None, False, None
         started = self._clock.monotonic()
         try:
             if self._joined:
@@ -123,6 +123,7 @@ class DynamicRendezvousHandler(NodeRequests):
         status = reply.status
         assert reply.rank is not None
         self._round = _Round(status.round, reply.rank, status.world)
+        self.placement = reply.placement
         self._heartbeats.start()
         log.info(
             "node %s joined round %d of '%s' as rank %d of %d in %.3f s",
@@ -151,19 +152,16 @@ class DynamicRendezvousHandler(NodeRequests):
         return (await self._request(Op.STATUS)).status.closed
 
     async def set_closed(self) -> None:
-        """Mark the rendezvous as closed: later joins fail with ``RendezvousClosedError``.
-
-        Raises:
-            RendezvousError: This node is not a member of the run (only a member, or the
-                operator with ``aelastic status --close``, closes a run).
-        """
+        """Mark the rendezvous as closed, for every node: later joins fail with
+        ``RendezvousClosedError`` and nodes waiting for a round are released with it. Any
+        handler of the run may close it (a member, one still waiting, or one that never
+        joined), as in torch; closing a closed run changes nothing."""
         if not self._shut_down:
             await self._close()
 
     async def _close(self) -> None:
-        reply = await self._request(Op.CLOSE)
-        if reply.outcome is Outcome.ERROR_FORBIDDEN:
-            raise close_refused(self.get_run_id(), self._node)
+        await self._request(Op.CLOSE)
+        self._closed_it = self._took_part = True
 
     async def num_nodes_waiting(self) -> int:
         """Number of nodes waiting to join the next round (late arrivals)."""
@@ -213,6 +211,36 @@ class DynamicRendezvousHandler(NodeRequests):
         self._round, self._joined = None, False
         if not self._released:
             await self._request(Op.LEAVE, finished=finished)
+
+    async def report(self, report: NodeReport) -> bool:
+        """Report this node's own workers' failure in its current round, or set its own
+        host aside (the job's health, :mod:`aelastic.core.health`): the rendezvous fills in
+        who, where and the round. Whether the run took it (``False``: this node is in no
+        complete round any more, or its host was set aside already).
+
+        Raises:
+            RendezvousConnectionError: The backend could not be reached.
+        """
+        reply = await self._request(Op.REPORT, report=report)
+        return reply.transition is Transition.REPORT
+
+    async def mark_done(self) -> bool:
+        """Say that this node's workers succeeded in its current round (the exit barrier
+        passes once every member did); whether the run took it.
+
+        Raises:
+            RendezvousConnectionError: The backend could not be reached.
+        """
+        reply = await self._request(Op.DONE)
+        return reply.transition is Transition.MARK_DONE
+
+    async def health(self) -> JobHealth | None:
+        """The job's health as the rendezvous keeps it (``None``: the run has no state).
+
+        Raises:
+            RendezvousConnectionError: The backend could not be reached.
+        """
+        return await self._backend.health()
 
     async def report_departures(self) -> int:
         """Ask the backend which members' connections ended and report them (a worker's

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..core.errors import RendezvousError
-from ..core.health import HEALTH_KEY, JobHealth, failed_key
 from ..core.race import wait_within
 from .model import MAX_LISTED, History, health_view, run_view, runs_view
 from .sources import RunSource
@@ -135,20 +134,14 @@ class RunFeed(Feed):
                 await asyncio.sleep(self.tick)
 
     async def _health(self) -> dict[str, Any] | None:
-        """The job's health (two reads of the run's store; ``None`` when unreadable)."""
+        """The job's health as the rendezvous keeps it (``None`` when unreadable)."""
         try:
-            (raw,) = await self.source.read_keys(self.run_id, [HEALTH_KEY])
-            if raw is None:
-                return None
-            health = JobHealth.decode(raw)
-            failed = 0
-            if health.latest is not None:
-                keys = [failed_key(health.latest.round)]
-                (count,) = await self.source.read_keys(self.run_id, keys)
-                failed = int(count or 0)
+            health = await self.source.health(self.run_id)
         except _READ_ERRORS:
             return None
-        return health_view(health, failed)
+        if health is None:
+            return None
+        return health_view(health, health.latest.failed if health.latest else 0)
 
     def _done(self) -> bool:
         return self.stopped or self.forgotten(LINGER)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from ..backends._engine import Engine, now_ms
 from ..backends.registry import create_backend
 from ..core.errors import RendezvousConnectionError
+from ..core.health import JobHealth
 from ..core.params import RendezvousParameters
 from ..core.protocol import RendezvousBackend, RunLister
 from ..core.state import Snapshot, Status
@@ -44,8 +45,8 @@ class RunSource(Protocol):
     async def wait_for_change(self, run_id: str, token: str, timeout: float) -> None:
         """Return when the run's status token differs from ``token``, or after ``timeout``."""
 
-    async def read_keys(self, run_id: str, keys: list[str]) -> list[bytes | None]:
-        """The values of ``keys`` in the run's store (``None``: missing); never waits."""
+    async def health(self, run_id: str) -> JobHealth | None:
+        """The job's health of the run (``None``: no such run); never waits."""
 
     async def release(self, run_id: str) -> None:
         """Nobody watches ``run_id`` any more: free what reading it holds."""
@@ -78,8 +79,8 @@ class EngineSource:
         else:  # waiting would make the run: it is gone, look again later
             await asyncio.sleep(timeout)
 
-    async def read_keys(self, run_id: str, keys: list[str]) -> list[bytes | None]:
-        return self._engine.kv_get(run_id, keys)
+    async def health(self, run_id: str) -> JobHealth | None:
+        return self._engine.health(run_id)
 
     async def release(self, run_id: str) -> None:
         """Nothing is held per run."""
@@ -140,8 +141,8 @@ class BackendSource:
     async def wait_for_change(self, run_id: str, token: str, timeout: float) -> None:
         await self._backend(run_id).wait_for_change(token, timeout)
 
-    async def read_keys(self, run_id: str, keys: list[str]) -> list[bytes | None]:
-        return await self._backend(run_id).kv_get(keys)
+    async def health(self, run_id: str) -> JobHealth | None:
+        return await self._backend(run_id).health()
 
     async def release(self, run_id: str) -> None:
         backend = self._backends.pop(run_id, None)

@@ -14,6 +14,7 @@ from aelastic.core.machine import (
     status_of,
     step,
 )
+from aelastic.core.health import FailureReport, NodeReport
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Outcome, Reply, Request, RunState, Transition
 from aelastic.core.token import NO_STATE
@@ -264,15 +265,22 @@ def test_a_forged_window_prunes_nobody_the_runs_own_does() -> None:
     assert reply.pruned == 2 and not s.participants  # silent past the run's own window
 
 
+FAILURE = NodeReport(failure=FailureReport(time=1.0, rank=0, local_rank=0, exitcode=1, message="x"))
+
+
 def test_requests_for_a_node_need_its_secret() -> None:
     s = RunState("e")
     act(s, A, Op.JOIN, SECRET_A)
     act(s, B, Op.JOIN, SECRET_B)
-    before = (dict(s.participants), dict(s.beats), s.closed, s.generation)
-    for op in (Op.JOIN, Op.LEAVE, Op.KEEP_ALIVE, Op.CLOSE):
-        reply = act(s, A, op, FORGED, now=T0 + 10)
+    before = (dict(s.participants), dict(s.beats), s.closed, s.generation, s.health, s.done)
+    for op in (Op.JOIN, Op.LEAVE, Op.KEEP_ALIVE, Op.REPORT, Op.DONE):
+        report = FAILURE if op is Op.REPORT else None
+        request = Request(op, A, rules(2, 2), port=1, secret=FORGED, report=report)
+        reply = step(s, request, T0 + 10)
         assert reply.outcome is Outcome.ERROR_FORBIDDEN and not reply.known, op
-    assert (dict(s.participants), dict(s.beats), s.closed, s.generation) == before
+    assert (dict(s.participants), dict(s.beats), s.closed, s.generation, s.health, s.done) == (
+        before
+    )
     assert act(s, A, Op.KEEP_ALIVE, SECRET_A, now=T0 + 20).known  # the node's own: yes
 
 
@@ -291,25 +299,33 @@ def test_a_node_dropped_from_the_run_may_come_back_under_a_new_secret() -> None:
     assert act(s, A, Op.JOIN, SECRET_B).outcome is Outcome.WAIT and s.secrets[A] == SECRET_B
 
 
-def test_a_run_is_closed_by_a_member_or_its_operator_only() -> None:
+def test_any_requester_closes_a_run_as_in_torch_and_a_second_close_changes_nothing() -> None:
     s = RunState("e")
     act(s, A, Op.JOIN, SECRET_A)
-    assert act(s, C, Op.CLOSE, FORGED).outcome is Outcome.ERROR_FORBIDDEN  # a stranger
-    assert not s.closed
-    closed = step(s, Request.operator_close(), T0)
+    closed = act(s, C, Op.CLOSE, FORGED)  # a handler that never joined
     assert closed.transition is Transition.MARK_CLOSED and s.closed
+    again = act(s, A, Op.CLOSE, SECRET_A)
+    assert again.outcome is Outcome.FINISH and again.transition is Transition.NONE
     t = RunState("e")
     act(t, A, Op.JOIN, SECRET_A)
-    assert act(t, A, Op.CLOSE, SECRET_A).transition is Transition.MARK_CLOSED
-    assert act(t, C, Op.CLOSE, FORGED).outcome is Outcome.FINISH  # closed already: no news
+    assert step(t, Request.operator_close(), T0).transition is Transition.MARK_CLOSED
 
 
-@pytest.mark.parametrize("op", [Op.STATUS, Op.LEAVE, Op.KEEP_ALIVE, Op.CLOSE])
-def test_only_a_join_makes_a_run(op: Op) -> None:
+def test_a_close_of_a_run_no_join_made_makes_it_closed_but_the_operators() -> None:
     s = RunState("e")
-    reply = act(s, A, op, SECRET_A)
+    closed = act(s, A, Op.CLOSE, SECRET_A)
+    assert s.made and s.closed and closed.status.closed and s.vacated_ms == T0
+    assert act(s, B, Op.JOIN, SECRET_B, now=T0 + 1).outcome is Outcome.ERROR_CLOSED
+    t = RunState("e")
+    assert not step(t, Request.operator_close(), T0).status.closed and not t.made
+
+
+@pytest.mark.parametrize("op", [Op.STATUS, Op.LEAVE, Op.KEEP_ALIVE, Op.REPORT, Op.DONE])
+def test_only_a_join_or_a_close_makes_a_run(op: Op) -> None:
+    s = RunState("e")
+    report = FAILURE if op is Op.REPORT else None
+    reply = step(s, Request(op, A, rules(2, 2), secret=SECRET_A, report=report), T0)
     assert not s.made and reply.status.token == NO_STATE and not reply.known
-    assert not step(s, Request.operator_close(), T0).status.closed
 
 
 # -- a job id used again ------------------------------------------------------------------

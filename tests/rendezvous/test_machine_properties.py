@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from aelastic.core.machine import prune, snapshot_of, step
 from aelastic.core.params import Rules
-from aelastic.core.state import Op, Outcome, Request, RunState
+from aelastic.core.state import NodeDesc, Op, Outcome, Request, RunState
 from aelastic.core.token import NO_STATE, parse
 from aelastic.core.wire import reply_to_json, snapshot_to_json
-from tests._machine_steps import FORGED, NODES, SECRETS, Step, scenarios
+from tests._machine_steps import FORGED, NODES, PROFILES, SECRETS, Step, scenarios
 
 T0 = 1_000_000
 
@@ -36,14 +36,26 @@ class Checker:
         self.signature: tuple[object, ...] | None = None
 
     def check(
-        self, s: RunState, now: int, request: Request, outcome: Outcome, rank: int | None
+        self,
+        s: RunState,
+        now: int,
+        request: Request,
+        outcome: Outcome,
+        rank: int | None,
+        empty: bool,
     ) -> None:
+        """``empty``: the run was empty once the step's pruning was done, before its request."""
         if not s.made:
-            assert not s.beats and not s.closed, "a state no join made holds nothing"
+            assert not s.beats and not s.closed, "a state no join or close made holds nothing"
             return
+        reused = s.round > self.round and s.vacated_ms is None and not s.closed
         if self.closed and not s.closed:  # a closed run made again by a join
-            assert s.round > self.round and s.vacated_ms is None, "reused in a new round"
+            assert empty and reused, "reused in a new round"
             self.rules = None  # the joiner's
+        if self.rules is not None and s.rules != self.rules:  # an empty run made new
+            assert empty and reused and request.op is Op.JOIN, "rules changed in use"
+            assert s.health.incidents_total == 0, "a new run's health starts empty"
+            self.rules = None
         if self.rules is None:
             self.rules = s.rules
         assert s.rules is not None and s.rules == self.rules, "a run's rules never change"
@@ -58,8 +70,10 @@ class Checker:
         assert set(s.secrets) == set(s.beats), "exactly the listed nodes have a secret"
         assert all(b >= now - r.window_ms for b in s.beats.values()), "a dead node stayed"
         assert list(s.beats.values()) == sorted(s.beats.values()), "beats in time order"
+        all_done = s.complete and s.world > 0 and len(s.done) + s.finished >= s.world
         signature = (
-            s.round, s.complete, s.closed, s.deadline_ms, bool(waiting), s.lost > 0, s.finished > 0
+            s.round, s.complete, s.closed, s.deadline_ms, bool(waiting), s.lost > 0,
+            s.finished > 0, all_done,
         )  # fmt: skip
         assert s.generation >= self.generation
         if self.signature is not None:
@@ -79,11 +93,33 @@ class Checker:
             else:
                 assert ranks.items() <= group.items(), "a second group formed in one round"
             assert s.lost + s.finished + len(ranks) == s.world
+            assert s.done <= parts and s.failed <= set(self.groups[s.round]), "done, failed"
+            _check_placements(s, self.groups[s.round])
         else:
             assert len(parts) <= r.max_nodes
             assert (s.deadline_ms is not None) == (len(parts) >= r.min_nodes)
+            assert not s.done and not s.failed
+        for incident in s.health.incidents:
+            root = incident.root
+            assert incident.round == root.round <= s.round
+            assert root.host == NodeDesc.from_key(root.node).addr, "a report names its node"
+            assert root.node_rank == self.groups[root.round][NodeDesc.from_key(root.node)]
         if request.op is Op.JOIN and outcome is Outcome.FINISH:
             assert s.complete and rank == s.participants[request.node]
+
+
+def _check_placements(s: RunState, group: dict[NodeDesc, int]) -> None:
+    """Each member's workers placed as torch assigns ranks: prefix sums in rank order."""
+    order = sorted(group, key=group.__getitem__)
+    sizes = [PROFILES[NODES.index(n)] for n in order]
+    world = sum(size for _, size in sizes)
+    base = 0
+    for node, (role, size) in zip(order, sizes, strict=True):
+        placed = s.placements[node]
+        before = sum(n for r, n in sizes[: group[node]] if r == role)
+        assert (placed.base, placed.world, placed.role_base) == (base, world, before)
+        assert placed.role_world == sum(n for r, n in sizes if r == role)
+        base += size
 
 
 def _membership(s: RunState) -> tuple[object, ...]:
@@ -92,7 +128,7 @@ def _membership(s: RunState) -> tuple[object, ...]:
         s.rules, s.round, s.complete, s.closed, s.deadline_ms, s.seq, s.world, s.lost,
         s.finished, list(s.lost_sample), s.master, list(s.participants.items()),
         dict(s.ports), set(s.wait_list), set(s.redundancy_list), list(s.beats.items()),
-        dict(s.secrets),
+        dict(s.secrets), set(s.done), set(s.failed), s.health,
     )  # fmt: skip
 
 
@@ -110,7 +146,11 @@ def run(rules: Rules, steps: list[Step]) -> None:
             # A request for a listed node under another secret (forged) changes nothing
             # but what the run's own window prunes anyway.
             reply = step(s, request, now)
-            harmless = request.op is Op.STATUS or (request.op is Op.CLOSE and s.closed)
+            if request.op is Op.CLOSE:  # a run-level act: anyone closes a run
+                pruned.closed = s.closed
+                pruned.generation = s.generation
+                pruned.vacated_ms = s.vacated_ms
+            harmless = request.op in (Op.STATUS, Op.CLOSE)
             assert reply.outcome is Outcome.ERROR_FORBIDDEN or harmless, item
             assert _membership(s) == _membership(pruned), item
             assert not reply.known
@@ -124,7 +164,7 @@ def run(rules: Rules, steps: list[Step]) -> None:
             assert parse(reply.status.token) == ("feed", s.generation)
         else:
             assert reply.status.token == NO_STATE
-        checker.check(s, now, request, reply.outcome, reply.rank)
+        checker.check(s, now, request, reply.outcome, reply.rank, not pruned.beats)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -24,12 +24,14 @@ from urllib.parse import quote
 
 from ....core.brief import beat_key, brief_reply
 from ....core.errors import RendezvousConnectionError, RendezvousStateError
+from ....core.health import JobHealth
 from ....core.params import RendezvousParameters
 from ....core.race import uncancellable
 from ....core.state import FORMAT_VERSION, NodeDesc, Op, Reply, Request, Snapshot, Status
 from ....core.token import Token
 from ....core.wire import (
     WireError,
+    health_from_json,
     reply_from_json,
     request_to_json,
     snapshot_from_json,
@@ -269,6 +271,16 @@ class HttpBackend(HttpStore):
             return snapshot_from_json(doc)
         except WireError as exc:
             raise self._fits("a snapshot", exc) from None
+
+    async def health(self) -> JobHealth | None:
+        """The job's health as the server keeps it, or ``None`` when it has no such run."""
+        status, doc = await self._get("/health")
+        if status == 404:
+            return None
+        try:
+            return health_from_json(doc)
+        except WireError as exc:
+            raise self._fits("the job's health", exc) from None
 
     async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
         """The runs with a rendezvous state on the server (sorted by id, at most ``limit``).

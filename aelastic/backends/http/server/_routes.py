@@ -28,6 +28,7 @@ from ....core.race import wait_within
 from ....core.state import FORMAT, FORMAT_VERSION, Request, Transition
 from ....core.wire import (
     WireError,
+    health_to_json,
     reply_to_json,
     request_from_json,
     snapshot_to_json,
@@ -236,6 +237,15 @@ async def _snapshot(request: web.Request) -> web.Response:
     return web.json_response(snapshot_to_json(snapshot))
 
 
+async def _job_health(request: web.Request) -> web.Response:
+    run_id = _run_id(request)
+    _query(request, set())
+    health = _store(request).engine.health(run_id)
+    if health is None:
+        return _error(404, f"no run {run_id!r} on this server")
+    return web.json_response(health_to_json(health))
+
+
 async def _list_runs(request: web.Request) -> web.Response:
     query = _query(request, {"limit"})
     limit = 1000
@@ -377,6 +387,7 @@ def add_routes(app: web.Application) -> None:
         ("POST", run + "/rendezvous", _rendezvous),
         ("GET", run + "/status", _status),
         ("GET", run, _snapshot),
+        ("GET", run + "/health", _job_health),
         ("DELETE", run, _delete_run),
         ("POST", run + "/close", _close_run),
         ("GET", run + "/state", _first_format_state),

@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ....core.state import NodeDesc, RunState
+from ....core.health import JobHealth
+from ....core.state import MAX_ROLE, NodeDesc, Placement, RunState
 from ....core.token import parse
 from ....core.wire import WireError, rules_from_json, rules_to_json
 from ..._engine import Engine, now_ms
@@ -41,8 +42,10 @@ __all__ = ["PersistenceError", "RunLimitError", "RunStore"]
 log = logging.getLogger("aelastic.backends.http.server")
 
 _FILE_FORMAT = "aelastic.http.runs"
-#: Version 3: runs keep their rules and their nodes' secrets (state format 3).
-_FILE_VERSION = 3
+#: Version 3: runs keep their rules and their nodes' secrets (state format 3); version 4:
+#: the job's control state too (the members' profiles and placements, who is done, who
+#: failed, the job's health: state format 4).
+_FILE_VERSION = 4
 #: Runs serialized between two yields to the event loop while rewriting the journal.
 _BATCH = 200
 #: The journal is rewritten once it is this much larger than its live content.
@@ -80,6 +83,13 @@ def _state_doc(state: RunState) -> dict[str, Any]:
         "ports": [[n.key, p] for n, p in state.ports.items()],
         "wait_list": [n.key for n in state.wait_list],
         "redundancy_list": [n.key for n in state.redundancy_list],
+        "profiles": [[n.key, role, size] for n, (role, size) in state.profiles.items()],
+        "placements": [
+            [n.key, p.base, p.world, p.role_base, p.role_world] for n, p in state.placements.items()
+        ],
+        "done": [n.key for n in state.done],
+        "failed": [n.key for n in state.failed],
+        "health": state.health.to_json(),
     }
 
 
@@ -96,6 +106,12 @@ def _node(value: Any) -> NodeDesc:
         return NodeDesc.from_key(value)
     except ValueError as exc:
         raise SchemaError(str(exc)) from None
+
+
+def _role(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ROLE:
+        raise SchemaError("a role must be a non-empty string")
+    return value
 
 
 def _state_from(doc: Any, beat: int) -> RunState:
@@ -135,6 +151,20 @@ def _state_from(doc: Any, beat: int) -> RunState:
         wait_list={_node(k) for k in doc.get("wait_list") or []},
         redundancy_list={_node(k) for k in doc.get("redundancy_list") or []},
     )
+    try:
+        state.profiles = {
+            _node(k): (_role(role), _int(size, "local world size"))
+            for k, role, size in doc.get("profiles") or []
+        }
+        state.placements = {
+            _node(k): Placement(*(_int(v, "placement") for v in rest))
+            for k, *rest in doc.get("placements") or []
+        }
+        state.health = JobHealth.from_json(doc.get("health"))
+    except (TypeError, ValueError) as exc:
+        raise SchemaError(f"a state's control state: {exc}") from None
+    state.done = {_node(k) for k in doc.get("done") or []}
+    state.failed = {_node(k) for k in doc.get("failed") or []}
     for node in (*state.participants, *state.wait_list, *state.redundancy_list):
         state.beats[node] = beat  # a fresh window after a restart
     if set(state.beats) != set(state.secrets):
