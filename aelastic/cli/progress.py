@@ -73,15 +73,11 @@ def describe_wait(event: RendezvousWaiting | BackendRetry) -> str:
             f"retrying for {duration(event.retry_for)} more"
         )
     if event.id_wait is not None:
-        free = (
-            f"free again in {duration(event.id_free_in)}"
-            if event.id_free_in is not None
-            else "free again once that job's last nodes are gone"
-        )
+        free = duration(event.id_free_in or 0.0)
         return (
             f"waiting for the job id: a job that used it has ended (its run is "
-            f"{event.id_wait}); the id is {free} (two heartbeat windows after its last node "
-            f"left); join timeout in {duration(event.join_timeout_in)}"
+            f"{event.id_wait}); the id is free again in {free} (two heartbeat windows after "
+            f"its last node left); join timeout in {duration(event.join_timeout_in)}"
         )
     if event.last_call_in is not None:
         return f"last call: {event.participants} nodes, completes in {duration(event.last_call_in)}"

@@ -153,8 +153,7 @@ class RendezvousWaiting(Event):
             call yet).
         id_wait: Set when the node waits for the run's id to be free (a job that used it
             has ended): why (``closed``, ``made with other rules``).
-        id_free_in: Seconds until the id is free (``None``: once the ended job's nodes,
-            still in the run, are gone).
+        id_free_in: Seconds until the id is free.
     """
 
     kind: ClassVar[EventKind] = EventKind.WAITING

@@ -490,7 +490,7 @@ def step(state: RunState, request: Request, now_ms: int) -> Reply:
         known=_owns(state, node, request.secret),
         oldest_beat_ms=oldest,
         pruned=pruned,
-        run_rules=state.rules if refused_rules else None,
+        run_rules=state.rules if refused_rules or closed else None,
         reopen_at_ms=reopen_at_ms(state) if closed else None,
         placement=state.placements.get(node) if finished_join else None,
     )

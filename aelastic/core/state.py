@@ -267,7 +267,9 @@ class Reply:
             caller can check when it expires.
         pruned: How many silent nodes this request removed.
         run_rules: The run's rules, when a join was refused for other ones
-            (:attr:`Outcome.ERROR_RULES`).
+            (:attr:`Outcome.ERROR_RULES`) or because the run closed
+            (:attr:`Outcome.ERROR_CLOSED`: with ``reopen_at_ms``, the node can tell when
+            the run's last node left).
         reopen_at_ms: When a run refusing a join (closed, or of other rules) can be used
             again by a new job (:attr:`Outcome.ERROR_CLOSED`, :attr:`Outcome.ERROR_RULES`;
             ``None``: nodes are still in it).

@@ -248,6 +248,11 @@ def request_from_json(doc: Any) -> Request:
         type(secret) is str and _SECRET.match(secret) is not None,
         "'secret' must be the node's secret: 16 to 128 characters of [0-9A-Za-z_-]",
     )
+    _require(
+        op is not Op.JOIN or "local_world_size" in d,
+        "missing 'local_world_size' (a join of rendezvous state format 4): a node of an older "
+        "aelastic? Run one aelastic version on the server and the nodes",
+    )
     role = d.get("role", "default")
     _require(
         type(role) is str and 0 < len(role) <= MAX_ROLE and role.isprintable(),

@@ -41,6 +41,7 @@ from ..core.events import (
     reporting,
 )
 from ..core.health import NodeReport
+from ..core.machine import reuse_grace_ms
 from ..core.params import RendezvousSettings, free_port
 from ..core.protocol import RendezvousBackend
 from ..core.race import Signal, first_of
@@ -133,6 +134,7 @@ class NodeRequests:
         #: for it (``RendezvousClosedError``); a node new to a run waits for its id instead.
         self._took_part = False
         self._closed_it = False
+        self._made_at = clock.monotonic()
         self._removed = False
         #: What this node's joins say of its workers, and the port they offer for the
         #: workers' bootstrap (``None``: a free one is picked at each join).
@@ -317,20 +319,24 @@ class NodeRequests:
 
     def _id_free_in(self, reply: Reply) -> float | None:
         """Seconds until the run's id is free for this node's job, when the run refused its
-        join for having ended (closed, or empty with other rules) and this node was never in
-        it (a node of the ended job is told it ended, never made to wait); ``None``: refuse."""
-        if self._took_part:
+        join for having ended (closed, or empty with other rules) before this node's
+        handler was made: a node of a new job waits for the id. ``None``: refuse (a node
+        of the ended job, which was in the run or was made while it went on, is told it
+        ended; so is any node while nodes are still in the run, as torch's is)."""
+        ended = reply.outcome in (Outcome.ERROR_CLOSED, Outcome.ERROR_RULES)
+        free_at, rules = reply.reopen_at_ms, reply.run_rules
+        if self._took_part or not ended or free_at is None or rules is None:
             return None
-        closed = reply.outcome is Outcome.ERROR_CLOSED
-        if reply.reopen_at_ms is None:
-            # Closed with nodes still in it: they leave (or are dropped) within a window.
-            return self._settings.keep_alive_interval if closed else None
-        if not closed and reply.outcome is not Outcome.ERROR_RULES:
+        # Durations only (the backend's clock against this node's): since the run's last
+        # node left, and since this handler was made.
+        since_vacated = (reply.status.now_ms - (free_at - reuse_grace_ms(rules))) / 1000
+        if self._clock.monotonic() - self._made_at >= since_vacated:
             return None
-        return max(reply.reopen_at_ms - reply.status.now_ms, 0) / 1000
+        return max(free_at - reply.status.now_ms, 0) / 1000
 
     def _publish_id_wait(self, reply: Reply, free_in: float, deadline: float) -> None:
         what = "closed" if reply.outcome is Outcome.ERROR_CLOSED else "made with other rules"
+        assert reply.reopen_at_ms is not None
         if self._waited_for_id is None:
             log.info(
                 "run '%s' was used by a job that has ended (%s): node %s waits %.0f s for its "
@@ -346,7 +352,7 @@ class NodeRequests:
                 RendezvousWaiting(
                     round=reply.status.round,
                     join_timeout_in=max(deadline - self._clock.monotonic(), 0.0),
-                    id_free_in=free_in if reply.reopen_at_ms is not None else None,
+                    id_free_in=free_in,
                     id_wait=what,
                 )
             )

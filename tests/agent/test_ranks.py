@@ -1,21 +1,35 @@
-"""Rank assignment from the agents' records (pure) and the record codec."""
+"""Workers' ranks: the rendezvous fixes each member's placement from what every member's join
+said (torch's assignment), and the agent turns its own into workers (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
-from aelastic.agent.ranks import AgentRecord, Assignment, assign_ranks, assignments
-from aelastic.core.state import NodeDesc
-from aelastic.rendezvous import RendezvousStateError
+from aelastic.agent.ranks import workers_of
+from aelastic.core.machine import step
+from aelastic.core.params import Rules
+from aelastic.core.state import NodeDesc, Op, Placement, Request, RunState
 
 
-def record(role: str, size: int, n: int = 0) -> AgentRecord:
-    return AgentRecord(role, size, NodeDesc("host", 100 + n, 0))
+def _round(*profiles: tuple[str, int]) -> dict[int, Placement]:
+    """The placements of a round whose members (in rank order) said ``profiles``."""
+    state, rules = RunState("e"), Rules(len(profiles), len(profiles), 1, 60_000)
+    replies = []
+    for i, (role, size) in enumerate(profiles):
+        node = NodeDesc("host", 100 + i, 0)
+        request = Request(
+            Op.JOIN, node, rules, secret=f"{i:032d}", role=role, local_world_size=size
+        )
+        replies.append(step(state, request, 1_000))
+    done = [step(state, Request(Op.JOIN, NodeDesc("host", 100 + i, 0), rules,
+                                secret=f"{i:032d}"), 1_001)
+            for i in range(len(profiles))]  # fmt: skip
+    return {r.rank: r.placement for r in done if r.rank is not None and r.placement}
 
 
 def test_homogeneous_ranks_are_prefix_sums() -> None:
-    records = [record("trainer", 4, i) for i in range(3)]
-    workers = assign_ranks(records, 1)
+    placements = _round(*[("trainer", 4)] * 3)
+    workers = workers_of(placements[1], 4)
     assert [w.global_rank for w in workers] == [4, 5, 6, 7]
     assert [w.role_rank for w in workers] == [4, 5, 6, 7]
     assert {w.world_size for w in workers} == {12}
@@ -24,8 +38,9 @@ def test_homogeneous_ranks_are_prefix_sums() -> None:
 
 
 def test_heterogeneous_roles_and_sizes() -> None:
-    records = [record("trainer", 2, 0), record("reader", 1, 1), record("trainer", 3, 2)]
-    ranks = {g: assign_ranks(records, g) for g in range(3)}
+    sizes = {0: 2, 1: 1, 2: 3}
+    placements = _round(("trainer", 2), ("reader", 1), ("trainer", 3))
+    ranks = {g: workers_of(placements[g], sizes[g]) for g in range(3)}
     assert [w.global_rank for w in ranks[0]] == [0, 1]
     assert [w.global_rank for w in ranks[1]] == [2]
     assert [w.global_rank for w in ranks[2]] == [3, 4, 5]
@@ -37,50 +52,11 @@ def test_heterogeneous_roles_and_sizes() -> None:
     assert every == list(range(6))
 
 
-def test_record_round_trip() -> None:
-    plain = record("trainer", 2)
-    assert AgentRecord.decode(plain.encode()) == plain
-    master = AgentRecord("trainer", 2, NodeDesc("h", 1, 2), "10.0.0.1", 29500)
-    assert AgentRecord.decode(master.encode()) == master
-
-
-@pytest.mark.parametrize(
-    "data",
-    [
-        b"not json",
-        b"[]",
-        b'{"format": "other/1"}',
-        b'{"format": "aelastic.agent.record/1", "role": "t", "local_world_size": 0, '
-        b'"node": ["h", 1, 0]}',
-        b'{"format": "aelastic.agent.record/1", "role": "t", "local_world_size": 1}',
-    ],
-)
-def test_foreign_records_are_refused(data: bytes) -> None:
-    with pytest.raises(RendezvousStateError):
-        AgentRecord.decode(data)
-
-
-def test_assignments_agree_with_every_agents_own_computation() -> None:
-    roles = ["trainer", "trainer", "reader", "trainer", "reader"]
-    records = [
-        AgentRecord(role, n, NodeDesc("h", 10 + g, 0), *(("h", 2900) if g == 0 else (None, None)))
-        for g, (role, n) in enumerate(zip(roles, [4, 2, 1, 3, 2], strict=True))
-    ]
-    assigned = assignments(records)
-    for g, a in enumerate(assigned):
-        mine = [
-            (w.local_rank, w.global_rank, w.role_rank, w.world_size, w.role_world_size)
-            for w in assign_ranks(records, g)
-        ]
-        assert [
-            (w.local_rank, w.global_rank, w.role_rank, w.world_size, w.role_world_size)
-            for w in a.workers()
-        ] == mine
-        assert (a.master_addr, a.master_port) == ("h", 2900)
-        assert Assignment.decode(a.encode()) == a
-
-
-def test_a_rank_0_without_master_is_a_state_error() -> None:
-    records = [AgentRecord("trainer", 1, NodeDesc("h", 1, 0))]
-    with pytest.raises(RendezvousStateError, match="MASTER_ADDR"):
-        assignments(records)
+@pytest.mark.parametrize("count", [1, 2, 5])
+def test_every_global_rank_is_given_once(count: int) -> None:
+    profiles = [("trainer" if i % 2 else "reader", i + 1) for i in range(count)]
+    placements = _round(*profiles)
+    ranks = sorted(
+        w.global_rank for g, (_, n) in enumerate(profiles) for w in workers_of(placements[g], n)
+    )
+    assert ranks == list(range(sum(n for _, n in profiles)))

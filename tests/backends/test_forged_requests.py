@@ -1,10 +1,11 @@
 """Forged requests at the level they come in: raw HTTP, raw WebSocket messages, raw EVALSHA.
 
 Two real nodes form a round; another client then sends what an attacker would: a status
-with a 1 ms window and other node bounds, and a leave, a keep-alive, a join and a close
-naming a member without its secret. Nothing is lost: the members stay, the run stays open,
-and the members' watch sees no change. The operator's routes of a server without a token
-are refused to a request that a proxy forwarded.
+with a 1 ms window and other node bounds, a stranger's failure report and "done", and a
+leave, a keep-alive, a join, a failure report, a quarantine and a "done" naming a member
+without its secret. Nothing is lost: the members stay, the run stays open, the job's health
+stays empty, nobody is done, and the members' watch sees no change. The operator's routes
+of a server without a token are refused to a request that a proxy forwarded.
 """
 
 from __future__ import annotations
@@ -35,19 +36,39 @@ TOKEN = "forged-requests-token"
 TINY = {"min": 1, "max": 1, "last_call": 1, "window": 1}
 
 
-def forged(op: Op, node: str) -> dict[str, Any]:
-    return {
+#: A forged failure report: round 10^6, blaming whoever it names.
+FAILURE = {
+    "failure": {
+        "time": 0.0, "rank": 0, "local_rank": 0, "exitcode": 1, "message": "forged",
+        "stalled": False, "secondary": False,
+    }
+}  # fmt: skip
+
+
+def forged(op: Op, node: str, report: dict[str, Any] | None = None) -> dict[str, Any]:
+    doc = {
         "op": op.value, "node": node, **TINY, "expired": False, "finished": False, "port": 0,
         "secret": FORGED,
     }  # fmt: skip
+    if op is Op.JOIN:
+        doc.update(role="default", local_world_size=1)
+    if op is Op.REPORT:
+        doc["report"] = report or FAILURE
+    return doc
 
 
 def attack(member: str) -> list[dict[str, Any]]:
     """Every forged request: a stranger's with a tiny window, and some for a member."""
     stranger = "10.66.6.6_666_0"
-    return [forged(op, stranger) for op in (Op.STATUS, Op.KEEP_ALIVE, Op.CLOSE, Op.LEAVE)] + [
-        forged(op, member) for op in (Op.LEAVE, Op.KEEP_ALIVE, Op.JOIN, Op.CLOSE, Op.STATUS)
-    ]
+    ops = (Op.STATUS, Op.KEEP_ALIVE, Op.LEAVE, Op.REPORT, Op.DONE)
+    return (
+        [forged(op, stranger) for op in ops]
+        + [
+            forged(op, member)
+            for op in (Op.LEAVE, Op.KEEP_ALIVE, Op.JOIN, Op.REPORT, Op.DONE, Op.STATUS)
+        ]
+        + [forged(Op.REPORT, member, {"quarantine": "forged"})]
+    )
 
 
 @asynccontextmanager
@@ -69,7 +90,9 @@ async def nothing_lost(group: list[DynamicRendezvousHandler]) -> None:
     snapshot = await group[0].backend.snapshot()
     assert snapshot is not None and not snapshot.status.closed
     assert set(snapshot.ranks()) == {h.node for h in group}
-    assert snapshot.status.lost == 0
+    assert snapshot.status.lost == 0 and snapshot.status.done == 0
+    health = await group[0].health()
+    assert health is not None and not health.incidents and not health.quarantined
 
 
 def refused(reply: dict[str, Any], request: dict[str, Any]) -> None:

@@ -52,7 +52,7 @@ pytestmark = pytest.mark.anyio
 TOKEN = "s3cret-token"
 RULES = Rules(2, 3, last_call_ms=60_000, window_ms=60_000)
 ROOT = Path(__file__).resolve().parents[2]
-HEADER = b'{"format": "aelastic.http.runs", "version": 3}\n'
+HEADER = b'{"format": "aelastic.http.runs", "version": 4}\n'
 
 
 @pytest.fixture(scope="module")
@@ -505,7 +505,7 @@ async def test_a_node_of_the_first_format_reads_a_state_naming_both_versions(
         ]:
             status, doc = await raw(method, f"{base}/state", sent)
             assert status == expected
-            assert json.loads(base64.b64decode(doc["state"])) == {"format": FORMAT, "version": 3}
+            assert json.loads(base64.b64decode(doc["state"])) == {"format": FORMAT, "version": 4}
             assert doc["token"] and is_valid(doc["token"])
         old = {k: v for k, v in request_to_json(request(Op.JOIN, 1)).items() if k != "secret"}
         status, doc = await raw("POST", f"{base}/rendezvous", old)
@@ -524,7 +524,7 @@ async def test_a_server_without_the_rendezvous_route_is_named_older(run_id: str)
     app.router.add_route("*", "/{tail:.*}", not_found)
     async with serve_app(app) as url:
         async with backend(url, run_id, read_timeout=2.0) as b:
-            with pytest.raises(RendezvousStateError, match=r"format 3 \(an older aelastic serve"):
+            with pytest.raises(RendezvousStateError, match=r"format 4 \(an older aelastic serve"):
                 await b.apply(request(Op.JOIN, 0))
             with anyio.fail_after(PROMPT), pytest.raises(RendezvousConnectionError):
                 await b.wait_for_change(NO_STATE, 60)
@@ -817,7 +817,7 @@ async def test_journal_lines_and_heartbeats_are_not_saved(tmp_path: Path) -> Non
             await b.apply(request(Op.JOIN, 1))
             assert path.stat().st_size > size
     lines = path.read_bytes().splitlines()
-    assert json.loads(lines[0]) == {"format": "aelastic.http.runs", "version": 3}
+    assert json.loads(lines[0]) == {"format": "aelastic.http.runs", "version": 4}
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it holds the nodes' secrets
     records = [json.loads(line) for line in lines[1:]]
     assert {r["run"] for r in records} == {"r"}

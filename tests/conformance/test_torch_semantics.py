@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from aelastic import RendezvousClosedError, RendezvousStoreInfo
-from aelastic.rendezvous import DynamicRendezvousHandler
+from aelastic.rendezvous import DynamicRendezvousHandler, RendezvousWaiting
 from tests._rendezvous_helpers import PROMPT, handler_group, join_all
 
 from .conftest import MakeParams
@@ -87,3 +87,42 @@ async def test_a_job_id_is_used_again_once_the_job_is_over(make_params: MakePara
         snapshot = await next_job[0].backend.snapshot()
         assert snapshot is not None and not snapshot.status.closed
         assert snapshot.rules is not None and snapshot.rules.max_nodes == 3
+
+
+async def test_a_new_job_with_the_id_of_one_just_over_waits_for_it_then_starts(
+    make_params: MakeParams,
+) -> None:
+    """The everyday re-run: a job ends and the same command starts again at once. Its nodes
+    were made after the old job's last node left: they wait out the rest of the grace
+    (saying so in a waiting event), then form a new run; no error."""
+    params = make_params(2, 2, **SHORT)
+    conf, where = params.config, (params.backend, params.endpoint, params.run_id)
+    async with handler_group(*where, 2, 2, 2, **conf) as old_job:
+        await join_all(old_job)
+        await _over(old_job)
+    async with handler_group(*where, 2, 2, 2, **conf) as next_job:
+        events: list[object] = []
+        next_job[0].add_listener(events.append)
+        infos = await join_all(next_job)
+    assert sorted(i.rank for i in infos) == [0, 1]
+    waits = [e for e in events if isinstance(e, RendezvousWaiting) and e.id_wait]
+    if params.backend != "memory":  # memory frees the id at once once its handlers let go
+        assert waits and waits[0].id_wait == "closed", events
+        assert waits[0].id_free_in is not None and 0 < waits[0].id_free_in <= 0.8
+
+
+async def test_a_run_that_never_formed_is_free_after_the_grace(make_params: MakeParams) -> None:
+    """A 2-node job stopped before its round formed leaves its run with 2:2 rules; a 1-node
+    job with the same id starts once the grace has passed (it waits for it, not refused)."""
+    params = make_params(2, 2, **SHORT)
+    conf, where = params.config, (params.backend, params.endpoint, params.run_id)
+    async with handler_group(*where, 1, 2, 2, **conf) as (alone,):
+        with anyio.move_on_after(0.3):
+            await alone.next_rendezvous()  # interrupted: its join is cancelled, it leaves
+    async with handler_group(*where, 1, 1, 1, **conf) as (single,):
+        with anyio.fail_after(PROMPT):
+            info = await single.next_rendezvous()
+        assert info.rank == 0 and info.world_size == 1
+        snapshot = await single.backend.snapshot()
+        assert snapshot is not None and snapshot.rules is not None
+        assert (snapshot.rules.min_nodes, snapshot.rules.max_nodes) == (1, 1)
