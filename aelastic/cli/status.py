@@ -237,12 +237,21 @@ def _say(text: str, secrets: frozenset[str], *, end: str = "\n", err: bool = Fal
     print(redact(text, secrets), end=end, file=sys.stderr if err else sys.stdout, flush=True)
 
 
-def _confirm(prompt: str) -> bool:
-    """Ask ``prompt``; whether the line read says yes (end of input: no)."""
+#: Said when the confirmation got no answer at all (no terminal, an empty input).
+_NO_ANSWER = (
+    ": no answer came (standard input is not a terminal, or it ended); add --yes (-y) to "
+    "do it without asking"
+)
+
+
+def _confirm(prompt: str) -> bool | None:
+    """Ask ``prompt``; whether the line read says yes (``None``: no line came at all)."""
     print(prompt, end="", flush=True)
-    answer = sys.stdin.readline()
+    answer = sys.stdin.readline() if sys.stdin is not None else ""
     if not answer.endswith("\n"):
         print(flush=True)
+    if not answer:
+        return None
     return answer.strip().lower() in ("y", "yes")
 
 
@@ -273,9 +282,11 @@ async def _reset(
     except RendezvousStateError as exc:
         summary = f"unreadable state ({exc})"
     _say(f"{where}: {summary}", secrets)
-    if not (args.yes or _confirm("delete its rendezvous state and store? [y/N] ")):
-        _say("nothing deleted", secrets)
-        return 1
+    if not args.yes:
+        answer = _confirm("delete its rendezvous state and store? [y/N] ")
+        if not answer:
+            _say("nothing deleted" + ("" if answer is False else _NO_ANSWER), secrets)
+            return 1
     if await backend.reset():
         _say(f"deleted the rendezvous state and store of {where}: the id is free", secrets)
     else:
@@ -298,9 +309,11 @@ async def _close(
         _say(f"{where} is closed already", secrets)
         return 0
     _say(f"{where}: {_summary(snapshot, settings)}", secrets)
-    if not (args.yes or _confirm("close it (its nodes stop, later joins fail)? [y/N] ")):
-        _say("nothing closed", secrets)
-        return 1
+    if not args.yes:
+        answer = _confirm("close it (its nodes stop, later joins fail)? [y/N] ")
+        if not answer:
+            _say("nothing closed" + ("" if answer is False else _NO_ANSWER), secrets)
+            return 1
     if await backend.close_run():
         _say(f"closed {where}", secrets)
     else:
