@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from aelastic.backends._engine import kv_entry_size
+from aelastic.backends._engine import Engine, kv_entry_size
 from aelastic.backends.http.server import Quotas, mint
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Request
@@ -277,3 +281,94 @@ async def test_abandoned_runs_are_forgotten_and_used_ones_stay(run_id: str) -> N
         finally:
             user.cancel()
             waiter.cancel()
+
+
+# -- what the stores hold, across changes and restarts -------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["set", "add", "cas", "delete", "drop"]),
+            st.sampled_from(["a", "b"]),
+            st.sampled_from(["k", "key", ""]),
+            st.binary(max_size=40),
+        ),
+        max_size=40,
+    )
+)
+def test_the_engine_counts_what_the_stores_hold(ops: list[tuple[str, str, str, bytes]]) -> None:
+    engine = Engine()
+    for op, run, key, value in ops:
+        if op == "set":
+            engine.kv_set(run, key, value)
+        elif op == "add":
+            with contextlib.suppress(ValueError):
+                engine.kv_add(run, key, len(value))
+        elif op == "cas":
+            engine.kv_compare_set(run, key, engine.kv_get(run, [key])[0], value)
+        elif op == "delete":
+            engine.kv_delete(run, key)
+        else:
+            engine.delete(run)
+        held = {
+            r: sum(kv_entry_size(k, len(v)) for k, v in engine.runs[r].kv.items())
+            for r in engine.runs
+        }
+        assert {r: engine.runs[r].kv_bytes for r in engine.runs} == held
+        assert engine.kv_bytes == sum(held.values())
+
+
+async def test_a_store_s_limit_holds_across_a_restart(tmp_path: Path, run_id: str) -> None:
+    value = b"x" * 1000
+    entry = kv_entry_size("k0", len(value))
+    journal = tmp_path / "runs.json"
+    quotas = Quotas(max_run_store=2 * entry)
+    server = {"token": TOKEN, "persist_path": journal, "quotas": quotas}
+    async with serve_in_loop(**server) as url, client(url) as c:
+        assert (await c.kv_set(run_id, "k0", value))[0] == 200
+        assert (await c.kv_set(run_id, "k1", value))[0] == 200
+    async with serve_in_loop(**server) as url, client(url) as c:
+        status, doc = await c.kv_set(run_id, "k2", value)
+        assert status == 413 and "--max-store-bytes" in doc["error"], doc
+        assert (await c.kv_set(run_id, "k1", b"y" * 1000))[0] == 200
+
+
+async def test_at_the_limit_of_runs_the_runs_holding_nothing_go_first(run_id: str) -> None:
+    async with (
+        serve_in_loop(token=TOKEN, max_runs=2) as url,
+        client(url) as c,
+    ):
+        for i in range(2):  # a status asked of runs that do not exist leaves them empty
+            status, _, _ = await c.call(
+                "POST", f"/v1/runs/{run_id}-{i}/rendezvous", join(1, Op.STATUS)
+            )
+            assert status == 200
+        assert (await c.kv_set(f"{run_id}-full-0", "k", b"v"))[0] == 200
+        assert (await c.kv_set(f"{run_id}-full-1", "k", b"v"))[0] == 200
+        status, doc = await c.kv_set(f"{run_id}-full-2", "k", b"v")
+        assert status == 503 and "--max-runs" in doc["error"], doc
+
+
+async def test_the_quotas_refusals_are_counted_in_the_metrics(run_id: str) -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with serve(max_value=10, max_new_runs=1) as url:
+        async with client(url, mint(TOKEN, "team-a-")) as team_a:
+            assert (await team_a.kv_set(f"team-a-{run_id}", "k", b"v"))[0] == 200
+            assert (await team_a.kv_set(f"team-a-{run_id}", "k", b"v" * 11))[0] == 413
+            assert (await team_a.kv_set(f"team-a-{run_id}-2", "k", b"v"))[0] == 429
+        async with client(url) as operator, operator.session.get(url + "/metrics") as answer:
+            text = await answer.text()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    refused = "aelastic_server_quota_refused_total"
+    assert samples[(refused, (("limit", "value"),))] == 1
+    assert samples[(refused, (("limit", "new_runs"),))] == 1
+    assert samples[(refused, (("limit", "run_store"),))] == 0
+    assert samples[("aelastic_server_store_bytes", ())] == kv_entry_size("k", 1)
