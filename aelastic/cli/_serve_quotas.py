@@ -113,11 +113,16 @@ def quota_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             if kind == "bytes":
                 value: float = parse_bytes(text)
             elif kind == "count":
+                if not re.fullmatch(r"-?[0-9]+", text.strip()):
+                    raise ValueError("must be a whole number")
                 value = int(text)
                 if value < 0:
                     raise ValueError("must be >= 0 (0: no limit)")
             else:
-                value = float(text)
+                try:
+                    value = float(text)
+                except ValueError:
+                    raise ValueError("must be a number of seconds") from None
                 lowest_ok = value > 0 if kind == "window" else value >= 0
                 if not (lowest_ok and value < math.inf):
                     raise ValueError(

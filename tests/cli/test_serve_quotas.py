@@ -100,6 +100,8 @@ def test_serve_mints_a_token_from_the_environment_or_a_file(tmp_path: Path) -> N
     [
         (["--max-new-runs", "-1"], "--max-new-runs -1: must be >= 0"),
         (["--new-runs-window", "0"], "--new-runs-window 0: must be a positive number"),
+        (["--max-live-runs", "many"], "--max-live-runs many: must be a whole number"),
+        (["--empty-run-ttl", "soon"], "--empty-run-ttl soon: must be a number of seconds"),
         (["--max-store-bytes", "64X"], "--max-store-bytes 64X: '64X' is not a byte count"),
         (["--empty-run-ttl", "-5"], "--empty-run-ttl -5: must be >= 0 seconds"),
         (["--scoped-tokens", "/nonexistent"], "--scoped-tokens needs the server's own token"),
