@@ -7,7 +7,9 @@ event loops (the memory backend is shared by the loops of one process; the HTTP 
 one loop and pays an uncontended lock). Waiters register a future with the loop they run
 on: status waiters are woken when the run's token changes (round transitions, never
 heartbeats), key waiters when a key is written. A woken waiter is dropped; it re-checks and
-waits anew. Nothing polls.
+waits anew. Nothing polls. Each run counts the bytes its store holds (keys, values and
+:data:`KV_ENTRY_OVERHEAD` a key; the engine the sum over its runs), for the HTTP server's
+quotas; ``touched`` is the last time the run changed or its store was read.
 """
 
 from __future__ import annotations
@@ -25,10 +27,17 @@ from ..core.protocol import INT64_MAX, INT64_MIN
 from ..core.state import NodeDesc, Reply, Request, RunState, Snapshot, Status, Transition
 from ..core.token import NO_STATE, make, new_epoch
 
-__all__ = ["Engine", "Run", "add_int64", "now_ms"]
+__all__ = ["KV_ENTRY_OVERHEAD", "Engine", "Run", "add_int64", "kv_entry_size", "now_ms"]
 
 #: Changes not worth keeping across a server restart (a restart grants a fresh window).
 _QUIET = frozenset({Transition.NONE, Transition.KEEP_ALIVE})
+#: Bytes a store entry counts beside its key and value (its bookkeeping, roughly).
+KV_ENTRY_OVERHEAD = 64
+
+
+def kv_entry_size(key: str, size: int) -> int:
+    """Bytes a store entry of key ``key`` and a value of ``size`` bytes counts."""
+    return len(key) + size + KV_ENTRY_OVERHEAD
 
 
 def now_ms() -> int:
@@ -73,6 +82,8 @@ class Run:
     status_waiters: set[_Waiter] = field(default_factory=set)
     key_waiters: set[_Waiter] = field(default_factory=set)
     touched: float = field(default_factory=time.monotonic)
+    #: Bytes its store holds (:func:`kv_entry_size` of each entry).
+    kv_bytes: int = 0
 
     @property
     def token(self) -> str:
@@ -120,6 +131,8 @@ class Engine:
         self.lock = threading.Lock()
         self.runs: dict[str, Run] = {}
         self._on_change = on_change
+        #: Bytes every run's store holds together.
+        self.kv_bytes = 0
 
     def run(self, run_id: str) -> Run:
         """The run ``run_id``, made empty if needed (call with the lock held)."""
@@ -188,11 +201,13 @@ class Engine:
                 return None
             return snapshot_of(run.state, now)
 
-    def list_runs(self, now: int, limit: int) -> list[tuple[str, Status]]:
-        """The runs with a rendezvous state, sorted by id (at most ``limit``), and their
-        statuses at ``now`` (ms)."""
+    def list_runs(self, now: int, limit: int, prefix: str = "") -> list[tuple[str, Status]]:
+        """The runs with a rendezvous state whose id starts with ``prefix``, sorted by id (at
+        most ``limit``), and their statuses at ``now`` (ms)."""
         with self.lock:
-            found = sorted(r for r, run in self.runs.items() if run.state is not None)
+            found = sorted(
+                r for r, run in self.runs.items() if run.state is not None and r.startswith(prefix)
+            )
             return [(r, status_of(s, now)) for r in found[:limit] if (s := self.runs[r].state)]
 
     async def wait_status(self, run_id: str, token: str, timeout: float | None) -> bool:
@@ -233,20 +248,52 @@ class Engine:
     def kv_set(self, run_id: str, key: str, value: bytes) -> None:
         with self.lock:
             run = self.run(run_id)
-            run.kv[key] = bytes(value)
+            self._put(run, key, bytes(value))
             self._kv_changed(run_id, run)
 
     def kv_get(self, run_id: str, keys: Sequence[str]) -> list[bytes | None]:
         with self.lock:
             run = self.runs.get(run_id)
-            kv = {} if run is None else run.kv
+            if run is None:
+                return [None] * len(keys)
+            run.touched = time.monotonic()
+            kv = run.kv
             return [kv.get(k) for k in keys]
+
+    def kv_usage(self, run_id: str, key: str) -> tuple[int, int, int]:
+        """Bytes the entry ``key`` of the run's store counts (0: none), bytes the run's store
+        holds, and bytes every run's store holds."""
+        with self.lock:
+            run = self.runs.get(run_id)
+            if run is None:
+                return 0, 0, self.kv_bytes
+            value = run.kv.get(key)
+            entry = 0 if value is None else kv_entry_size(key, len(value))
+            return entry, run.kv_bytes, self.kv_bytes
+
+    def recount_kv(self) -> None:
+        """Count the bytes of every run's store again (after a store was filled directly)."""
+        with self.lock:
+            for run in self.runs.values():
+                run.kv_bytes = sum(kv_entry_size(k, len(v)) for k, v in run.kv.items())
+            self.kv_bytes = sum(run.kv_bytes for run in self.runs.values())
+
+    def _put(self, run: Run, key: str, value: bytes | None) -> None:
+        """Set (``None``: remove) one entry of ``run``'s store, counting its bytes."""
+        old = run.kv.pop(key, None) if value is None else run.kv.get(key)
+        if value is not None:
+            run.kv[key] = value
+        grown = (0 if value is None else kv_entry_size(key, len(value))) - (
+            0 if old is None else kv_entry_size(key, len(old))
+        )
+        run.kv_bytes += grown
+        self.kv_bytes += grown
 
     def kv_add(self, run_id: str, key: str, amount: int) -> int:
         with self.lock:
             run = self.run(run_id)
             value = add_int64(run.kv.get(key), amount, key)
-            run.kv[key] = str(value).encode()
+            self._put(run, key, str(value).encode())
             self._kv_changed(run_id, run)
             return value
 
@@ -261,15 +308,16 @@ class Engine:
             if current != expected:
                 assert current is not None
                 return current
-            run.kv[key] = bytes(desired)
+            self._put(run, key, bytes(desired))
             self._kv_changed(run_id, run)
             return bytes(desired)
 
     def kv_delete(self, run_id: str, key: str) -> bool:
         with self.lock:
             run = self.runs.get(run_id)
-            if run is None or run.kv.pop(key, None) is None:
+            if run is None or key not in run.kv:
                 return False
+            self._put(run, key, None)
             self._kv_changed(run_id, run)
             return True
 
@@ -277,6 +325,7 @@ class Engine:
         wanted = list(keys)
         with self.lock:
             run = self.run(run_id)
+            run.touched = time.monotonic()
         kv = run.kv
         return await self._wait(run.key_waiters, lambda: all(k in kv for k in wanted), timeout)
 
@@ -292,6 +341,7 @@ class Engine:
             run = self.runs.pop(run_id, None)
             if run is None:
                 return False
+            self.kv_bytes -= run.kv_bytes
             for waiters in (run.status_waiters, run.key_waiters):
                 for waiter in waiters:
                     waiter.loop.call_soon_threadsafe(_resolve, waiter.future)

@@ -4,9 +4,11 @@ How it works: parses the flags and hands over to
 :func:`aelastic.backends.http.server.run_server`, which serves until SIGINT or SIGTERM and
 prints ``aelastic rendezvous server listening on <url>`` once it accepts connections. It
 serves the live pages of its runs too (``/``, ``/runs/<run id>``: :mod:`aelastic.web`). The
-bearer token is read from ``AELASTIC_HTTP_TOKEN`` (never from the command line, where other
-users of the machine could read it); nodes send the same variable. The server has no TLS
-of its own: off a private network, put it behind a TLS-terminating proxy.
+bearer token is read from ``AELASTIC_HTTP_TOKEN`` or the first line of ``--token-file``
+(never from the command line, where other users of the machine could read it); nodes send
+the same variable. Tokens scoped to a run-id prefix are listed in ``--scoped-tokens FILE``
+or minted (``--mint-token PREFIX`` prints one and exits). The server has no TLS of its own:
+off a private network, put it behind a TLS-terminating proxy.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..backends.http.wire import DEFAULT_PORT
+from ._serve_quotas import add_quota_flags, quota_kwargs
 from .options import UsageError
 from .rules import UsageParser
 
@@ -80,6 +83,24 @@ def build_parser(prog: str = "aelastic serve") -> argparse.ArgumentParser:
         "(default 1024; loopback clients exempt; 0: no limit)",
     )
     p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="read the server's token from FILE's first line instead of $AELASTIC_HTTP_TOKEN",
+    )
+    p.add_argument(
+        "--scoped-tokens",
+        metavar="FILE",
+        help="tokens scoped to a run-id prefix, one 'TOKEN PREFIX' a line: each reaches only "
+        "the runs whose id starts with its prefix (needs the server's token)",
+    )
+    p.add_argument(
+        "--mint-token",
+        metavar="PREFIX",
+        help="print the token for the runs whose id starts with PREFIX (derived from the "
+        "server's token) and exit",
+    )
+    add_quota_flags(p)
+    p.add_argument(
         "--loop",
         choices=("auto", "asyncio", "uvloop"),
         default="auto",
@@ -105,6 +126,29 @@ def trusted_proxies(values: Sequence[str]) -> list[str]:
     return proxies
 
 
+def _token(args: argparse.Namespace) -> str | None:
+    """The server's token: ``--token-file``'s, or ``$AELASTIC_HTTP_TOKEN`` (``None``: none).
+
+    Raises:
+        UsageError: Both are given, the file cannot be read, or the token could never
+            match (whitespace around it).
+    """
+    from ..backends.http.server import read_token_file, resolve_token
+
+    try:
+        from_env = resolve_token(None)
+        if args.token_file is None:
+            return from_env
+        if from_env is not None:
+            raise UsageError(
+                "the server's token is given twice: $AELASTIC_HTTP_TOKEN and --token-file "
+                "(keep one)"
+            )
+        return resolve_token(read_token_file(args.token_file))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def main(argv: Sequence[str]) -> int:
     """Run ``aelastic serve`` until SIGINT/SIGTERM; the exit code.
 
@@ -128,13 +172,9 @@ def main(argv: Sequence[str]) -> int:
         value = getattr(args, flag)
         if value is not None and not 0 < value < float("inf"):
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
+    quota_limits = quota_kwargs(args)
     try:
-        from ..backends.http.server import (
-            PersistenceError,
-            resolve_loop,
-            resolve_token,
-            run_server,
-        )
+        from ..backends.http import server
         from ..web.pages import serve_pages
     except ImportError as exc:
         print(
@@ -146,12 +186,32 @@ def main(argv: Sequence[str]) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
     )
+    token = _token(args)
+    if args.mint_token is not None:
+        if token is None:
+            raise UsageError(
+                "--mint-token needs the server's token ($AELASTIC_HTTP_TOKEN or --token-file)"
+            )
+        try:
+            print(server.mint(token, args.mint_token))
+        except ValueError as exc:
+            raise UsageError(f"--mint-token: {exc}") from None
+        return 0
+    scoped = None
+    if args.scoped_tokens is not None:
+        if token is None:
+            raise UsageError(
+                "--scoped-tokens needs the server's own token ($AELASTIC_HTTP_TOKEN or "
+                "--token-file): it is the operator's, for every run"
+            )
+        try:
+            scoped = server.load_scoped_tokens(args.scoped_tokens)
+        except ValueError as exc:
+            raise UsageError(f"--scoped-tokens: {exc}") from None
+        if token in scoped:
+            raise UsageError("--scoped-tokens lists the server's own token")
     try:
-        resolve_token(None)  # a token that could never match is refused at once
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    try:
-        resolve_loop(args.loop)
+        server.resolve_loop(args.loop)
     except ValueError as exc:
         raise UsageError(f"--loop: {exc}") from None
     names = ("run_ttl", "max_body", "max_runs", "max_connections", "read_timeout")
@@ -162,15 +222,18 @@ def main(argv: Sequence[str]) -> int:
     }
     kwargs["trusted_proxies"] = trusted_proxies(args.trusted_proxy)
     try:
-        run_server(
+        server.run_server(
             args.host,
             args.port,
+            token=token or "",
             persist_path=args.persist,
             pages=serve_pages,
             loop=args.loop,
+            scoped_tokens=scoped,
+            quotas=server.Quotas(**quota_limits),
             **kwargs,
         )
-    except PersistenceError as exc:
+    except server.PersistenceError as exc:
         print(f"aelastic serve: error: {exc}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as exc:

@@ -49,12 +49,22 @@ without a token only from its own machine (loopback, not forwarded by a proxy), 
 A node of the first state format asking at ``/v1/runs/{run}/state`` gets a state of format
 2 and fails with an error naming both versions. Errors are ``{"error": "..."}`` with ``400``
 (malformed JSON, a body or query that does not fit the schema, unknown fields), ``401``,
-``404``, ``405``, ``408`` (the body came too slowly), ``413`` (body over ``max_body``),
-``429`` (the client sent too many wrong tokens and must wait, ``Retry-After``; a join past
-the client's ``max_nodes_per_client``), ``503`` (shutting down, the journal could not be
+``403`` (a scoped token's request for another run or a server-wide route; the operator's
+routes without a token, from elsewhere), ``404``, ``405``, ``408`` (the body came too
+slowly), ``413`` (body over ``max_body``; a store value, a run's store or all of them past
+their limits), ``429`` (the client sent too many wrong tokens and must wait,
+``Retry-After``; a join past the client's ``max_nodes_per_client``; a new run past its
+client's or scoped token's quota of runs), ``503`` (shutting down, the journal could not be
 written, the limit of runs) or ``500``.
 A rejected request changes nothing. Long-polls answer ``503`` at once when the server shuts
-down. Runs nobody changed for ``run_ttl`` (24 h) and nobody waits on are forgotten.
+down. Runs nobody changed (or read the store of) for ``run_ttl`` (24 h) and nobody waits on
+are forgotten; so are abandoned runs (no live node in them, nobody changed them or read
+their store) after ``quotas.empty_run_ttl`` (5 min).
+
+Scoped tokens (:mod:`._tenancy`): besides the server's own token (every run: the
+operator's), a token minted for a run-id prefix (:func:`mint`; ``aelastic serve
+--mint-token PREFIX``) or listed with one (``scoped_tokens``, a file of ``TOKEN PREFIX``
+lines) reaches only the runs whose id starts with that prefix.
 
 Limits (:func:`serve`): a request that would make a run past ``max_runs`` gets ``503``
 (the runs already there keep working); a client must send a request's head within
@@ -72,7 +82,7 @@ import contextlib
 import ipaddress
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from aiohttp import web
 
@@ -103,6 +113,7 @@ from ._loop import run as run_loop
 from ._operator import is_loopback
 from ._quota import DEFAULT_MAX_NODES_PER_CLIENT
 from ._runs import PersistenceError
+from ._tenancy import Quotas, Refused, Scope, load_scoped_tokens, mint, read_token_file
 from ._throttle import THROTTLE, AuthThrottle
 
 __all__ = [
@@ -120,9 +131,15 @@ __all__ = [
     "Clients",
     "Pages",
     "PersistenceError",
+    "Quotas",
+    "Refused",
+    "Scope",
     "create_app",
     "is_loopback",
+    "load_scoped_tokens",
+    "mint",
     "parse_networks",
+    "read_token_file",
     "resolve_loop",
     "resolve_token",
     "run_server",
@@ -157,6 +174,8 @@ async def serve(
     stop: asyncio.Event | None = None,
     ready: Callable[[str], None] | None = None,
     pages: Pages | None = None,
+    scoped_tokens: str | os.PathLike[str] | Mapping[str, Scope] | None = None,
+    quotas: Quotas | None = None,
 ) -> None:
     """Serve the rendezvous API until ``stop`` is set (or the task is cancelled).
 
@@ -164,7 +183,7 @@ async def serve(
         host: Address to bind (loopback by default).
         port: Port to bind; ``0`` picks a free one.
         token, persist_path, max_body, run_ttl, max_runs, trusted_proxies,
-            max_nodes_per_client, pages: As for :func:`create_app`.
+            max_nodes_per_client, pages, scoped_tokens, quotas: As for :func:`create_app`.
         max_connections: Open connections held at most (lowered to fit the open-file
             limit); past it a new connection is answered ``503`` and closed.
         read_timeout: Seconds a client has to send a request's head (from its connect, or
@@ -177,7 +196,7 @@ async def serve(
     Raises:
         PersistenceError: The persistence file cannot be loaded.
         OSError: The address cannot be bound.
-        ValueError: A limit or timeout is out of range.
+        ValueError: A limit or timeout is out of range, or the scoped tokens file is bad.
     """
     secret = resolve_token(token)
     app = create_app(
@@ -191,6 +210,8 @@ async def serve(
         trusted_proxies=trusted_proxies,
         max_nodes_per_client=max_nodes_per_client,
         pages=pages,
+        scoped_tokens=scoped_tokens,
+        quotas=quotas,
     )
     if secret is None and not is_loopback(host):
         log.warning(
@@ -247,6 +268,8 @@ def run_server(
     max_nodes_per_client: int = DEFAULT_MAX_NODES_PER_CLIENT,
     pages: Pages | None = None,
     loop: str = "auto",
+    scoped_tokens: str | os.PathLike[str] | Mapping[str, Scope] | None = None,
+    quotas: Quotas | None = None,
 ) -> None:
     """Run the rendezvous server until SIGINT or SIGTERM (blocking).
 
@@ -262,14 +285,15 @@ def run_server(
         max_body: Largest request body accepted, in bytes.
         run_ttl: Seconds after which an unchanged, unwatched run is forgotten (0: never).
         max_runs, max_connections, read_timeout, keepalive_timeout, trusted_proxies,
-            max_nodes_per_client, pages: As for :func:`serve`.
+            max_nodes_per_client, pages, scoped_tokens, quotas: As for :func:`serve`.
         loop: The event loop: ``auto`` (uvloop when it is installed), ``asyncio`` or
             ``uvloop``.
 
     Raises:
         PersistenceError: The persistence file cannot be loaded.
         OSError: The address cannot be bound.
-        ValueError: A limit or timeout is out of range, or the loop is unknown or missing.
+        ValueError: A limit or timeout is out of range, the loop is unknown or missing, or
+            the scoped tokens file is bad.
     """
     resolve_loop(loop)
     raise_open_file_limit()
@@ -296,6 +320,8 @@ def run_server(
             stop=stop,
             ready=announce,
             pages=pages,
+            scoped_tokens=scoped_tokens,
+            quotas=quotas,
         )
 
     run_loop(main(), loop)

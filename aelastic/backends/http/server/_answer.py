@@ -22,6 +22,7 @@ from ....core.state import Op, Outcome, Reply, Request
 from ..._engine import now_ms
 from ..wire import SchemaError
 from ._runs import PersistenceError, RunLimitError, RunStore
+from ._tenancy import Refused
 
 __all__ = ["answer", "failure"]
 
@@ -92,4 +93,6 @@ def failure(exc: Exception) -> tuple[int, str] | None:
         return 400, str(exc)
     if isinstance(exc, PersistenceError | RunLimitError):
         return 503, str(exc)
+    if isinstance(exc, Refused):
+        return exc.status, str(exc)
     return None

@@ -2,24 +2,28 @@
 
 How it works: two middlewares wrap every route (:mod:`._routes`). The outer one turns every
 failure into a JSON ``{"error": ...}`` answer with the right status (a bug gives 500, never a
-dropped connection); the inner one checks the bearer token (constant-time compare), after
-asking the client's failed checks whether it must wait first (``429``: :mod:`._throttle`).
-Store writes may carry an ``Idempotency-Key``: a retry of one that was applied gets the
-first answer again instead of applying twice (:class:`Replays`). Joins that add a node are
-counted per client (:mod:`._quota`). A background task forgets runs idle for ``run_ttl``
-(and the nodes per client that went).
+dropped connection; a limit's refusal its own status and ``Retry-After``); the inner one
+checks the bearer token (constant-time compare) and keeps its scope, every run or the runs
+of one id prefix (:mod:`._tenancy.scopes`: a scoped token's request for another run is
+refused ``403``), after asking the client's failed checks whether it must wait first
+(``429``: :mod:`._throttle`). Store writes may carry an ``Idempotency-Key``: a retry of one
+that was applied gets the first answer again instead of applying twice (:class:`Replays`).
+Joins that add a node are counted per client (:mod:`._quota`), requests that make a run per
+client and per scoped token (:mod:`._tenancy.creations`), store writes against the stores'
+limits (:mod:`._tenancy.sizes`). A background task forgets runs idle for ``run_ttl``, and
+abandoned ones (no live node, nobody changed or read them) after ``quotas.empty_run_ttl``
+(and the nodes and runs per client that went).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -35,6 +39,19 @@ from ._operator import HAS_TOKEN
 from ._quota import DEFAULT_MAX_NODES_PER_CLIENT, QUOTA, NodeQuota, NodeQuotaError
 from ._routes import BODY_TIMEOUT, REPLAYS, STORE, Replays, add_routes
 from ._runs import PersistenceError, RunLimitError, RunStore
+from ._tenancy import (
+    RUN_QUOTA,
+    SCOPE,
+    STORE_QUOTA,
+    Quotas,
+    Refused,
+    RunQuota,
+    Scope,
+    Scopes,
+    StoreQuota,
+    check_route,
+    load_scoped_tokens,
+)
 from ._throttle import THROTTLE, AuthThrottle
 
 __all__ = [
@@ -49,12 +66,12 @@ __all__ = [
 
 log = logging.getLogger("aelastic.backends.http.server")
 
-#: Runs nobody changed for this long (seconds) are forgotten.
+#: Runs nobody changed (or read the store of) for this long (seconds) are forgotten.
 DEFAULT_RUN_TTL = 24 * 3600.0
 #: Runs a server keeps at most; a request that would add one more gets ``503``.
 DEFAULT_MAX_RUNS = 10_000
 #: Seconds between two sweeps for forgotten runs, at most.
-_SWEEP_EVERY = 600.0
+_SWEEP_EVERY = 60.0
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: Adds pages to the application: called with it, the runs and the token (``aelastic serve``
@@ -92,6 +109,8 @@ async def _answer(request: web.Request, handler: _Handler) -> web.StreamResponse
         return _error(*known)
     except NodeQuotaError as exc:
         return _error(429, str(exc))
+    except Refused as exc:
+        return web.json_response({"error": str(exc)}, status=exc.status, headers=exc.headers())
     except web.HTTPRequestTimeout as exc:
         response = _error(408, exc.text or "the request body came too slowly")
         response.force_close()  # what is left of the body is not worth reading
@@ -122,9 +141,7 @@ def too_many_failures(wait: float) -> web.Response:
     )
 
 
-def _auth_middleware(token: str, clients: Clients, throttle: AuthThrottle) -> Any:
-    expected = f"Bearer {token}".encode()
-
+def _auth_middleware(scopes: Scopes, clients: Clients, throttle: AuthThrottle) -> Any:
     @web.middleware
     async def auth(request: web.Request, handler: _Handler) -> web.StreamResponse:
         if getattr(request.match_info.handler, OWN_AUTH, False):
@@ -135,8 +152,8 @@ def _auth_middleware(token: str, clients: Clients, throttle: AuthThrottle) -> An
             if wait:
                 return too_many_failures(wait)
         header = request.headers.get("Authorization")
-        given = (header or "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, expected):
+        scope = scopes.resolve(header)
+        if scope is None:
             if header is not None:  # a guess (none guesses nothing: a 401, not counted)
                 throttle.failed(clients.key(request), "bearer", connection)
             return web.json_response(
@@ -146,6 +163,8 @@ def _auth_middleware(token: str, clients: Clients, throttle: AuthThrottle) -> An
             )
         if not clients.proxied(request):  # a proxy's connection carries other clients too
             throttle.vouch(connection)
+        request[SCOPE] = scope
+        check_route(request, scope)  # a scoped token: its runs' routes only
         return await handler(request)
 
     return auth
@@ -182,6 +201,8 @@ def create_app(
     trusted_proxies: Sequence[str] = (),
     max_nodes_per_client: int = DEFAULT_MAX_NODES_PER_CLIENT,
     pages: Pages | None = None,
+    scoped_tokens: str | os.PathLike[str] | Mapping[str, Scope] | None = None,
+    quotas: Quotas | None = None,
 ) -> web.Application:
     """Create the rendezvous server's aiohttp application (mountable with ``add_subapp``).
 
@@ -190,8 +211,8 @@ def create_app(
             from the environment, ``""`` disables authentication.
         persist_path: JSON file keeping the runs across restarts (``None``: memory only).
         max_body: Largest request body accepted, in bytes (larger: ``413``).
-        run_ttl: Seconds after which a run nobody changed or waits on is forgotten
-            (``0``: never).
+        run_ttl: Seconds after which a run nobody changed, read the store of, or waits on is
+            forgotten (``0``: never).
         max_runs: Runs kept at most (``0``: no limit); a request that would add one more
             gets ``503``, the runs already there keep working.
         read_timeout: Seconds a request's body may take to arrive (else ``408``).
@@ -202,6 +223,10 @@ def create_app(
         max_nodes_per_client: Nodes one client (not on loopback) may have in the runs at
             once; a join past it gets ``429`` (``0``: no limit).
         pages: Adds the pages (``/``, ``/runs/<run id>``) showing the runs.
+        scoped_tokens: Tokens scoped to a run-id prefix, or a file of them, one ``TOKEN
+            PREFIX`` a line (:func:`._tenancy.load_scoped_tokens`); needs ``token``.
+        quotas: The limits of runs per client and per scoped token, of the stores, and the
+            time after which an abandoned run is forgotten (``None``: the defaults).
 
     Returns:
         The application; its API lives under ``/v1``.
@@ -209,8 +234,9 @@ def create_app(
     Raises:
         PersistenceError: ``persist_path`` exists but is not a valid runs file.
         ValueError: ``max_body``, ``run_ttl``, ``max_runs``, ``read_timeout``,
-            ``keepalive_timeout`` or ``max_nodes_per_client`` is out of range, or a trusted
-            proxy is not an address or network.
+            ``keepalive_timeout`` or ``max_nodes_per_client`` is out of range, a trusted
+            proxy is not an address or network, or the scoped tokens file cannot be read,
+            has a bad line, or is given to a server without a token.
     """
     if max_body < 1024:
         raise ValueError(f"max_body ({max_body}) must be at least 1024 bytes")
@@ -222,15 +248,23 @@ def create_app(
         if not 0 < value < math.inf:
             raise ValueError(f"{name} ({value}) must be a positive number of seconds")
     secret = resolve_token(token)
+    quotas = quotas or Quotas()
+    listed = scoped_tokens
+    if listed is not None and not isinstance(listed, Mapping):
+        listed = load_scoped_tokens(listed)
+    scopes = Scopes(secret, listed)
     clients = Clients(trusted_proxies)
     throttle = AuthThrottle()
     middlewares: list[Any] = [_errors_middleware()]
     if secret is not None:
-        middlewares.append(_auth_middleware(secret, clients, throttle))
+        middlewares.append(_auth_middleware(scopes, clients, throttle))
     app = web.Application(client_max_size=max_body, middlewares=middlewares)
     store = RunStore(persist_path, max_runs=max_runs)
     quota = NodeQuota(store.engine, max_nodes_per_client, clients)
+    runs_quota = RunQuota(store, quotas, clients)
     app[STORE] = store
+    app[RUN_QUOTA] = runs_quota
+    app[STORE_QUOTA] = StoreQuota(store.engine, quotas, runs_quota)
     app[CLIENTS] = clients
     app[THROTTLE] = throttle
     app[QUOTA] = quota
@@ -249,7 +283,8 @@ def create_app(
         pages(app, store.engine, secret)
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
-        sweeper = asyncio.get_running_loop().create_task(_sweep(store, quota, run_ttl))
+        sweep = _sweep(store, quota, runs_quota, run_ttl, quotas.empty_run_ttl)
+        sweeper = asyncio.get_running_loop().create_task(sweep)
         yield
         sweeper.cancel()
         throttle.close()
@@ -266,11 +301,15 @@ def loop_time() -> float:
     return time.monotonic()
 
 
-async def _sweep(store: RunStore, quota: NodeQuota, ttl: float) -> None:
+async def _sweep(
+    store: RunStore, quota: NodeQuota, runs_quota: RunQuota, ttl: float, empty_ttl: float
+) -> None:
+    every = min([t / 4 for t in (ttl, empty_ttl) if t] + [_SWEEP_EVERY])
     while True:
-        await asyncio.sleep(min(ttl / 4, _SWEEP_EVERY) if ttl else _SWEEP_EVERY)
-        expired = store.expire(ttl or math.inf, loop_time())
+        await asyncio.sleep(every)
+        expired = store.expire(ttl or math.inf, loop_time(), empty_ttl or math.inf)
         quota.sweep()
+        runs_quota.sweep()
         if expired:
             with contextlib.suppress(PersistenceError):
                 await store.durable()

@@ -19,7 +19,9 @@ heartbeat and its news; it is held without a task of its own (:mod:`._held`). A 
 is not a JSON object with a valid ``id``, or a binary one, closes the channel (code 1003 or
 1007, the reason in the close frame). At most :data:`MAX_IN_FLIGHT` requests are held per
 channel (beyond: 503); a join that would add a node past its client's quota is answered 429
-(:mod:`._quota`). A channel that carried nothing and holds no request for the server's
+(:mod:`._quota`); a request for a run its channel's scoped token may not use is answered 403,
+one that would make a run past its client's or token's quota of runs 429 (:mod:`._tenancy`).
+A channel that carried nothing and holds no request for the server's
 keep-alive timeout (``aelastic serve --keepalive-timeout``, as an idle connection between
 requests) is closed with code 1000 and the reason ``idle`` (the client opens a new one when
 it needs it); at shutdown every channel is closed with code 1001 once its held answers are
@@ -57,7 +59,8 @@ from ._held import Held, HeldBeats, encode, start
 from ._message import Closed, parse, read_message
 from ._quota import QUOTA, NodeQuotaError
 from ._repeat import repeat_id, tail
-from ._runs import RunStore
+from ._runs import RunLimitError, RunStore
+from ._tenancy import RUN_QUOTA, Refused, check_run, scope_of
 
 __all__ = ["MAX_IN_FLIGHT", "TAPS", "add_channel"]
 
@@ -157,12 +160,19 @@ class _Channel:
             return
         try:
             message = read_message(doc)
+            check_run(scope_of(self.upgrade), message.run_id)
+            self.upgrade.app[RUN_QUOTA].admit(self.upgrade, message.run_id)
             self.upgrade.app[QUOTA].admit(self.upgrade, message.run_id, message.request)
         except SchemaError as exc:
             self._later(self._error(msg_id, 400, str(exc)))
             return
         except NodeQuotaError as exc:
             self._later(self._error(msg_id, 429, str(exc)))
+            return
+        except (Refused, RunLimitError) as exc:
+            refusal = failure(exc)
+            assert refusal is not None
+            self._later(self._error(msg_id, *refusal))
             return
         run_id, request, hold, seen, key, broken = message
         if broken:

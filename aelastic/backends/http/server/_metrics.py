@@ -7,7 +7,9 @@ request), and the requests answered on channels (:mod:`._channel`) by status; a
 collector reads the runs and their nodes per state (participants, waiting, redundant) from
 the store at each scrape, and the counts of the clients' limits: failed token checks and
 the requests refused for them (:mod:`._throttle`, by kind), joins refused for a client's
-quota of nodes (:mod:`._quota`); the store reports each persistence write's duration. Everything
+quota of nodes (:mod:`._quota`), requests refused by the quotas of runs and of store bytes
+(:mod:`._tenancy`, by limit) and the bytes the stores hold; the store reports each
+persistence write's duration. Everything
 lives in a registry of this application's own (several servers in one process never clash).
 The route sits behind the same token check as the API (Prometheus sends it as a bearer
 token). Without ``prometheus_client`` the route answers 501 naming the extra, and the server
@@ -26,6 +28,7 @@ from ..._engine import now_ms
 from ._channel import TAPS
 from ._quota import QUOTA, NodeQuota
 from ._runs import RunStore
+from ._tenancy import RUN_QUOTA, STORE_QUOTA, RunQuota, StoreQuota
 from ._throttle import THROTTLE, AuthThrottle
 
 __all__ = ["install"]
@@ -46,7 +49,8 @@ def install(app: web.Application, store: RunStore) -> None:
         app.router.add_get("/metrics", missing)
         return
     metrics = _Metrics(store)
-    metrics.registry.register(_LimitsCollector(app[THROTTLE], app[QUOTA]))
+    limits = _LimitsCollector(app[THROTTLE], app[QUOTA], app[RUN_QUOTA], app[STORE_QUOTA])
+    metrics.registry.register(limits)
     app.middlewares.insert(0, metrics.middleware)  # outermost: sees every final status
     app[TAPS].append(metrics.channel_answer)
     app.router.add_get("/metrics", metrics.scrape)
@@ -181,15 +185,19 @@ class _RunsCollector:
 class _LimitsCollector:
     """What the limits per client counted, read at each scrape."""
 
-    def __init__(self, throttle: AuthThrottle, quota: NodeQuota) -> None:
+    def __init__(
+        self, throttle: AuthThrottle, quota: NodeQuota, runs: RunQuota, sizes: StoreQuota
+    ) -> None:
         self._throttle = throttle
         self._quota = quota
+        self._runs = runs
+        self._sizes = sizes
 
     def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         failures = CounterMetricFamily(
             "aelastic_server_auth_failures",
@@ -210,6 +218,24 @@ class _LimitsCollector:
             "Joins refused (429) because their client has its limit of nodes in the runs.",
         )
         quota.add_metric([], self._quota.refused)
+        quotas = CounterMetricFamily(
+            "aelastic_server_quota_refused",
+            "Requests refused by a quota of runs (429: new_runs, live_runs) or of store bytes "
+            "(413: value, run_store, client_store, total_store).",
+            labels=["limit"],
+        )
+        for limit in ("new_runs", "live_runs"):
+            quotas.add_metric([limit], self._runs.refused[limit])
+        for limit in ("value", "run", "client", "total"):
+            name = limit if limit == "value" else f"{limit}_store"
+            quotas.add_metric([name], self._sizes.refused[limit])
+        stored = GaugeMetricFamily(
+            "aelastic_server_store_bytes",
+            "Bytes the members' stores of every run hold (keys, values, 64 a key).",
+        )
+        stored.add_metric([], self._sizes.engine.kv_bytes)
         yield failures
         yield refused
         yield quota
+        yield quotas
+        yield stored

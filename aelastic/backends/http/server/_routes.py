@@ -9,9 +9,13 @@ may carry an ``Idempotency-Key`` so that a retried ``kv/add`` counts once (:clas
 Long-polls (``status?token=&wait=``, ``kv/wait``) are held until the change, the timeout,
 or the server's shutdown (then ``503``, and clients retry against the restarted server).
 A request that may make a new run is first admitted by the store (``503`` past its limit
-of runs), a join that adds a node by its client's quota (``429``: :mod:`._quota`); a body
-must arrive within ``BODY_TIMEOUT`` (``408``). The operator's routes (closing and deleting
-a run) are checked by :mod:`._operator`.
+of runs) and by the quotas of runs its client and its scoped token may make (``429``:
+:mod:`._tenancy.creations`), a join that adds a node by its client's quota (``429``:
+:mod:`._quota`), a store write by the stores' limits (``413``: :mod:`._tenancy.sizes`,
+checked in the step that applies it); a body must arrive within ``BODY_TIMEOUT``
+(``408``). A scoped token reaches its own runs only (checked by the bearer middleware), and
+lists only them. The operator's routes (closing and deleting a run) are checked by
+:mod:`._operator`.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from ....core.wire import (
     snapshot_to_json,
     status_to_json,
 )
-from ..._engine import now_ms
+from ..._engine import add_int64, now_ms
 from ..wire import (
     API_PREFIX,
     API_VERSION,
@@ -55,6 +59,7 @@ from ._answer import answer
 from ._operator import require_operator
 from ._quota import QUOTA
 from ._runs import RunStore
+from ._tenancy import RUN_QUOTA, STORE_QUOTA, scope_of
 
 __all__ = ["BODY_TIMEOUT", "REPLAYS", "STORE", "Replays", "add_routes"]
 
@@ -108,9 +113,8 @@ def _store(request: web.Request) -> RunStore:
 
 def _admitted(request: web.Request, run_id: str) -> RunStore:
     """The store, once it is known that the request may make ``run_id``."""
-    store = _store(request)
-    store.admit(run_id)
-    return store
+    request.app[RUN_QUOTA].admit(request, run_id)
+    return _store(request)
 
 
 def _run_id(request: web.Request) -> str:
@@ -200,6 +204,7 @@ async def _rendezvous(request: web.Request) -> web.Response:
     def gone() -> bool:
         return request.transport is None or request.transport.is_closing()
 
+    request.app[RUN_QUOTA].admit(request, run_id)
     request.app[QUOTA].admit(request, run_id, rdzv_request)
     reply = await answer(_store(request), run_id, rdzv_request, hold, seen, gone)
     return web.json_response(reply_to_json(reply))
@@ -215,7 +220,7 @@ async def _status(request: web.Request) -> web.Response:
     store = _store(request)
     engine = store.engine
     if wait > 0 and token is not None:
-        store.admit(run_id)  # waiting makes the run
+        request.app[RUN_QUOTA].admit(request, run_id)  # waiting makes the run
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while engine.status(run_id, 0).token == token and loop.time() < deadline:
@@ -255,7 +260,8 @@ async def _list_runs(request: web.Request) -> web.Response:
         if not digits or not 1 <= int(text) <= MAX_LISTED_RUNS:
             raise SchemaError(f"'limit' must be a whole number from 1 to {MAX_LISTED_RUNS}")
         limit = int(text)
-    runs = _store(request).engine.list_runs(now_ms(), limit)
+    prefix = scope_of(request).prefix or ""
+    runs = _store(request).engine.list_runs(now_ms(), limit, prefix)
     body = [{"run_id": run_id, "status": status_to_json(status)} for run_id, status in runs]
     return web.json_response({"runs": body})
 
@@ -296,9 +302,12 @@ async def _kv_set(request: web.Request) -> web.Response:
     run_id = _run_id(request)
     body = await _body(request, {"key", "value"})
     key, value = require_key(body), require_bytes(body, "value")
+    sizes = request.app[STORE_QUOTA]
+    sizes.check_value(value)
     engine = _admitted(request, run_id).engine
 
     def apply() -> _Reply:
+        sizes.check_write(run_id, key, len(value))
         engine.kv_set(run_id, key, value)
         return 200, {}
 
@@ -318,10 +327,13 @@ async def _kv_add(request: web.Request) -> web.Response:
     run_id = _run_id(request)
     body = await _body(request, {"key", "amount"})
     key, amount = require_key(body), require_int(body, "amount")
+    sizes = request.app[STORE_QUOTA]
     engine = _admitted(request, run_id).engine
 
     def apply() -> _Reply:
         try:
+            total = add_int64(engine.kv_get(run_id, [key])[0], amount, key)
+            sizes.check_write(run_id, key, len(str(total)))
             return 200, {"value": engine.kv_add(run_id, key, amount)}
         except ValueError as exc:
             return 409, {"error": str(exc)}
@@ -335,9 +347,13 @@ async def _kv_compare_set(request: web.Request) -> web.Response:
     key = require_key(body)
     expected = require_optional_bytes(body, "expected")
     desired = require_bytes(body, "desired")
+    sizes = request.app[STORE_QUOTA]
+    sizes.check_value(desired)
     engine = _admitted(request, run_id).engine
 
     def apply() -> _Reply:
+        if engine.kv_get(run_id, [key])[0] == expected:  # it will write
+            sizes.check_write(run_id, key, len(desired))
         value = engine.kv_compare_set(run_id, key, expected, desired)
         return 200, {"value": b64encode(value)}
 

@@ -14,8 +14,12 @@ After a write failed (the journal may end in a cut line, or be gone) the next co
 rewrites it whole instead of appending. Heartbeats are not saved: after a restart every
 listed node gets a fresh heartbeat window. Each run's rules and its nodes' secrets are saved
 with it (the journal is made readable by its owner only). A request that would add a run
-past ``max_runs`` raises :class:`RunLimitError` (:meth:`RunStore.admit`); runs that hold
-nothing and that nobody waits on are dropped at each sweep.
+past ``max_runs`` raises :class:`RunLimitError` (:meth:`RunStore.admit`), after the runs
+that hold nothing and that nobody waits on were dropped (at most once a second). Each sweep
+(:meth:`RunStore.expire`) drops these too, the runs nobody changed (or read the store of)
+for the run TTL, and the abandoned ones: no live node in them (none ever joined, all left,
+or all went silent for longer than the run's heartbeat window), nobody waiting on them,
+nobody changed them or read their store for the empty-run TTL (their store goes too).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -34,7 +39,7 @@ from ....core.health import JobHealth
 from ....core.state import MAX_ROLE, NodeDesc, Placement, RunState
 from ....core.token import parse
 from ....core.wire import WireError, rules_from_json, rules_to_json
-from ..._engine import Engine, now_ms
+from ..._engine import Engine, Run, now_ms
 from ..wire import SchemaError, b64decode, b64encode, require_run_id
 
 __all__ = ["PersistenceError", "RunLimitError", "RunStore"]
@@ -48,6 +53,8 @@ _FILE_FORMAT = "aelastic.http.runs"
 _FILE_VERSION = 4
 #: Runs serialized between two yields to the event loop while rewriting the journal.
 _BATCH = 200
+#: Seconds between two drops of the empty runs when the server is at its limit of runs.
+_PURGE_EVERY = 1.0
 #: The journal is rewritten once it is this much larger than its live content.
 _GROWTH = 2.0
 _MIN_REWRITE = 1 << 20
@@ -199,6 +206,7 @@ class RunStore:
         self._written = 0  # bytes in the journal
         self._damaged = False  # a write failed: rewrite the journal whole before appending
         self._live = 0  # bytes of its last rewrite
+        self._purged = -math.inf  # when the empty runs were last dropped at the limit
         if self._path is not None:
             self._open(self._path)
 
@@ -222,6 +230,7 @@ class RunStore:
                     f"The persistence file {path} cannot be loaded ({exc}). It was left as it "
                     "is: fix it, move it away, or start the server with another --persist file."
                 ) from None
+            self.engine.recount_kv()
             log.info("loaded %d run(s) from %s", len(self.engine.runs), path)
         lines = [self._header()] + [self._line(r) for r in self.engine.runs]
         _rewrite(path, lines)
@@ -354,7 +363,14 @@ class RunStore:
             RunLimitError: ``run_id`` would be a new run past ``max_runs``.
         """
         runs = self.engine.runs
-        if self.max_runs and len(runs) >= self.max_runs and run_id not in runs:
+        if not self.max_runs or len(runs) < self.max_runs or run_id in runs:
+            return
+        now = time.monotonic()
+        if now - self._purged >= _PURGE_EVERY:
+            self._purged = now
+            for empty in [r for r, run in runs.items() if run.idle and run.empty()]:
+                self.engine.delete(empty)
+        if len(runs) >= self.max_runs:
             raise RunLimitError(
                 f"this server keeps at most {self.max_runs} runs (--max-runs) and run "
                 f"{run_id!r} would be a new one: finish or delete old runs "
@@ -365,13 +381,16 @@ class RunStore:
         """Forget ``run_id`` (state and keys); whether it held anything."""
         return self.engine.delete(run_id)
 
-    def expire(self, ttl: float, now: float) -> int:
-        """Forget runs unchanged for ``ttl`` s (monotonic ``now``) that nobody waits on, and
-        runs holding nothing that nobody waits on (a wait on a run that never came)."""
+    def expire(self, ttl: float, now: float, empty_ttl: float = math.inf) -> int:
+        """Forget the runs nobody waits on that hold nothing (a wait on a run that never
+        came), that nobody changed or read for ``ttl`` s (monotonic ``now``), or that no live node
+        is in and nobody changed or read for ``empty_ttl`` s; how many."""
+        wall = now_ms()
         old = [
             r
             for r, run in self.engine.runs.items()
-            if run.idle and (run.touched < now - ttl or run.empty())
+            if run.idle
+            and (run.empty() or run.touched < now - ttl or _abandoned(run, now, wall, empty_ttl))
         ]
         for run_id in old:
             self.engine.delete(run_id)
@@ -381,6 +400,20 @@ class RunStore:
         """Wake every waiter: the server is shutting down."""
         self.closing = True
         self.engine.wake_everyone()
+
+
+def _abandoned(run: Run, now: float, wall: int, ttl: float) -> bool:
+    """Whether no live node is in ``run`` and it was quiet for ``ttl`` s (``now``: monotonic
+    seconds, ``wall``: this machine's clock in ms)."""
+    quiet = run.touched
+    state = run.state
+    if state is not None and state.beats:
+        newest = max(state.beats.values())
+        window = 0 if state.rules is None else state.rules.window_ms
+        if wall - newest <= window:
+            return False  # a node beat within the run's window: it is in the run
+        quiet = max(quiet, now - (wall - newest) / 1000)
+    return quiet < now - ttl
 
 
 def _private(path: str | os.PathLike[str], flags: int) -> int:
