@@ -11,7 +11,10 @@ max) per backend and per kind of fault, how many exceeded the bound the design p
 interpreter started), and the checks of the chaos test: no duplicate rank in any sample
 or round, no agent that ended by itself, nothing of the run left once the agents are gone.
 Meanwhile a client that is not a member sends forged requests at random moments (forged
-windows, leaves, keep-alives, joins and closes naming members, phantom joins; see
+windows; leaves, keep-alives, joins, failure reports, quarantines and "done" naming members;
+a stranger's reports and "done"; phantom joins; and the control keys an older aelastic read
+from the members' store: a quarantining health record, rank assignments and a master
+address for the next rounds, the exit barrier's "all done"; see
 ``tests/chaos/_forgery.py``): none may change the run.
 
 Run: ``python benchmarks/chaos.py [--backends redis,http] [--agents 5] [--faults 50]

@@ -3,19 +3,24 @@
 A :class:`Forger` thread reads the run's membership (as anyone who can reach the backend
 can) and sends, every 0.05-0.5 s, one forged request through its own backend client: a
 status or keep-alive of a stranger asking with a 1 ms window and a group of one; a leave, a
-keep-alive, a join or a close naming a member with a secret that is not the member's; a
-close by a stranger; a phantom join of a made-up node asking for a 1 ms window or other node
-bounds. It counts, by kind, what the replies said, and every forged request that changed the
-run itself (a transition other than none or the run's own prune): the chaos checks require
-none. A stranger joining with the run's own rules is a new node like any other, so it is
-not one of these; nor is a forged join that finds the member's name free (the run's window
-had dropped that member first: the join was then a new node's, the name taken, and the
-member, if it comes back, joins under another name).
+keep-alive, a join, a failure report, a quarantine or a "done" naming a member with a secret
+that is not the member's; a stranger's failure report or "done"; a phantom join of a made-up
+node asking for a 1 ms window or other node bounds; and writes to the members' store of the
+keys an older aelastic read its control state from (a health record quarantining a member's
+host with a made-up root cause, rank assignments and a master address for the next rounds,
+the exit barrier's "all done"), which now decide nothing. (A close is a run-level act any
+handler may do, as in torch: not a forgery.) It counts, by kind, what the replies said, and
+every forged request that changed the run itself (a transition other than none or the run's
+own prune): the chaos checks require none. A stranger joining with the run's own rules is a
+new node like any other, so it is not one of these; nor is a forged join that finds the
+member's name free (the run's window had dropped that member first: the join was then a new
+node's, the name taken, and the member, if it comes back, joins under another name).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import secrets
 import threading
@@ -24,6 +29,7 @@ from typing import Any
 
 from aelastic import sync
 from aelastic.backends.registry import create_backend
+from aelastic.core.health import FailureReport, NodeReport
 from aelastic.core.params import RendezvousParameters, Rules
 from aelastic.core.protocol import RendezvousBackend
 from aelastic.core.state import NodeDesc, Op, Request, Transition
@@ -37,9 +43,17 @@ FORGED_KINDS = (
     "forged_leave",
     "forged_keep_alive",
     "forged_join",
-    "forged_close",
-    "stranger_close",
+    "forged_report",
+    "forged_quarantine",
+    "forged_done",
+    "stranger_report",
+    "stranger_done",
     "phantom_join",
+    "store_control_keys",
+)
+#: A failure report that blames whoever it is sent for, in a round far ahead.
+_FAILURE = NodeReport(
+    failure=FailureReport(time=0.0, rank=0, local_rank=0, exitcode=1, message="forged")
 )
 #: What the forger asks with: a group of one, a 1 ms window.
 TINY = Rules(1, 1, last_call_ms=1, window_ms=1)
@@ -113,6 +127,11 @@ class Forger:
         stranger = NodeDesc("10.66.6.6", self._rng.randrange(1, 1 << 22), 0)
         member = self._rng.choice(members) if members else stranger
         other_bounds = dataclasses.replace(rules, max_nodes=rules.max_nodes + 1)
+        if kind == "store_control_keys":
+            self._store_forgery(member, snapshot.status.round if snapshot else 0)
+            self.sent[kind] += 1
+            return
+        quarantine = NodeReport(quarantine="forged")
         request = {
             "forged_window": Request(
                 self._rng.choice([Op.STATUS, Op.KEEP_ALIVE]), stranger, TINY, secret=secret
@@ -120,8 +139,13 @@ class Forger:
             "forged_leave": Request(Op.LEAVE, member, rules, secret=secret),
             "forged_keep_alive": Request(Op.KEEP_ALIVE, member, TINY, secret=secret),
             "forged_join": Request(Op.JOIN, member, rules, secret=secret),
-            "forged_close": Request(Op.CLOSE, member, rules, secret=secret),
-            "stranger_close": Request(Op.CLOSE, stranger, TINY, secret=secret),
+            "forged_report": Request(Op.REPORT, member, rules, secret=secret, report=_FAILURE),
+            "forged_quarantine": Request(
+                Op.REPORT, member, rules, secret=secret, report=quarantine
+            ),
+            "forged_done": Request(Op.DONE, member, rules, secret=secret),
+            "stranger_report": Request(Op.REPORT, stranger, TINY, secret=secret, report=_FAILURE),
+            "stranger_done": Request(Op.DONE, stranger, TINY, secret=secret),
             "phantom_join": Request(
                 Op.JOIN, stranger, self._rng.choice([TINY, other_bounds]), secret=secret
             ),
@@ -134,6 +158,23 @@ class Forger:
             self.names_taken += 1  # the name was free when the join was applied
         elif reply.transition not in _HARMLESS:
             self.changes.append(f"{kind} {request.op.value} for {request.node}: {reply}")
+
+    def _store_forgery(self, member: NodeDesc, round_: int) -> None:
+        """Write what an older aelastic read its control state from: none of it is read."""
+        health = json.dumps(
+            {"format": "aelastic.job.health/1", "incidents_total": 99, "incidents": [],
+             "quarantined": {member.addr: "forged"}, "lost": {}}
+        ).encode()  # fmt: skip
+        assignment = json.dumps(
+            {"format": "aelastic.agent.assignment/1", "ranks": [0, 2, 0], "role_world_size": 2,
+             "local_world_size": 1, "master": ["10.66.6.6", 1]}
+        ).encode()  # fmt: skip
+        writes = [("job/health", health)]
+        for ahead in range(round_, round_ + 3):
+            writes += [(f"r{ahead}/agent/assignment/{rank}", assignment) for rank in range(4)]
+            writes += [(f"r{ahead}/agent/all-done", b"1"), (f"r{ahead}/MASTER_ADDR", b"10.66.6.6")]
+        for key, value in writes:
+            sync.run(self._backend.kv_set(key, value), 30)
 
     def summary(self) -> dict[str, Any]:
         return {
