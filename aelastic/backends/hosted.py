@@ -41,7 +41,7 @@ from ..core.errors import RendezvousConnectionError, RendezvousError, Rendezvous
 from ..core.health import JobHealth
 from ..core.params import RendezvousParameters, parse_rendezvous_endpoint
 from ..core.protocol import RendezvousBackend
-from ..core.state import Op, Reply, Request, Snapshot, Status
+from ..core.state import Op, Placement, Reply, Request, Snapshot, Status
 from ..core.token import Token
 from ._node_rank import NodeRanks
 from .http.client import HttpBackend
@@ -215,8 +215,31 @@ class HostedBackend:
             return reply
         if request.op is Op.JOIN:
             addr, port = await self._master(request, reply)
-            return replace(reply, rank=self._rank, master_addr=addr, master_port=port)
+            placement = self._placement(request, reply)
+            return replace(
+                reply, rank=self._rank, master_addr=addr, master_port=port, placement=placement
+            )
         return replace(reply, rank=self._rank)
+
+    def _placement(self, request: Request, reply: Reply) -> Placement | None:
+        """Where this node's workers stand when its rank is its node rank (torch's static
+        rendezvous): every node runs as many workers of one role, so node rank ``r``'s come
+        after ``r`` nodes' worth.
+
+        Raises:
+            RendezvousError: The nodes run different numbers or roles of workers (the
+                rendezvous's own placement, in its node order, would not follow the ranks).
+        """
+        placed, size = reply.placement, request.local_world_size
+        if placed is None or self._rank is None:
+            return placed
+        if placed.world != size * reply.status.world or placed.role_world != placed.world:
+            raise RendezvousError(
+                "the static rendezvous needs the same --nproc-per-node and role on every node "
+                f"(this node runs {size} worker(s); the round has {placed.world} in all)"
+            )
+        base = self._rank * size
+        return Placement(base, placed.world, base, placed.role_world)
 
     async def _master(self, request: Request, reply: Reply) -> tuple[str, int]:
         """Where the workers bootstrap: node rank 0's address and port (not the first node

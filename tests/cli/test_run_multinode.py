@@ -27,6 +27,27 @@ if world != int(sys.argv[1]):
     time.sleep(120)
 """
 
+# Meets its peer at MASTER_ADDR:MASTER_PORT, as a collective would: rank 1 retries until rank 0
+# listens (a dead rank 0 keeps it there until its agent re-forms the group).
+PEERS = """
+import os, socket, time
+world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+print(f"worker pid={os.getpid()} world={world} rank={rank}", flush=True)
+addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+if rank == 0:
+    server = socket.create_server((addr, port))
+    server.settimeout(120)
+    server.accept()[0].recv(1)
+else:
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=1).sendall(b"x")
+            break
+        except OSError:
+            time.sleep(0.1)
+print("met my peer", flush=True)
+"""
+
 
 @pytest.fixture(params=["http", "redis"])
 def rendezvous(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
@@ -131,7 +152,7 @@ def test_a_member_stopped_as_the_round_completes_then_killed_never_hangs_the_oth
     from aelastic.backends import create_backend
 
     backend_name, endpoint = rendezvous
-    (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
+    (tmp_path / "worker.py").write_text(textwrap.dedent(PEERS))
     conf = "--rdzv-conf=last_call_timeout=3,keep_alive_interval=0.5,keep_alive_max_attempt=3"
 
     def node() -> Cli:
@@ -173,6 +194,7 @@ def test_a_member_stopped_as_the_round_completes_then_killed_never_hangs_the_oth
         # heartbeat window (1.5 s) + last call (3 s), with room for a loaded machine
         assert time.monotonic() - started < 40
     assert "world=2" in survivor.output and "world=2" in c.output
+    assert "met my peer" in survivor.output and "met my peer" in c.output
 
 
 def test_nodes_with_other_keep_alive_settings_get_a_clear_error_not_a_livelock(

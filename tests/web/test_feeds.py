@@ -68,32 +68,17 @@ async def test_the_hub_bounds_the_runs_watched_at_once() -> None:
         await hub.aclose()
 
 
-async def test_a_run_feed_carries_the_jobs_health_from_the_runs_store() -> None:
-    from aelastic.core.health import (
-        HEALTH_KEY,
-        FailureRecord,
-        JobHealth,
-        failed_key,
-        with_failure,
-    )
+async def test_a_run_feed_carries_the_jobs_health_as_the_rendezvous_keeps_it() -> None:
+    from aelastic.core.health import FailureReport, NodeReport
 
     engine = Engine()
-    engine.apply("job", Request(Op.JOIN, A, RULES), now_ms())
-    record = FailureRecord(
-        time=1.0,
-        host="127.0.0.1",
-        node=A.key,
-        node_rank=0,
-        rank=0,
-        local_rank=0,
-        exitcode=-9,
-        message="Signal 9 (SIGKILL) received by PID 7",
-        round=0,
+    one = Rules(1, 1, RULES.last_call_ms, RULES.window_ms)
+    engine.apply("job", Request(Op.JOIN, A, one, secret=SECRET), now_ms())
+    failure = FailureReport(
+        time=1.0, rank=0, local_rank=0, exitcode=-9, message="Signal 9 (SIGKILL) received by PID 7"
     )
-    health = with_failure(JobHealth(), record)
-    assert health is not None
-    engine.kv_set("job", HEALTH_KEY, health.encode())
-    engine.kv_add("job", failed_key(0), 1)
+    report = Request(Op.REPORT, A, one, secret=SECRET, report=NodeReport(failure=failure))
+    engine.apply("job", report, now_ms())
     hub = FeedHub(EngineSource(engine), run_tick=60.0)
     feed = hub.run("job")
     try:
