@@ -206,5 +206,8 @@ async def until(check: Callable[[], Awaitable[bool]], within: float = PROMPT) ->
     """Wait until ``check()`` holds (asked every 20 ms), at most ``within`` seconds (for
     conditions nothing notifies: a node listed in the stored state)."""
     with anyio.fail_after(within):
-        while not await check():
+        for _ in range(int(within / 0.02) + 2):
+            if await check():
+                return
             await anyio.sleep(0.02)
+        raise AssertionError("the condition never held")
