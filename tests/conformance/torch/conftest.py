@@ -211,3 +211,49 @@ async def until(check: Callable[[], Awaitable[bool]], within: float = PROMPT) ->
                 return
             await anyio.sleep(0.02)
         raise AssertionError("the condition never held")
+
+
+HandlerFactory = Callable[..., list[DynamicRendezvousHandler]]
+
+
+@pytest.fixture
+async def agent_handlers(make_params: MakeParams) -> AsyncIterator[HandlerFactory]:
+    """``agent_handlers(count, min_nodes, max_nodes, **conf)``: async handlers of this
+    test's run on the backend under test, one per agent (released at the end)."""
+    made: list[DynamicRendezvousHandler] = []
+
+    def make(
+        count: int, min_nodes: int, max_nodes: int, **conf: Any
+    ) -> list[DynamicRendezvousHandler]:
+        params = make_params(min_nodes, max_nodes, **conf)
+        new = [create_handler(params) for _ in range(count)]
+        made.extend(new)
+        return new
+
+    yield make
+    with anyio.CancelScope(shield=True), anyio.move_on_after(PROMPT):
+        for handler in made:
+            await handler.aclose()
+
+
+@pytest.fixture
+async def solo_handlers(run_id: str) -> AsyncIterator[HandlerFactory]:
+    """:func:`agent_handlers` on the memory backend only: for one-node scenarios, whose
+    course does not depend on the backend (the rendezvous of one node)."""
+    made: list[DynamicRendezvousHandler] = []
+
+    def make(
+        count: int, min_nodes: int, max_nodes: int, **conf: Any
+    ) -> list[DynamicRendezvousHandler]:
+        conf = {"join_timeout": 20, "last_call_timeout": 0.1, **conf}
+        params = RendezvousParameters(
+            "memory", "torch-agents", run_id, min_nodes, max_nodes, **conf
+        )
+        new = [create_handler(params) for _ in range(count)]
+        made.extend(new)
+        return new
+
+    yield make
+    with anyio.CancelScope(shield=True), anyio.move_on_after(PROMPT):
+        for handler in made:
+            await handler.aclose()
