@@ -10,6 +10,9 @@ It writes its environment as JSON to ``OUT/<RANK>.<TORCHELASTIC_RESTART_COUNT>.j
 * ``fail_until N``: exits 1 while ``TORCHELASTIC_RESTART_COUNT`` is below N, then 0.
 * ``kill_rank1_once``: rank 1 kills itself with SIGKILL on the first attempt.
 * ``sleep_alone S``: sleeps S seconds while ``WORLD_SIZE`` is 1, then exits 0.
+* ``alone_after PATH``: in a world of one, waits until PATH exists (at most 60 s) and exits
+  0; in a bigger world, sleeps 60 s.
+* ``until_file PATH``: waits until PATH exists (at most 60 s), then exits 0.
 * ``print``: prints ``creating <RANK>`` on stdout, then exits 0.
 * ``fail``: raises ``RuntimeError`` (torch's ``bin/test_script.py --fail``).
 """
@@ -27,8 +30,10 @@ def main() -> int:
     out, mode, *rest = sys.argv[1:]
     rank = int(os.environ["RANK"])
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    with open(os.path.join(out, f"{rank}.{restart}.json"), "w") as f:
+    path = os.path.join(out, f"{rank}.{restart}.json")
+    with open(f"{path}.{os.getpid()}", "w") as f:
         json.dump(dict(os.environ), f)
+    os.replace(f"{path}.{os.getpid()}", path)  # whole, for a reader polling the directory
     if mode == "sleep":
         seconds, _, only = rest[0].partition("@")
         if not only or int(only) == rank:
@@ -36,6 +41,12 @@ def main() -> int:
     elif mode == "sleep_alone":
         if os.environ["WORLD_SIZE"] == "1":
             time.sleep(float(rest[0]))
+    elif mode == "alone_after":
+        if os.environ["WORLD_SIZE"] != "1":
+            time.sleep(60)
+        _wait_for_file(rest[0])
+    elif mode == "until_file":
+        _wait_for_file(rest[0])
     elif mode == "fail_odd":
         if rank % 2:
             return 1
@@ -51,6 +62,12 @@ def main() -> int:
     elif mode == "fail":
         raise RuntimeError("raising exception since --fail flag was set")
     return 0
+
+
+def _wait_for_file(path: str) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
