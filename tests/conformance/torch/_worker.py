@@ -13,6 +13,9 @@ It writes its environment as JSON to ``OUT/<RANK>.<TORCHELASTIC_RESTART_COUNT>.j
 * ``alone_after PATH``: in a world of one, waits until PATH exists (at most 60 s) and exits
   0; in a bigger world, sleeps 60 s.
 * ``until_file PATH``: waits until PATH exists (at most 60 s), then exits 0.
+* ``fail_after PATH``: waits until PATH exists (at most 60 s), then exits 1.
+* ``term_ignored``: rank 0 ignores SIGTERM (then writes ``OUT/ignoring``) and sleeps 60 s;
+  rank 1 exits 1 once rank 0 ignores SIGTERM.
 * ``print``: prints ``creating <RANK>`` on stdout, then exits 0.
 * ``fail``: raises ``RuntimeError`` (torch's ``bin/test_script.py --fail``).
 """
@@ -47,6 +50,17 @@ def main() -> int:
         _wait_for_file(rest[0])
     elif mode == "until_file":
         _wait_for_file(rest[0])
+    elif mode == "fail_after":
+        _wait_for_file(rest[0])
+        return 1
+    elif mode == "term_ignored":
+        ignoring = os.path.join(out, "ignoring")
+        if rank == 1:
+            _wait_for_file(ignoring)
+            return 1
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open(ignoring, "w").close()
+        time.sleep(60)
     elif mode == "fail_odd":
         if rank % 2:
             return 1
