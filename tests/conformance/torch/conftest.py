@@ -4,7 +4,8 @@ driven by aelastic's async handler or by torch's blocking names (:mod:`aelastic.
 How it works: ``deployment`` is narrowed to the plain deployment of each backend (memory, a
 real redis-server, a real HTTP server, a real etcd, and ``c10d`` hosted by an agent of the
 session; the Sentinel, Cluster and etcd-cluster deployments have their own conformance
-suite). ``facade`` is ``async`` or ``sync``. A :class:`Node` has torch's handler methods as
+suite). ``facade`` is ``async`` or ``sync`` (a scenario marked ``ASYNC_ONLY`` runs through the
+async handler only). A :class:`Node` has torch's handler methods as
 coroutines whichever facade drives it: through the sync facade each call blocks a worker
 thread, as a torch program's call blocks its thread, so a node waiting for its round in one
 thread is released by another node's call in another. ``nodes(count, min, max, **conf)``
@@ -44,11 +45,25 @@ def deployment(request: pytest.FixtureRequest) -> str:
     return name
 
 
-@pytest.fixture(params=["async", "sync"])
-def facade(request: pytest.FixtureRequest) -> str:
-    """``async``: :class:`DynamicRendezvousHandler`; ``sync``: torch's blocking names."""
-    name: str = request.param
-    return name
+#: The facades a scenario runs through, unless it says otherwise (``@ASYNC_ONLY``).
+FACADES = ("async", "sync")
+
+#: For scenarios whose course is set by time and the backend, not by how a program calls
+#: the handler (the last call, heartbeats, pruning): the sync facade runs the same
+#: coroutines on its own loop, so running them through it too would add time, not coverage.
+ASYNC_ONLY = pytest.mark.facades("async")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "facades(*names): the facades a torch scenario runs through")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``facade``: ``async`` (:class:`DynamicRendezvousHandler`) or ``sync`` (torch's
+    blocking names), each scenario through both unless marked ``facades(...)``."""
+    if "facade" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("facades")
+        metafunc.parametrize("facade", marker.args if marker else FACADES)
 
 
 class RoundStore:

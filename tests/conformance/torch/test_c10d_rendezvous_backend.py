@@ -26,7 +26,7 @@ from aelastic import RendezvousConnectionError, RendezvousParameters
 from aelastic.backends import create_backend
 from tests._ports import free_port
 
-from .conftest import Node, join_all
+from .conftest import ASYNC_ONLY, Node, join_all
 
 pytestmark = pytest.mark.anyio
 
@@ -115,6 +115,7 @@ async def test_create_backend_returns_backend_if_read_timeout_is_not_specified(
     assert info.world_size == 1
 
 
+@ASYNC_ONLY
 async def test_create_backend_raises_error_if_store_is_unreachable(c10d: MakeNode) -> None:
     """``is_host=false`` and nothing at the endpoint: ``RendezvousConnectionError`` (at
     the first call: a guest keeps asking until its join timeout, nodes start in any
@@ -124,6 +125,7 @@ async def test_create_backend_raises_error_if_store_is_unreachable(c10d: MakeNod
         await node.next_rendezvous()
 
 
+@ASYNC_ONLY
 @pytest.mark.parametrize("is_host", [True, False])
 async def test_create_backend_raises_error_if_endpoint_is_invalid(
     c10d: MakeNode, is_host: bool
@@ -204,6 +206,7 @@ async def test_a_node_hosts_when_the_endpoint_names_this_machine(c10d: MakeNode,
     assert info.world_size == 1
 
 
+@ASYNC_ONLY
 @pytest.mark.parametrize(
     "host",
     [

@@ -53,7 +53,7 @@ from tests._rendezvous_helpers import PROMPT
 from tests._tcp_proxy import TcpProxy
 
 from ..conftest import MakeParams
-from .conftest import SHORT_BEATS, Node, NodeFactory, Observer, join_all, until
+from .conftest import ASYNC_ONLY, SHORT_BEATS, Node, NodeFactory, Observer, join_all, until
 
 pytestmark = pytest.mark.anyio
 
@@ -330,6 +330,7 @@ def _port_of(endpoint: str) -> int:
     return int(endpoint.rstrip("/").rsplit(":", 1)[1].split("/")[0])
 
 
+@ASYNC_ONLY
 async def test_keep_alive_swallows_rendezvous_errors(
     make_params: MakeParams,
     backend: str,

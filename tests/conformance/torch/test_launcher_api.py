@@ -173,7 +173,7 @@ async def test_launch_elastic_multiple_agents(
     backend: str, endpoint: str, run_id: str, tmp_path: Path
 ) -> None:
     """Two agents of a 1:2 job (in one process, on its event loop): one world of both."""
-    config = _config(run_id, 1, 2, 2, backend, endpoint, rdzv_configs={"last_call_timeout": 2})
+    config = _config(run_id, 1, 2, 2, backend, endpoint, rdzv_configs={"last_call_timeout": 20})
     outs = [tmp_path / "a", tmp_path / "b"]
     for out in outs:
         out.mkdir()
