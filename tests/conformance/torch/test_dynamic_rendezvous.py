@@ -7,11 +7,13 @@ alone (``ASYNC_ONLY``: the last call, heartbeats, pruning, a join's deadline). t
 its handler over a mocked state holder and reads the pickled state; here real nodes of one
 run do the same and a handler that never joins reads the stored state (``observer``).
 
-From torch's file, this module ports 17 scenarios (``IntegrationTest``: 5;
-``DistributedRendezvousOpExecutorTest`` and ``TestRendezvousJoinOp`` as behaviour of real
-nodes: 9; ``DynamicRendezvousHandlerTest``: 3). Part 2 (``test_dynamic_rendezvous_close``)
-has closing and shutdown, part 3 (``test_dynamic_rendezvous_settings``) the parameters,
-timeouts and node names. What of the file is not ported, and why, is listed in part 3.
+From torch's file, this module ports 26 tests as 16 scenarios (each names the tests it
+stands for): ``IntegrationTest`` (3), ``DynamicRendezvousHandlerTest`` (4),
+``DistributedRendezvousOpExecutorTest`` (6), ``TestRendezvousJoinOp`` (10),
+``TestRendezvousKeepAliveOp`` (1), ``BackendRendezvousStateHolderTest`` (2). Part 2
+(``test_dynamic_rendezvous_close``) has closing and shutdown, part 3
+(``test_dynamic_rendezvous_settings``) the parameters, timeouts and node names; what of the
+file is not ported, and why, is listed in part 3.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ handler that never joined); ``TestRendezvousCloseOp`` and ``TestRendezvousJoinOp
 rest. Every scenario runs on each backend, through the async handler and torch's blocking
 names (``facade``).
 
-This module ports 14 scenarios of torch's file (``DynamicRendezvousHandlerTest``: 7,
-``TestRendezvousCloseOp``: 2, ``TestRendezvousJoinOp``: 1, their consequences for other
-handlers of the run: 4). Those that fail today are strict xfails marked ``PENDING-CLOSE``
-(on the memory backend only, for the one a backend's memory of closed runs decides).
+This module ports 8 of torch's tests (``DynamicRendezvousHandlerTest``: 5,
+``TestRendezvousCloseOp``: 2, ``TestRendezvousJoinOp``: 1) and the close semantics above
+that they imply for the other handlers of a run, as 14 scenarios. Those that fail today are
+strict xfails marked ``PENDING-CLOSE`` (on the memory backend only, for the one a backend's
+memory of closed runs decides).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ several agents run on each backend, the agents in the test's event loop; those o
 run on the memory backend (a one-node rendezvous is the same on every backend); killing an
 agent needs agent processes: ``test_local_elastic_agent_processes.py``.
 
-Ported (20 scenarios): ``run_happy_function``, ``run_function_with_return_value`` (which
+Ported: 23 of the file's 28 scenarios (each run by torch on several backends), as 14 test
+functions: ``run_happy_function``, ``run_function_with_return_value`` (which
 also stands for ``dummy_compute``: torch's returns tensors, the same path for any picklable
 value), ``check_master_addr_port_override``, ``run_check_env_function``,
 ``run_check_nccl_async_error_handling_env`` and ``..._default``, ``run_agent_local_watchdog_

@@ -1,9 +1,9 @@
 """torch's ``test/distributed/elastic/rendezvous/api_test.py``: ``RendezvousParameters``
 and the registry that makes a handler from them.
 
-Ported: all 14 scenarios of ``RendezvousParametersTest`` (values given to each test as
-torch's ``subTest`` gives them) and the 5 of ``RendezvousHandlerRegistryTest``, against
-aelastic's registry (:func:`aelastic.backends.register_backend` and ``create_handler``: a
+Ported (23 test functions): all 17 tests of ``RendezvousParametersTest`` (values given to
+each test as torch's ``subTest`` gives them) and the 5 of ``RendezvousHandlerRegistryTest``,
+against aelastic's registry (:func:`aelastic.backends.register_backend` and ``create_handler``: a
 backend is registered, not a handler, docs/torch-api.md ``RendezvousHandlerRegistry``), plus
 one scenario for torch's own registry, which makes aelastic's handlers through the
 ``torchrun.handlers`` entry points. Nothing of the file is skipped; torch's

@@ -2,15 +2,15 @@
 copy ``elastic_launch_test.py`` has the same scenarios): ``torch.distributed.run``'s
 ``main`` in the test's process, against :mod:`aelastic.run` with real workers.
 
-Ported (22 scenarios): ``test_launch_user_script_python``, ``..._caffe2_bc``,
-``..._bash`` (with ``--no-python`` and ``--module`` refused together),
+Ported: 20 of its 26 tests, as 21 test functions: ``test_launch_user_script_python``,
+``..._caffe2_bc``, ``..._bash`` (with ``--no-python`` and ``--module`` refused together),
 ``..._default_nproc``, ``test_launch_with_env_vars`` (``PET_*``),
 ``test_nproc_launch_auto_configurations``, ``..._number_...``, ``..._unknown_...``,
 ``test_launch_elastic`` (``c10d``, with torch's quoted ``--rdzv-conf``),
 ``test_launch_elastic_worker_raise_exception``, ``test_launch_elastic_agent_raise_exception``
 (an error of the agent's own, here its rendezvous', raised as it is), ``test_launch_standalone``,
 ``test_launch_run_path``, ``test_launch_elastic_multiple_agents`` (a second ``main`` in a
-process of its own), ``test_min_max_nodes_parse`` (3 cases), ``test_launch_shutdown`` (on
+process of its own), ``test_min_max_nodes_parse`` (as two tests), ``test_launch_shutdown`` (on
 Redis: the run is closed afterwards), ``test_is_torchelastic_launched``,
 ``test_is_torchelastic_launched_with_logs_spec_defined``,
 ``test_logs_logs_spec_entrypoint_must_be_defined``,

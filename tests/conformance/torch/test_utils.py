@@ -1,10 +1,10 @@
 """torch's ``test/distributed/elastic/rendezvous/utils_test.py``: reading an endpoint and
 the ``--rdzv-conf`` string.
 
-Ported (11 scenarios): the 6 of ``parse_rendezvous_endpoint`` (aelastic's of the same name,
-same messages), and the 4 of ``_parse_rendezvous_config`` through aelastic's public path for
-that string, ``aelastic.run``'s ``--rdzv-conf`` (torch's function is private), plus one
-for ``_try_parse_port``'s refusals, which ``parse_rendezvous_endpoint`` applies.
+Ported (12 tests, as 10 test functions): the 6 of ``parse_rendezvous_endpoint`` (aelastic's
+of the same name, same messages), the 4 of ``_parse_rendezvous_config`` through aelastic's
+public path for that string, ``aelastic.run``'s ``--rdzv-conf`` (torch's function is
+private), and the 2 of ``_try_parse_port``, which ``parse_rendezvous_endpoint`` applies.
 ``_matches_machine_hostname`` decides which node hosts ``c10d``: it is ported as that
 behaviour in ``test_c10d_rendezvous_backend.py``. Not ported: ``PeriodicTimerTest`` (torch's
 keep-alive thread; aelastic's heartbeats are a task of the handler's event loop, tested by
