@@ -38,13 +38,6 @@ T = TypeVar("T")
 SHORT_BEATS: dict[str, Any] = {"keep_alive_interval": 0.2, "keep_alive_max_attempt": 2}
 
 
-@pytest.fixture(params=BACKENDS)
-def deployment(request: pytest.FixtureRequest) -> str:
-    """The plain deployment of each backend (overrides the conformance suite's fixture)."""
-    name: str = request.param
-    return name
-
-
 #: The facades a scenario runs through, unless it says otherwise (``@ASYNC_ONLY``).
 FACADES = ("async", "sync")
 
@@ -53,17 +46,28 @@ FACADES = ("async", "sync")
 #: coroutines on its own loop, so running them through it too would add time, not coverage.
 ASYNC_ONLY = pytest.mark.facades("async")
 
+#: The backends whose store is a server of its own, which can hang, die or be cut off.
+SERVED = [name for name in BACKENDS if name != "memory"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "facades(*names): the facades a torch scenario runs through")
+    config.addinivalue_line("markers", "backends(*names): the backends a torch scenario runs on")
 
 
+@pytest.hookimpl(tryfirst=True)  # before the fixtures' own parameters (deployment's)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """``facade``: ``async`` (:class:`DynamicRendezvousHandler`) or ``sync`` (torch's
-    blocking names), each scenario through both unless marked ``facades(...)``."""
-    if "facade" in metafunc.fixturenames:
-        marker = metafunc.definition.get_closest_marker("facades")
-        metafunc.parametrize("facade", marker.args if marker else FACADES)
+    """``deployment``: the plain deployment of each backend (this suite narrows the
+    conformance suite's list), or of those named by ``backends(...)``; ``facade``: ``async``
+    (:class:`DynamicRendezvousHandler`) or ``sync`` (torch's blocking names), both unless
+    ``facades(...)`` names one."""
+    for name, marker_name, default in (
+        ("deployment", "backends", BACKENDS),
+        ("facade", "facades", list(FACADES)),
+    ):
+        if name in metafunc.fixturenames:
+            marker = metafunc.definition.get_closest_marker(marker_name)
+            metafunc.parametrize(name, list(marker.args) if marker else default)
 
 
 class RoundStore:

@@ -56,7 +56,7 @@ from tests._rendezvous_helpers import PROMPT
 from tests._tcp_proxy import TcpProxy
 
 from ..conftest import MakeParams
-from .conftest import ASYNC_ONLY, SHORT_BEATS, Node, NodeFactory, Observer, join_all, until
+from .conftest import ASYNC_ONLY, SERVED, SHORT_BEATS, Node, NodeFactory, Observer, join_all, until
 
 pytestmark = pytest.mark.anyio
 
@@ -231,11 +231,9 @@ async def test_use_agent_store_is_disabled(
 
 
 @pytest.fixture
-def stalled_endpoint(backend: str, deployment: str) -> Iterator[str]:
+def stalled_endpoint(backend: str) -> Iterator[str]:
     """An endpoint of the backend under test whose server accepts connections and never
     answers (a hung store)."""
-    if backend == "memory":
-        pytest.skip("the memory backend has no server to hang")
     listener = socket.create_server(("127.0.0.1", 0), backlog=64)
     port = listener.getsockname()[1]
     schemes = {"redis": "redis://", "http": "http://"}
@@ -258,10 +256,14 @@ def _node_at(params: RendezvousParameters, endpoint: str, facade: str, **conf: A
     return Node(moved, facade)
 
 
+#: A scenario of a store that hangs, dies or is cut off: not for the memory backend.
+SERVED_ONLY = pytest.mark.backends(*SERVED)
+
 #: Backends whose calls to a hung store outlast the store's read timeout (about 11 s).
 _SLOW_TO_GIVE_UP = ("redis", "http", "c10d")
 
 
+@SERVED_ONLY
 @pytest.mark.parametrize(
     ("call", "timeout_key"),
     [("next_rendezvous", "join_timeout"), ("set_closed", "close_timeout")],
@@ -304,13 +306,12 @@ async def test_a_call_to_a_hung_store_respects_the_requested_timeout(
             await node.release()
 
 
+@SERVED_ONLY
 async def test_shutdown_returns_false_if_rendezvous_cannot_be_closed(
     make_params: MakeParams, backend: str, facade: str
 ) -> None:
     """A store that is gone: ``shutdown()`` says it could not close (``False``), it does not
     raise."""
-    if backend == "memory":
-        pytest.skip("the memory backend cannot be gone")
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]  # closed at once: nothing listens there
     schemes = {"redis": "redis://", "http": "http://"}
@@ -333,6 +334,7 @@ def _port_of(endpoint: str) -> int:
     return int(endpoint.rstrip("/").rsplit(":", 1)[1].split("/")[0])
 
 
+@SERVED_ONLY
 @ASYNC_ONLY
 async def test_keep_alive_swallows_rendezvous_errors(
     make_params: MakeParams,
@@ -345,8 +347,6 @@ async def test_keep_alive_swallows_rendezvous_errors(
     """A member whose store becomes unreachable after its round: its failing keep-alives
     raise nothing into the program; the other member sees it lost after the heartbeat
     window, and the cut-off member's next call reports the failure as a rendezvous error."""
-    if backend == "memory":
-        pytest.skip("the memory backend cannot be cut off")
     proxy = TcpProxy(_port_of(endpoint))
     try:
         params = make_params(2, 2, **SHORT_BEATS, read_timeout=1, join_timeout=2)
