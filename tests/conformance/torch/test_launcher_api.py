@@ -197,18 +197,8 @@ def _closed_afterwards(backend: str, endpoint: str, run_id: str) -> bool:
         return handler.is_closed()
 
 
-def _memory_forgets(backend: str, request: pytest.FixtureRequest) -> None:
-    if backend == "memory":  # it forgets a closed run once its last handler lets it go
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="PENDING-CLOSE: torch's close semantics")
-        )
-
-
-def test_launch_shutdown(
-    backend: str, endpoint: str, run_id: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
+def test_launch_shutdown(backend: str, endpoint: str, run_id: str, tmp_path: Path) -> None:
     """A launch that succeeded shuts its rendezvous down: the run is closed."""
-    _memory_forgets(backend, request)
     config = _config(run_id, 1, 2, 1, backend, endpoint)
     elastic_launch(config, sys.executable)("-u", WORKER, str(tmp_path), "ok")
     assert _closed_afterwards(backend, endpoint, run_id)
