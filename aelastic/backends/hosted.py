@@ -340,10 +340,17 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+#: Addresses that name no machine (bound, they mean every address): as in torch, a node at
+#: one of these is not the host.
+_UNSPECIFIED = frozenset({"0.0.0.0", "::", "0:0:0:0:0:0:0:0"})
+
+
 def _is_local(host: str) -> bool:
     """Whether ``host`` names this machine (one of its addresses can be bound)."""
     if host in ("localhost", socket.gethostname(), socket.getfqdn()):
         return True
+    if host in _UNSPECIFIED:
+        return False
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
@@ -391,7 +398,11 @@ def create_static_backend(params: RendezvousParameters) -> RendezvousBackend:
             f"The static rendezvous needs a node rank in [0, {params.max_nodes}) "
             f"(--node-rank), got {rank}."
         )
-    host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
+    host, port = parse_rendezvous_endpoint(params.endpoint, -1)
+    if port == -1:
+        raise ValueError(
+            f"Port is absent in endpoint: {params.endpoint}. Try launching with --master-port"
+        )
     return HostedBackend(
         "static", params.run_id, host, port, hosting=rank == 0, rank=rank, **_settings(params)
     )
@@ -405,6 +416,18 @@ def create_c10d_backend(params: RendezvousParameters) -> RendezvousBackend:
     """
     if not params.endpoint:
         raise ValueError("The c10d rendezvous needs an endpoint host[:port].")
+    store_type = str(params.get("store_type", "tcp")).strip().lower()
+    if store_type == "file":
+        raise ValueError(
+            "The c10d rendezvous's store_type=file (torch's FileStore) is not provided: "
+            "aelastic's c10d is hosted by a node (store_type=tcp); for a rendezvous with no "
+            "node hosting it, use aelastic serve (http), redis or etcd."
+        )
+    if store_type != "tcp":
+        raise ValueError(
+            f"Invalid store type given: {store_type!r}. Currently only supports file and tcp "
+            "(aelastic: tcp)."
+        )
     host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
     hosting = params.get_as_bool("is_host")
     if port == 0:

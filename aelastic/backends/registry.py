@@ -142,7 +142,7 @@ BUILTINS: tuple[BackendInfo, ...] = (
         "host[:port] (port 29400): the agent on that host serves it, as torch's c10d",
         multi_node=True,
         torchrun_alias="aelastic-c10d",
-        config_keys=("token",),
+        config_keys=("token", "store_type"),
         read_as="http",
     ),
     BackendInfo(

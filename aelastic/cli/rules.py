@@ -39,8 +39,9 @@ BACKEND_ALIASES = {
 }
 
 
-class UsageError(Exception):
-    """A bad flag or value: reported on one line, exit code 2."""
+class UsageError(RuntimeError):
+    """A bad flag or value: reported on one line, exit code 2 (a ``RuntimeError``, as
+    torch's ``parse_min_max_nnodes`` raises for a bad ``--nnodes``)."""
 
 
 class UsageParser(argparse.ArgumentParser):

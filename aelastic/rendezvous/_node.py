@@ -308,7 +308,9 @@ class NodeRequests:
                 self._publish_wait(reply.status, deadline)
             # Ask again when the status changes, the last call ends, the join times out,
             # or a heartbeat is due (asking is this node's keep-alive): whichever is first.
-            due = min(sent + interval, deadline)
+            # Once it timed out, a node still told to wait is a redundant one, which waits
+            # without a deadline: it asks once a heartbeat interval, as torch's does.
+            due = sent + interval if expired else min(sent + interval, deadline)
             if reply.wake_at_ms is not None:
                 until = (reply.wake_at_ms - reply.status.now_ms) / 1000 + _LATE
                 due = min(due, clock.monotonic() + until)

@@ -135,11 +135,6 @@ async def test_create_backend_raises_error_if_endpoint_is_invalid(
         await node.next_rendezvous()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PENDING-BUG: c10d's store_type is not read: an invalid one is accepted "
-    "(torch: ValueError 'Invalid store type given. Currently only supports file and tcp.')",
-)
 def test_create_backend_raises_error_if_store_type_is_invalid() -> None:
     params = RendezvousParameters(
         "c10d", "localhost:0", "dummy_run_id", 1, 1, store_type="dummy_store_type"
@@ -161,9 +156,8 @@ def test_create_backend_raises_error_if_read_timeout_is_invalid(read_timeout: st
 
 @pytest.mark.xfail(
     strict=True,
-    reason="PENDING-BUG: c10d's store_type=file (torch: a FileStore at the endpoint's path, "
-    "or a temporary file when the endpoint is empty) is not provided, and docs/torch-api.md's "
-    "c10d row does not say so",
+    reason="documented difference (docs/torch-api.md, c10d_rendezvous_backend): "
+    "store_type=file (torch's FileStore) is not provided: refused with a ValueError",
 )
 async def test_create_backend_returns_backend_with_a_file_store(
     c10d: MakeNode, tmp_path: Any
@@ -211,14 +205,7 @@ async def test_a_node_hosts_when_the_endpoint_names_this_machine(c10d: MakeNode,
     "host",
     [
         "dummy",
-        pytest.param(
-            "0.0.0.0",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="PENDING-BUG: a c10d node at 0.0.0.0 hosts the store (torch: 0.0.0.0 "
-                "is not this machine's name, the node is a guest)",
-            ),
-        ),
+        "0.0.0.0",
         "::2",
     ],
 )

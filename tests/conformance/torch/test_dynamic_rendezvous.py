@@ -198,12 +198,6 @@ async def test_redundancy_transition_to_wait_list_then_join_rendezvous(
 
 
 @ASYNC_ONLY
-@pytest.mark.xfail(
-    strict=True,
-    reason="PENDING-BUG: a redundant node past its join timeout asks to join again without "
-    "waiting (thousands of requests a second); on the memory backend this starves the event "
-    "loop, the member's heartbeats stop and the member is dropped",
-)
 async def test_no_timeout_for_redundant_node(nodes: NodeFactory, observer: Observer) -> None:
     """TestRendezvousJoinOp.test_no_timeout_for_redundant_node and test_keep_alive_for_
     redundant_node: a redundant node outlives its join timeout and the heartbeat window,

@@ -218,11 +218,6 @@ def test_min_max_nodes_parse(text: str, expected: tuple[int, int]) -> None:
     assert parse_nnodes(text) == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PENDING-BUG: parse_nnodes('2:20:30') raises aelastic's UsageError (an Exception), "
-    "not RuntimeError as torch's parse_min_max_nnodes does (docs/torch-api.md says 'same')",
-)
 def test_min_max_nodes_parse_refuses_more_than_two_numbers() -> None:
     from aelastic.cli.rules import parse_nnodes
 

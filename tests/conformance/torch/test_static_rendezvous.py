@@ -44,11 +44,6 @@ def test_parameters_without_a_node_rank_are_refused(endpoint: str) -> None:
         create_handler(_params(endpoint))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PENDING-BUG: a static endpoint without a port is taken at port 29400 "
-    "(torch: ValueError 'Port is absent in endpoint', try --master-port)",
-)
 def test_missing_port_with_a_node_rank_is_refused() -> None:
     with pytest.raises(ValueError, match=r"[Pp]ort"):
         create_handler(_params("localhost", rank=0))
