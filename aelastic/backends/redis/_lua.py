@@ -373,8 +373,10 @@ end
 local reply = {outcome = outcome, status = status, transition = transition,
                restart = restart or false, known = owns(node), pruned = pruned}
 if wake_at then reply.wake_at = wake_at end
-if outcome == 'error_rules' then reply.rules = h.rules end
+-- A join refused for other rules, or because the run closed: the run's rules and when it
+-- is free again (from which a node tells an ended job from its own, not yet started).
 if outcome == 'error_closed' or outcome == 'error_rules' then
+  reply.rules = h.rules
   reply.reopen_at = reopen_at() or nil
 end
 if op == 'join' and outcome == 'finish' then
