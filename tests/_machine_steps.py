@@ -158,3 +158,33 @@ departures = st.builds(
 departure_scenarios = st.tuples(
     rules(), st.lists(st.one_of(steps, steps, departures), min_size=1, max_size=60)
 )
+
+#: Steps of a run's job once its round is complete: reports (every kind), done, beats,
+#: silences, leaves and joins again (the next rounds), now and then a close.
+_JOB_OPS = [Op.REPORT] * 5 + [Op.DONE] * 3 + [Op.KEEP_ALIVE] * 3 + [Op.JOIN] * 3
+job_steps = st.builds(
+    Step,
+    node=st.integers(0, len(NODES) - 1),
+    op=st.sampled_from([*_JOB_OPS, Op.LEAVE, Op.STATUS, Op.CLOSE]),
+    advance_ms=st.one_of(st.just(0), st.integers(1, 400), st.integers(400, 3_000)),
+    finished=st.booleans(),
+    forged=st.sampled_from([False] * 9 + [True]),
+    variant=st.integers(0, len(REPORTS) - 1),
+)
+
+
+@st.composite
+def job_scenarios(draw: st.DrawFn) -> tuple[Rules, list[Step]]:
+    """Rounds of a job, one after the other: each completed by its first joins, then
+    :data:`job_steps` (failures, quarantines, the exit barrier, losses), then every node
+    leaves (the next round opens)."""
+    min_nodes = draw(st.integers(1, 4))
+    max_nodes = draw(st.integers(min_nodes, 5))
+    window = draw(st.sampled_from([2_000, 5_000]))
+    rules = Rules(min_nodes, max_nodes, last_call_ms=1, window_ms=window)
+    steps: list[Step] = []
+    for _ in range(draw(st.integers(1, 4))):
+        steps += [Step(i, Op.JOIN, 0) for i in range(max_nodes)]
+        steps += draw(st.lists(job_steps, min_size=1, max_size=25))
+        steps += [Step(i, Op.LEAVE, 1, finished=True) for i in range(len(NODES))]
+    return rules, steps

@@ -9,8 +9,8 @@ secret, nobody is silent past the window, so nothing is pruned), the backend may
 heartbeat (from which the member plans its check for a silent peer). The member makes
 the whole reply again with :func:`brief_reply`, exactly the reply
 :func:`~.machine.step` gives (the key holds every status field that can move without the
-token: the counts of lost, finished, waiting and redundant nodes; the participants of a
-complete round are its world minus the lost and finished). Any other case gets the whole
+token: the counts of lost, finished, waiting, redundant and done nodes; the participants of
+a complete round are its world minus the lost and finished). Any other case gets the whole
 reply, so the brief form is an encoding, not another rule.
 
 :func:`short_beat` is that case for an in-process backend (the HTTP server), as the Redis
@@ -37,7 +37,10 @@ def beat_key(status: Status | None) -> str:
     ``status`` is of a complete round."""
     if status is None or not status.complete or not status.token:
         return ""
-    return f"{status.token}|{status.lost}|{status.finished}|{status.waiting}|{status.redundant}"
+    return (
+        f"{status.token}|{status.lost}|{status.finished}|{status.waiting}|{status.redundant}|"
+        f"{status.done}"
+    )
 
 
 def is_brief(reply: Reply, key: str) -> bool:
@@ -77,7 +80,7 @@ def short_beat(
         return None  # someone is silent past the window: step prunes
     mine = (
         f"{make(state.epoch, state.generation)}|{state.lost}|{state.finished}|"
-        f"{len(state.wait_list)}|{len(state.redundancy_list)}"
+        f"{len(state.wait_list)}|{len(state.redundancy_list)}|{len(state.done)}"
     )
     if mine != key:
         return None  # the node has not seen this status: the whole answer

@@ -29,6 +29,7 @@ from aelastic.backends.redis import (
     parse_endpoint,
 )
 from aelastic.backends.redis._servers import Standalone
+from aelastic.core.health import NodeReport
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Outcome, Request
 from aelastic.rendezvous import DynamicRendezvousHandler, RendezvousInfo
@@ -384,31 +385,39 @@ async def test_a_state_of_the_first_format_is_refused_naming_both_versions(
                 mapping={"epoch": "abc", "version": "3", "data": json.dumps(v1)},
             )
             before = client.dump(b.keys.state)
-        with pytest.raises(RendezvousStateError, match=r"version 1.*version 3"):
+        with pytest.raises(RendezvousStateError, match=r"version 1.*version 4"):
             await b.apply(request(b, Op.JOIN, 0))
         with server.client() as client:
             assert client.dump(b.keys.state) == before
 
 
-async def test_a_state_of_format_2_is_refused_naming_both_versions(
-    server: RedisServer, run_id: str
+@pytest.mark.parametrize("version", [2, 3])
+async def test_a_state_of_an_older_format_is_refused_naming_both_versions(
+    server: RedisServer, run_id: str, version: int
 ) -> None:
-    """A run made by an aelastic of state format 2 (no rules, no node secrets) is reported
-    and never overwritten: nodes of both versions cannot share it."""
+    """A run made by an aelastic of state format 2 (no rules, no node secrets) or 3 (the
+    job's control state in the members' store) is reported and never overwritten: nodes of
+    both versions cannot share it."""
     async with backend(server.url, run_id) as b:
-        v2 = {"format": "aelastic.rendezvous.state", "version": 2}
+        old = {"format": "aelastic.rendezvous.state", "version": version}
         with server.client() as client:
             client.hset(
                 b.keys.state,
-                mapping={"format": "2", "epoch": "abc", "version": "3", "data": json.dumps(v2)},
-            )
+                mapping={
+                    "format": str(version), "epoch": "abc", "version": "3",
+                    "complete": "1", "data": json.dumps(old),
+                },
+            )  # fmt: skip
             client.zadd(b.keys.rendezvous[5], {"10.9.8.7_4000_0": 1})
             before = [client.dump(k) for k in b.keys.rendezvous]
-        for op in (Op.JOIN, Op.STATUS, Op.KEEP_ALIVE):
-            with pytest.raises(RendezvousStateError, match=r"version 2; this aelastic uses ver"):
-                await b.apply(request(b, op, 0))
-        with pytest.raises(RendezvousStateError, match=r"version 2"):
+        for op in (Op.JOIN, Op.STATUS, Op.KEEP_ALIVE, Op.REPORT, Op.DONE):
+            report = NodeReport(quarantine="why") if op is Op.REPORT else None
+            with pytest.raises(RendezvousStateError, match=rf"version {version}; this aelastic"):
+                await b.apply(request(b, op, 0, report=report))
+        with pytest.raises(RendezvousStateError, match=rf"version {version}"):
             await b.snapshot()
+        with pytest.raises(RendezvousStateError, match=rf"version {version}"):
+            await b.health()
         with server.client() as client:
             assert [client.dump(k) for k in b.keys.rendezvous] == before
 
@@ -417,13 +426,13 @@ async def test_a_node_of_the_first_format_reads_a_state_naming_both_versions(
     server: RedisServer, run_id: str
 ) -> None:
     """What a format-1 node finds where it looks (hash fields epoch, version, data): a
-    state document of format version 3, which its decoder refuses naming the version."""
+    state document of format version 4, which its decoder refuses naming the version."""
     async with backend(server.url, run_id) as b:
         await b.apply(request(b, Op.JOIN, 0))
         with server.client() as client:
             epoch, version, data = client.hmget(b.keys.state, "epoch", "version", "data")
         assert epoch and version is not None and version.isdigit()
-        assert json.loads(data) == {"format": "aelastic.rendezvous.state", "version": 3}
+        assert json.loads(data) == {"format": "aelastic.rendezvous.state", "version": 4}
 
 
 async def test_garbage_reply_of_a_script_is_a_clear_error(server: RedisServer, run_id: str) -> None:

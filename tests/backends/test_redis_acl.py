@@ -21,6 +21,7 @@ import pytest
 from aelastic import RendezvousConnectionError, RendezvousParameters
 from aelastic.backends.redis import RedisBackend, create_backend
 from aelastic.backends.redis._calls import CLUSTER_ACL, NODE_ACL, OPERATOR_ACL
+from aelastic.core.health import FailureReport, NodeReport
 from aelastic.core.state import NodeDesc, Op, Request
 from aelastic.rendezvous import RendezvousSettings
 from tests._redis_server import RedisServer
@@ -96,6 +97,12 @@ async def test_a_rendezvous_and_the_store_run_under_the_node_user(
         assert await store.delete_key("n")
         assert await handlers[0].num_nodes_waiting() == 0
         assert await handlers[0].report_departures() == 0  # CLIENT LIST, nobody gone
+        failure = FailureReport(time=1.5, rank=0, local_rank=0, exitcode=1, message="boom")
+        assert await handlers[0].report(NodeReport(failure=failure))
+        assert await handlers[1].report(NodeReport(quarantine="flaky"))
+        assert all([await h.mark_done() for h in handlers])
+        health = await handlers[1].health()
+        assert health is not None and health.latest is not None and health.quarantined
         await handlers[0].set_closed()
         assert await handlers[1].is_closed()
     async with backend(url(acl_server, "aelastic-operator"), run_id) as operator:

@@ -2,7 +2,9 @@
 
 The same random interleavings of requests (with the clock passed in) run through the Redis
 script on a real ``redis-server`` and through :func:`aelastic.core.machine.step`; every reply
-and the whole state after every request must be equal.
+and the whole state after every request must be equal: membership, secrets, the vacancy, the
+participants' profiles, the members' placements, who is done and who failed, and the job's
+health (read back as the backend reads it).
 """
 
 from __future__ import annotations
@@ -17,17 +19,20 @@ import redis
 from hypothesis import HealthCheck, given, settings
 
 from aelastic.backends.redis import _lua, _scripts
+from aelastic.backends.redis._argv import op_args
+from aelastic.backends.redis._health import health_from_fields
 from aelastic.core.brief import beat_key, brief_reply
+from aelastic.core.health import FailureReport, NodeReport
 from aelastic.core.machine import snapshot_of, status_of, step
 from aelastic.core.params import Rules
-from aelastic.core.state import NodeDesc, Op, Reply, Request, RunState, Status
+from aelastic.core.state import NodeDesc, Op, Placement, Reply, Request, RunState, Status
 from aelastic.core.wire import (
     reply_from_json,
     reply_to_json,
     snapshot_from_json,
     snapshot_to_json,
 )
-from tests._machine_steps import Step, departure_scenarios, scenarios
+from tests._machine_steps import Step, departure_scenarios, job_scenarios, scenarios
 from tests._redis_server import RedisServer
 
 T0 = 1_000_000
@@ -47,15 +52,15 @@ def client() -> Iterator[redis.Redis]:
 def _lua_step(
     c: redis.Redis, keys: _scripts.RunKeys, req: Request, now: int, base: Status | None = None
 ) -> Any:
-    r = req.rules
-    args = [
-        req.op.value, req.node.key, r.min_nodes, r.max_nodes, r.last_call_ms,
-        r.window_ms, "1" if req.expired else "0", "1" if req.finished else "0",
-        req.port, now, "feed", 60_000, keys.channel, "0", req.secret,
-        "1" if req.operator else "0", beat_key(base),
-    ]  # fmt: skip
-    if req.since_ms is not None:
-        args += [req.since_ms, "1" if req.confirmed else "0"]
+    args = op_args(
+        req,
+        now_ms=now,
+        epoch="feed",
+        ttl_ms="60000",
+        channel=keys.channel,
+        follow_primary=False,
+        beat_key=beat_key(base),
+    )
     return json.loads(c.eval(_lua.OP, len(keys.rendezvous), *keys.rendezvous, *args))
 
 
@@ -99,6 +104,16 @@ def test_lua_and_python_agree_on_departures(
     run_both(client, *scenario)
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(job_scenarios())
+def test_lua_and_python_agree_on_the_job_s_control_state(
+    client: redis.Redis, scenario: tuple[Rules, list[Step]]
+) -> None:
+    """Complete rounds first, then reports, done, losses and the next rounds: placements,
+    the exit barrier and the job's health agree."""
+    run_both(client, *scenario)
+
+
 def run_both(client: redis.Redis, rules: Rules, steps: list[Step]) -> None:
     keys = _scripts.RunKeys("parity", f"run-{next(_runs)}")
     state = RunState("feed")
@@ -110,22 +125,71 @@ def run_both(client: redis.Redis, rules: Rules, steps: list[Step]) -> None:
         # A keep-alive sends the beat key of a status: the current one (the short path
         # answers when it can) or, every other time, the last reply's (maybe stale).
         base = status_of(state, now) if state.made and number % 2 else previous
-        got_doc = _lua_step(client, keys, request, now, base)
-        reply = step(state, request, now)
-        expected = reply_to_json(reply)
-        got = reply_to_json(_lua_reply(got_doc, base))
-        assert got == expected, item
-        previous = reply.status
-        lua_snapshot = _snapshot(client, keys, now)
-        if not state.made:  # nothing stored on either side
-            assert lua_snapshot == {"absent": True}, item
-            continue
-        py_snapshot = _comparable(json.loads(json.dumps(snapshot_to_json(snapshot_of(state, now)))))
-        assert _comparable(lua_snapshot) == py_snapshot, item
-        lua_secrets = client.hgetall(keys.rendezvous[6])
-        assert {k.decode(): v.decode() for k, v in lua_secrets.items()} == {
-            n.key: s for n, s in state.secrets.items()
-        }, item
+        previous = step_both(client, keys, state, request, now, base, item).status
+
+
+def step_both(
+    client: redis.Redis,
+    keys: _scripts.RunKeys,
+    state: RunState,
+    request: Request,
+    now: int,
+    base: Status | None = None,
+    what: object = None,
+) -> Reply:
+    """``request`` through the script and the Python machine: the same reply, then the same
+    state (membership, secrets, the vacancy, the job's control state)."""
+    what = what or request
+    got_doc = _lua_step(client, keys, request, now, base)
+    reply = step(state, request, now)
+    assert reply_to_json(_lua_reply(got_doc, base)) == reply_to_json(reply), what
+    lua_snapshot = _snapshot(client, keys, now)
+    if not state.made:  # nothing stored on either side
+        assert lua_snapshot == {"absent": True}, what
+        return reply
+    py_snapshot = _comparable(json.loads(json.dumps(snapshot_to_json(snapshot_of(state, now)))))
+    assert _comparable(lua_snapshot) == py_snapshot, what
+    lua_secrets = client.hgetall(keys.rendezvous[6])
+    assert {k.decode(): v.decode() for k, v in lua_secrets.items()} == {
+        n.key: s for n, s in state.secrets.items()
+    }, what
+    assert _control_state(client, keys) == _python_control_state(state), what
+    return reply
+
+
+def _control_state(c: redis.Redis, keys: _scripts.RunKeys) -> dict[str, Any]:
+    """The vacancy and the job's control state the script keeps, in comparable form."""
+    _, _, _, _, _, _, _, _, prof, place, done, failed, _ = keys.rendezvous
+    vacated = c.hget(keys.state, "vacated")
+    raw_health = c.eval(_lua.HEALTH, len(keys.rendezvous), *keys.rendezvous)
+    assert isinstance(raw_health, list), raw_health
+    profiles = {}
+    for node, value in c.hgetall(prof).items():
+        size, role = value.decode("utf-8", "surrogatepass").split(" ", 1)
+        profiles[node.decode()] = (role, int(size))
+    return {
+        "vacated": int(vacated) if vacated else None,
+        "profiles": profiles,
+        "placements": {
+            n.decode(): tuple(int(x) for x in v.split()) for n, v in c.hgetall(place).items()
+        },
+        "done": {n.decode() for n in c.smembers(done)},
+        "failed": {n.decode() for n in c.smembers(failed)},
+        "health": health_from_fields(raw_health).to_json(),
+    }
+
+
+def _python_control_state(state: RunState) -> dict[str, Any]:
+    return {
+        "vacated": state.vacated_ms,
+        "profiles": {n.key: p for n, p in state.profiles.items()},
+        "placements": {
+            n.key: (p.base, p.world, p.role_base, p.role_world) for n, p in state.placements.items()
+        },
+        "done": {n.key for n in state.done},
+        "failed": {n.key for n in state.failed},
+        "health": state.health.to_json(),
+    }
 
 
 def test_many_losses_of_a_complete_round_agree(client: redis.Redis) -> None:
@@ -224,3 +288,109 @@ def test_a_plain_heartbeat_is_answered_briefly_and_news_in_full(client: redis.Re
     doc = _lua_step(client, keys, beat, T0 + 2_150, base)
     assert isinstance(doc, dict) and doc["pruned"] == 2
     assert reply_to_json(_lua_reply(doc, base)) == reply_to_json(step(state, beat, T0 + 2_150))
+
+
+def test_reports_keep_exact_times_texts_and_bounds_as_python_does(client: redis.Redis) -> None:
+    """Times of 17 digits, messages with terminal escapes, non-ASCII text and a lone
+    surrogate (a worker's stderr), a host and a node name longer than the health keeps,
+    non-ASCII roles, a reason longer than kept: the same health and placements."""
+    rules = Rules(3, 3, last_call_ms=1, window_ms=5_000)
+    keys = _scripts.RunKeys("parity", f"run-{next(_runs)}")
+    state = RunState("feed")
+    far = NodeDesc("h" * 290 + "é" * 20, 7, 0)  # an address of 310 characters
+    nodes = [far, NodeDesc("10.0.0.1", 1, 0), NodeDesc("10.0.0.2", 1, 0)]
+    roles = [("trainer", 3), ("évaluateur", 2), ("trainer", 4)]
+    for node, (role, size) in zip(nodes, roles, strict=True):
+        join = Request(Op.JOIN, node, rules, secret="s" * 16, role=role, local_world_size=size)
+        step_both(client, keys, state, join, T0)
+    assert state.placements[nodes[1]] == Placement(0, 9, 0, 2)
+    message = "Traceback:\n  \x1b[31mboom\x1b[0m \udcff\u2028" + "ü" * 3_000 + "\n🙂 done/"
+    failures = [
+        (nodes[0], FailureReport(1733475000.1234567, 2, 0, -9, message, stalled=True)),
+        (nodes[1], FailureReport(1733475000.1234566, 0, 0, 1, "x\n" * 40)),
+        (nodes[2], FailureReport(1733475000.1234566, 5, 1, 1, "same time, later rank")),
+        (nodes[0], FailureReport(-0.0, 1, 1, 2, "")),
+    ]
+    for number, (node, failure) in enumerate(failures):
+        report = NodeReport(failure=failure)
+        request = Request(Op.REPORT, node, rules, secret="s" * 16, report=report)
+        step_both(client, keys, state, request, T0 + 1 + number)
+    quarantine = NodeReport(quarantine="a reason " * 50)
+    request = Request(Op.REPORT, far, rules, secret="s" * 16, report=quarantine)
+    step_both(client, keys, state, request, T0 + 10)
+    step_both(client, keys, state, Request(Op.STATUS, far, rules), T0 + 20_000)  # all lost
+    health = state.health
+    assert health.latest is not None and health.latest.failed == 3
+    root = health.latest.root
+    assert (root.time, root.node_rank, len(root.host), len(root.node)) == (-0.0, 2, 300, 300)
+    assert len(health.lost) == 3 and root.host in health.lost and root.host in health.quarantined
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        ({20: "", 21: "1"}, "'role'"),
+        ({20: "a" * 257}, "'role'"),
+        ({20: "x\x1b[31m"}, "'role'"),
+        ({20: b"\xff\xfe"}, "'role'"),
+        ({21: "0"}, "'local_world_size'"),
+        ({21: "65537"}, "'local_world_size'"),
+        ({21: "1.5"}, "'local_world_size'"),
+    ],
+)
+def test_the_script_refuses_a_join_saying_what_python_never_sends(
+    client: redis.Redis, args: dict[int, str | bytes], why: str
+) -> None:
+    _refused(client, Op.JOIN, args, why)
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        ({20: "rumour"}, "a report is"),
+        ({21: "inf"}, "'time'"),
+        ({21: "nan"}, "'time'"),
+        ({21: "0x10"}, "'time'"),
+        ({21: "1e400"}, "'time'"),
+        ({22: "2147483648"}, "'rank'"),
+        ({23: "-1"}, "'rank'"),
+        ({24: "1.0"}, "'rank'"),
+        ({25: "x" * 2_001}, "'message'"),
+        ({25: "ü" * 2_001}, "'message'"),
+        ({25: "line\n" * 20 + "last"}, "'message'"),
+        ({25: "a\rb"}, "'message'"),
+        ({25: "a\u2029b".encode()}, "'message'"),
+        ({25: b"\xc0\xaf"}, "'message'"),  # an overlong '/'
+        ({26: "yes"}, "'stalled'"),
+    ],
+)
+def test_the_script_refuses_a_report_saying_what_python_never_sends(
+    client: redis.Redis, args: dict[int, str | bytes], why: str
+) -> None:
+    _refused(client, Op.REPORT, args, why)
+
+
+def test_the_script_refuses_a_reason_longer_than_kept(client: redis.Redis) -> None:
+    _refused(client, Op.REPORT, {20: "quarantine", 21: "r" * 301}, "'quarantine'")
+
+
+def _refused(client: redis.Redis, op: Op, changes: dict[int, str | bytes], why: str) -> None:
+    """A request of ``op`` with ``changes`` to its ``ARGV`` (1-based) is refused naming
+    ``why``, and the run's keys are as they were."""
+    rules = Rules(1, 2, last_call_ms=1, window_ms=5_000)
+    keys = _scripts.RunKeys("parity", f"run-{next(_runs)}")
+    node = NodeDesc("10.0.0.1", 1, 0)
+    join = Request(Op.JOIN, node, rules, secret="s" * 16)
+    _lua_step(client, keys, join, T0)
+    report = NodeReport(failure=FailureReport(5.0, 0, 0, 1, "boom"))
+    request = Request(op, node, rules, secret="s" * 16, report=report)
+    argv: list[Any] = op_args(
+        request, now_ms=T0 + 1, epoch="feed", ttl_ms="60000", channel=keys.channel,
+        follow_primary=False, beat_key="",
+    )  # fmt: skip
+    for index, value in changes.items():
+        argv[index - 1] = value
+    before = [client.dump(k) for k in keys.rendezvous]
+    doc = json.loads(client.eval(_lua.OP, len(keys.rendezvous), *keys.rendezvous, *argv))
+    assert doc["error"] == "request" and why in doc["why"], doc
+    assert [client.dump(k) for k in keys.rendezvous] == before

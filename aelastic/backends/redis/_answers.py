@@ -6,7 +6,9 @@ nothing and answers ``{"error": ...}`` instead: ``version`` (a state of another 
 version), ``type`` (a key of another Redis type) or anything else (a foreign or corrupt
 state). :func:`decode_answer` gives the document, or raises ``RendezvousStateError`` naming
 the run, the endpoint and what to do; an answer that is not JSON is a
-``RendezvousConnectionError``.
+``RendezvousConnectionError``. A request the script refused for what it says (``request``:
+a join's profile or a report out of bounds, ``why`` says which) changed nothing either: a
+``RendezvousError`` naming it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ...core.errors import RendezvousConnectionError, RendezvousStateError
+from ...core.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
 from ...core.state import FORMAT_VERSION
 
 __all__ = ["decode_answer"]
@@ -27,6 +29,7 @@ def decode_answer(raw: Any, what: str, endpoint: str, run_id: str) -> dict[str, 
         RendezvousConnectionError: The answer is not JSON.
         RendezvousStateError: The script found the run's keys holding what this aelastic
             did not write (another format version, another type, foreign or corrupt).
+        RendezvousError: The script refused the request for what it says (nothing changed).
     """
     try:
         doc = json.loads(raw)
@@ -39,6 +42,11 @@ def decode_answer(raw: Any, what: str, endpoint: str, run_id: str) -> dict[str, 
     error = doc.get("error")
     if error is None:
         return doc
+    if error == "request":
+        raise RendezvousError(
+            f"Redis at {endpoint} refused {what} for run '{run_id}': {doc.get('why')}; "
+            "nothing was changed."
+        )
     where = f"The rendezvous state of run '{run_id}' at {endpoint}"
     if error == "version":
         raise RendezvousStateError(

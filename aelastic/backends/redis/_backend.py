@@ -28,6 +28,7 @@ from redis.exceptions import ResponseError
 
 from ...core.brief import beat_key, brief_reply
 from ...core.errors import RendezvousConnectionError, RendezvousStateError
+from ...core.health import JobHealth
 from ...core.race import uncancellable, wait_within
 from ...core.state import Op, Reply, Request, Snapshot, Status, Transition
 from ...core.token import Token, new_epoch
@@ -40,17 +41,20 @@ from ...core.wire import (
 )
 from . import _scripts as lua
 from ._answers import decode_answer
+from ._argv import op_args
 from ._calls import RedisCalls
 from ._departures import NamedConnections
 from ._endpoint import RedisEndpoint
+from ._health import health_from_fields
 
 __all__ = ["RedisBackend"]
 
 #: How long the result of a ``kv_add`` is kept so that a retried add does not count twice.
 _OP_TTL_MS = 10 * 60 * 1000
 
-#: Requests whose replies replicas should hold before they are given (``wait_replicas``).
-_DURABLE = frozenset({Op.JOIN, Op.LEAVE, Op.CLOSE})
+#: Requests whose replies replicas should hold before they are given (``wait_replicas``):
+#: membership changes, and what the job's control state keeps (a failure, the exit barrier).
+_DURABLE = frozenset({Op.JOIN, Op.LEAVE, Op.CLOSE, Op.REPORT, Op.DONE})
 
 
 class RedisBackend(RedisCalls, NamedConnections):
@@ -147,32 +151,17 @@ class RedisBackend(RedisCalls, NamedConnections):
         # is up (the request then goes on its connection, after the subscription).
         await client.server.settled()
         mark = watch.mark
-        rules = request.rules
-        args = [
-            request.op.value,
-            request.node.key,
-            rules.min_nodes,
-            rules.max_nodes,
-            rules.last_call_ms,
-            rules.window_ms,
-            "1" if request.expired else "0",
-            "1" if request.finished else "0",
-            request.port,
-            "",
-            new_epoch(),
-            self._ttl_ms,
-            self._keys.channel,
-            "1",  # a new epoch after a failover
-            request.secret,
-            "1" if request.operator else "0",
-        ]
         base = self._last if request.op is Op.KEEP_ALIVE else None
         key = beat_key(base)
-        if key or request.since_ms is not None:
-            args.append(key)
-        if request.since_ms is not None:
-            args.append(request.since_ms)
-            args.append("1" if request.confirmed else "0")
+        args = op_args(
+            request,
+            now_ms=None,
+            epoch=new_epoch(),
+            ttl_ms=self._ttl_ms,
+            channel=self._keys.channel,
+            follow_primary=True,  # a new epoch after a failover
+            beat_key=key,
+        )
         raw = await self._script(
             request.op.value,
             lua.OP,
@@ -226,6 +215,26 @@ class RedisBackend(RedisCalls, NamedConnections):
             return snapshot_from_json(doc)
         except WireError as exc:
             raise RendezvousStateError(f"Redis at {self.endpoint} answered {exc}") from None
+
+    async def health(self) -> JobHealth | None:
+        """The job's health as the run keeps it (written by the rendezvous script only, in a
+        key of its own: never in the members' store), or ``None`` when the run has no state.
+
+        Raises:
+            RendezvousConnectionError: Redis could not be reached within ``read_timeout``.
+            RendezvousStateError: The run's keys hold something this aelastic did not write.
+        """
+        raw = await self._script("health", lua.HEALTH, self._keys.rendezvous, [])
+        if isinstance(raw, bytes | str):
+            if self._decode(raw, "health").get("absent"):
+                return None
+            raw = []  # not reached: an error raised, or the script answered the fields
+        try:
+            return health_from_fields(list(raw))
+        except ValueError as exc:
+            raise RendezvousStateError(
+                f"The job's health of run '{self._run_id}' at {self.endpoint}: {exc}"
+            ) from None
 
     async def list_runs(self, limit: int) -> list[tuple[str, Status]]:
         """The runs under this backend's ``key_prefix`` (found by ``SCAN``, on every primary

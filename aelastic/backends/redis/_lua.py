@@ -4,11 +4,14 @@ How it works: this is a line-by-line port of :func:`aelastic.core.machine.step` 
 Redis layout of a run (see :mod:`._scripts`): a header hash (with the run's rules), the
 participants as a sorted set (score: join order, then rank), the wait and redundancy lists
 as sets, the heartbeats as a sorted set (score: time), the participants' bootstrap ports and
-the nodes' secrets as hashes (a secret is compared with Lua's byte equality). Every request costs
-O(1) commands plus O(pruned), and O(N) once per round at completion. Property tests run the
-same random interleavings through this script and through the Python machine and require
-the same replies and states (``tests/backends/test_redis_machine.py``): change one, change
-both.
+the nodes' secrets as hashes (a secret is compared with Lua's byte equality), the
+participants' profiles (role, local world size) and the members' placements as hashes, the
+members done and failed as sets, the job's health as a hash (:mod:`._lua_health`). Every
+request costs O(1) commands plus O(pruned), and O(N) once per round: at completion
+(:mod:`._lua_round`: ranks, placements) and when the next round opens (the round's
+profiles, placements and sets deleted). Property tests run the same random interleavings
+through this script and through the Python machine and require the same replies and states
+(``tests/backends/test_redis_machine.py``): change one, change both.
 
 A plain heartbeat is answered before all this, by the short path of :mod:`._lua_beat` (a few
 commands, the brief answer of :mod:`aelastic.core.brief`); whatever it cannot answer falls
@@ -29,21 +32,25 @@ error object and left untouched.
 from __future__ import annotations
 
 from ._lua_beat import SHORT_BEAT
+from ._lua_health import HEALTH_FOLDS
 from ._lua_read import HEADER as _HEADER
-from ._lua_read import SNAPSHOT, STATUS
+from ._lua_read import HEALTH, SNAPSHOT, STATUS
+from ._lua_round import COMPLETE
 
-__all__ = ["OP", "SNAPSHOT", "STATUS"]
+__all__ = ["HEALTH", "OP", "SNAPSHOT", "STATUS"]
 
-#: KEYS: header, participants, ports, wait list, redundancy list, beats, secrets.
-#: ARGV: op, node, min, max, last call ms, window ms, expired, finished, port, now ms or '',
-#: new epoch, ttl ms, channel, '1' to follow the primary's replication id, the node's
-#: secret, '1' for an operator's close or departure, the beat key of a keep-alive ('' or
-#: absent: none; see :mod:`._lua_beat`), a departure's moment (ms), '1' for a confirmed
-#: departure (no grace). -> reply JSON | brief
-#: answer JSON | error JSON.
+#: KEYS: the run's (:class:`._scripts.RunKeys`, ``rendezvous``).
+#: ARGV (laid out by :func:`._argv.op_args`): op, node, min, max, last call ms, window ms,
+#: expired, finished, port, now ms or '', new epoch, ttl ms, channel, '1' to follow the
+#: primary's replication id, the node's secret, '1' for an operator's close or departure,
+#: the beat key of a keep-alive ('' or absent: none; see :mod:`._lua_beat`), a departure's
+#: moment (ms), '1' for a confirmed departure (no grace); from 20 on, what a join or a report
+#: says (:mod:`._lua_health`). -> reply JSON | brief answer JSON | error JSON.
 OP = (
     _HEADER
     + SHORT_BEAT
+    + HEALTH_FOLDS
+    + COMPLETE
     + r"""
 local op, node = ARGV[1], ARGV[2]
 local asked = {min = tonumber(ARGV[3]), max = tonumber(ARGV[4]),
@@ -52,6 +59,12 @@ local expired, finished = ARGV[7] == '1', ARGV[8] == '1'
 local port = tonumber(ARGV[9])
 local ttl, channel = ARGV[12], ARGV[13]
 local secret, operator = ARGV[15] or '', ARGV[16] == '1'
+
+-- What a join or a report says beyond its node, checked before anything is read or written.
+local profile, report, refused
+if op == 'join' then profile, refused = read_profile() end
+if op == 'report' then report, refused = read_report() end
+if refused then return cjson.encode({error = 'request', why = refused}) end
 
 -- A heartbeat or a status touches the header, the heartbeats and the secrets (and,
 -- rarely, prunes): the other keys are checked by the requests that change membership.
@@ -89,18 +102,24 @@ if moved then
   end
 end
 
+local function all_done()
+  return h.complete and h.world > 0 and redis.call('SCARD', D) + h.finished >= h.world
+end
+
 local function signature()
   return table.concat({h.round, tostring(h.complete), tostring(h.closed),
     tostring(h.deadline), tostring(redis.call('SCARD', W) > 0), tostring(h.lost > 0),
-    tostring(h.finished > 0)}, '|')
+    tostring(h.finished > 0), tostring(all_done())}, '|')
 end
 
 local function knows(n) return redis.call('ZSCORE', B, n) ~= false end
 local function owns(n) return redis.call('HGET', S, n) == secret end
 local function beat(n) redis.call('ZADD', B, now, n) end
+local function participant(n) return redis.call('ZSCORE', P, n) ~= false end
 -- A node not yet listed is listed: its heartbeat and its secret.
 local function enter(n)
   redis.call('HSETNX', S, n, secret)
+  h.vacated = false
   beat(n)
 end
 
@@ -111,85 +130,48 @@ local function open_next_round()
   h.world, h.lost, h.finished = 0, 0, 0
   h.sample = {}
   h.master_addr, h.master_port = false, false
+  redis.call('DEL', PROF, PLACE, D, F)
 end
 
--- Removes n, gone at time `at` (a closed run empty since then may be reused).
-local function remove(n, at, fin)
+-- Removes n, gone at time `at` (a run empty since then may be reused). A member of a
+-- complete round that said it was done, or leaves finished (`fin`), counts as finished;
+-- else it is lost, and its host counted lost when it went silent (dropped, not a leave).
+local function remove(n, at, fin, silent)
   redis.call('ZREM', B, n)
   redis.call('HDEL', S, n)
-  if h.closed and redis.call('ZCARD', B) == 0 then h.vacated = at end
-  if redis.call('ZSCORE', P, n) == false then
+  if redis.call('ZCARD', B) == 0 then h.vacated = at end
+  if not participant(n) then
     redis.call('SREM', W, n)
     redis.call('SREM', R, n)
     return
   end
   redis.call('ZREM', P, n)
   redis.call('HDEL', PORTS, n)
+  redis.call('HDEL', PROF, n)
   local count = redis.call('ZCARD', P)
   if not h.complete then
     if count < h.rules.min then h.deadline = false end
-  elseif count == 0 then
-    open_next_round()
-  elseif fin then
+    return
+  end
+  local was_done = redis.call('SREM', D, n) == 1
+  if fin or was_done then
     h.finished = h.finished + 1
   else
     h.lost = h.lost + 1
     if #h.sample < 4 then table.insert(h.sample, n) end
+    if silent then with_lost(string.match(n, '^(.*)_%d+_%d+$'), h.round) end
   end
+  if count == 0 then open_next_round() end
 end
 
 local function prune()
   if not h.rules then return 0 end
   local dead = redis.call('ZRANGEBYSCORE', B, '-inf',
     '(' .. string.format('%d', now - h.rules.window), 'WITHSCORES')
-  for i = 1, #dead, 2 do remove(dead[i], tonumber(dead[i + 1]) + h.rules.window, false) end
+  for i = 1, #dead, 2 do
+    remove(dead[i], tonumber(dead[i + 1]) + h.rules.window, false, true)
+  end
   return #dead / 2
-end
-
--- A decimal number as bytes that order as the number: its length (2 bytes), its digits.
-local function ordered(digits)
-  return string.char(math.floor(#digits / 256), #digits % 256) .. digits
-end
-
--- Ranks in torch's order, Python's NodeDesc order (address, then pid, then local id),
--- sorted by Redis: each name goes into ORDER as a member whose bytes order as that tuple
--- (equal scores order by memcmp, which is Python's str order on UTF-8; a NUL ends the
--- address, so a prefix comes first). Not Lua's `<` on strings: that is strcoll, the server's
--- locale, which may ignore '.' and '-'. (Measured, Redis CPU per completion of 4,096
--- nodes: 32 ms; a table.sort with a byte-comparing function, 70 ms; join order, 10 ms.)
-local function complete()
-  local names, by_key = redis.call('ZRANGE', P, 0, -1), {}
-  for i = 1, #names, 500 do
-    local args = {}
-    for j = i, math.min(i + 499, #names) do
-      local addr, pid, id = string.match(names[j], '^(.*)_(%d+)_(%d+)$')
-      local key = addr .. '\0' .. ordered(pid) .. ordered(id)
-      by_key[key] = names[j]
-      args[#args + 1] = 0
-      args[#args + 1] = key
-    end
-    redis.call('ZADD', ORDER, unpack(args))
-  end
-  local order = redis.call('ZRANGE', ORDER, 0, -1)
-  redis.call('DEL', ORDER)
-  for i = 1, #order, 500 do
-    local args = {}
-    for j = i, math.min(i + 499, #order) do
-      order[j] = by_key[order[j]]
-      args[#args + 1] = j - 1
-      args[#args + 1] = order[j]
-    end
-    redis.call('ZADD', P, unpack(args))
-  end
-  local first = order[1]
-  h.master_addr = string.match(first, '^(.*)_%d+_%d+$')
-  h.master_port = tonumber(redis.call('HGET', PORTS, first) or '0')
-  redis.call('DEL', PORTS)
-  h.complete = true
-  h.deadline = false
-  h.world = #order
-  h.lost, h.finished = 0, 0
-  h.sample = {}
 end
 
 local function same_rules(a, b)
@@ -197,31 +179,35 @@ local function same_rules(a, b)
     and a.window == b.window
 end
 
--- When the closed run can be reused (two heartbeat windows after its last node left);
--- false while nodes are still in it.
+-- When the empty run can be made a new one (two heartbeat windows after its last node
+-- left); false while nodes are still in it.
 local function reopen_at()
-  if not h.vacated or redis.call('ZCARD', B) > 0 then return false end
+  if not h.vacated or not h.rules or redis.call('ZCARD', B) > 0 then return false end
   return h.vacated + 2 * h.rules.window
+end
+
+-- A join to a closed run ends this node's part in it.
+local function join_closed()
+  local outcome = 'error_closed'
+  if redis.call('SISMEMBER', R, node) == 1 then outcome = 'graceful_exit' end
+  if knows(node) then
+    remove(node, now, false, false)
+    return outcome, 'remove'
+  end
+  return outcome, 'none'
 end
 
 -- returns outcome, transition, wake_at, restart
 local function join()
   if knows(node) and not owns(node) then return 'error_forbidden', 'none' end
-  if h.closed then
-    local reopen = reopen_at()
-    if not reopen or now < reopen then
-      -- a join to a closed run ends this node's part in it
-      local outcome = 'error_closed'
-      if redis.call('SISMEMBER', R, node) == 1 then outcome = 'graceful_exit' end
-      if knows(node) then
-        remove(node, now, false)
-        return outcome, 'remove'
-      end
-      return outcome, 'none'
-    end
-    -- closed and empty long enough: a new run (the next round, the joiner's rules)
+  local reopen = reopen_at()
+  if reopen and reopen <= now then
+    -- empty for its grace: a new job may take the id (the next round, its rules, no history)
     h.closed, h.rules, h.vacated = false, asked, false
+    redis.call('DEL', H)
     open_next_round()
+  elseif h.closed then
+    return join_closed()
   end
   if not h.rules then
     h.rules = asked  -- this join makes the run: its rules are the run's
@@ -235,17 +221,17 @@ local function join()
       beat(node)
       return 'wait', 'keep_alive'
     end
-    remove(node, now, false)
+    remove(node, now, false, false)
     exp, restart, transition = false, true, 'remove_from_redundancy_list'
   end
-  local is_participant = redis.call('ZSCORE', P, node) ~= false
+  local is_participant = participant(node)
   if h.complete and is_participant then
     beat(node)
     return 'finish', transition, false, restart
   end
   if exp then
     if knows(node) then
-      remove(node, now, false)
+      remove(node, now, false, false)
       transition = 'remove'
     end
     return 'error_timeout', transition
@@ -266,7 +252,7 @@ local function join()
   if is_participant then
     local count = redis.call('ZCARD', P)
     if min_n <= count and count <= max_n and h.deadline and h.deadline <= now then
-      complete()
+      complete(h)
       beat(node)
       return 'finish', 'mark_complete', false, restart
     end
@@ -277,23 +263,61 @@ local function join()
   h.seq = h.seq + 1
   redis.call('ZADD', P, h.seq, node)
   redis.call('HSET', PORTS, node, port)
+  redis.call('HSET', PROF, node, string.format('%d ', profile.size) .. profile.role)
   enter(node)
   local count = redis.call('ZCARD', P)
   if count == min_n then h.deadline = now + h.rules.last_call end
   if count == max_n then
-    complete()
+    complete(h)
     return 'finish', 'mark_complete', false, restart
   end
   return 'wait', 'add_to_participants', h.deadline, restart
 end
 
+-- A run-level act, whoever asks; a close of a run no join made makes it (closed), but the
+-- operator's close of an unknown run.
 local function close()
-  if h.closed or not h.rules then return 'finish', 'none' end
-  -- only a member, or the operator, closes a run
-  if not operator and not owns(node) then return 'error_forbidden', 'none' end
+  if h.closed then return 'finish', 'none' end
+  if not h.rules then
+    if operator then return 'finish', 'none' end  -- nothing to close, nothing stored
+    h.rules = asked
+  end
   h.closed = true
   if redis.call('ZCARD', B) == 0 then h.vacated = now end
   return 'finish', 'mark_closed'
+end
+
+-- A member's report of itself (core.machine's _report): its failure in its complete round
+-- (who and where filled in here), or its own host set aside.
+local function report_of()
+  if not report then return 'finish', 'none' end
+  beat(node)
+  local addr = string.match(node, '^(.*)_%d+_%d+$')
+  if report.quarantine then
+    if not with_quarantined(addr, report.quarantine) then return 'finish', 'none' end
+    return 'finish', 'report'
+  end
+  local rank = redis.call('ZSCORE', P, node)
+  if not h.complete or not rank then return 'finish', 'none' end
+  redis.call('SADD', F, node)
+  local failure = report.failure
+  local record = {time = failure.time, host = short(addr), node = short(node),
+                  node_rank = tonumber(rank), rank = failure.rank,
+                  local_rank = failure.local_rank, exitcode = failure.exitcode,
+                  message = failure.message, round = h.round, stalled = failure.stalled,
+                  secondary = failure.secondary}
+  reported(record, redis.call('SCARD', F))
+  return 'finish', 'report'
+end
+
+-- A member says its workers succeeded in its complete round (the exit barrier).
+local function done()
+  beat(node)
+  if not h.complete or not participant(node) or redis.call('SISMEMBER', D, node) == 1 then
+    return 'finish', 'none'
+  end
+  redis.call('SADD', D, node)
+  return 'finish', 'mark_done'
 end
 
 -- A backend's report that node's connection ended at `since` (core.machine's _depart).
@@ -304,7 +328,7 @@ local function depart()
   if ARGV[19] ~= '1' then due = since + math.min(math.floor(h.rules.window / 2), 1000) end
   if now < due then return 'wait', 'none', due end
   if tonumber(redis.call('ZSCORE', B, node)) > since then return 'finish', 'none' end
-  remove(node, now)
+  remove(node, now, false, true)
   return 'finish', 'remove'
 end
 
@@ -313,13 +337,15 @@ local function apply()
   if op == 'close' then return close() end
   if op == 'status' or not knows(node) then return 'finish', 'none' end
   if op == 'depart' and operator then return depart() end
-  -- a leave, a heartbeat or a departure for another node
+  -- a leave, a heartbeat, a report or a departure for another node
   if not owns(node) then return 'error_forbidden', 'none' end
   if op == 'depart' then return depart() end
   if op == 'leave' then
-    remove(node, now, finished)
+    remove(node, now, finished, false)
     return 'finish', 'remove'
   end
+  if op == 'report' then return report_of() end
+  if op == 'done' then return done() end
   beat(node)
   return 'finish', 'keep_alive'
 end
@@ -331,36 +357,13 @@ local outcome, transition, wake_at, restart = apply()
 if signature() ~= before then h.gen = h.gen + 1 end
 if transition == 'none' and pruned > 0 then transition = 'prune' end
 
--- A state that no join made is answered and not stored.
+-- A state that no join or close made is answered and not stored. Every key's expiry is
+-- refreshed when membership changes, and otherwise once half of it is used up (a heartbeat
+-- then costs one PTTL).
 if h.rules then
-  local r = h.rules
-  local fields = {'format', '3', 'epoch', h.epoch, 'version', string.format('%d', h.gen),
-    'round', string.format('%d', h.round), 'complete', h.complete and '1' or '0',
-    'closed', h.closed and '1' or '0',
-    'deadline', h.deadline and string.format('%d', h.deadline) or '',
-    'seq', string.format('%d', h.seq), 'world', string.format('%d', h.world),
-    'lost', string.format('%d', h.lost), 'finished', string.format('%d', h.finished),
-    'sample', table.concat(h.sample, '\n'), 'master_addr', h.master_addr or '',
-    'master_port', h.master_port and string.format('%d', h.master_port) or '',
-    'replid', h.replid or '', 'min', string.format('%d', r.min),
-    'max', string.format('%d', r.max), 'last_call', string.format('%d', r.last_call),
-    'window', string.format('%d', r.window),
-    'vacated', h.vacated and string.format('%d', h.vacated) or ''}
-  if h.fresh then
-    table.insert(fields, 'data')
-    table.insert(fields, '{"format":"aelastic.rendezvous.state","version":3}')
-  end
-  if h.fresh or moved or cjson.encode(h) ~= header_before then
-    redis.call('HSET', HS, unpack(fields))
-  end
-  -- Every key's expiry is refreshed when membership changes, and otherwise once half of
-  -- it is used up (a heartbeat then costs one PTTL).
-  if not light or pruned > 0 or redis.call('PTTL', HS) < tonumber(ttl) / 2 then
-    for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ttl) end
-  else
-    redis.call('PEXPIRE', B, ttl)
-    redis.call('PEXPIRE', S, ttl)
-  end
+  local write = h.fresh or moved or cjson.encode(h) ~= header_before
+  local all = not light or pruned > 0 or redis.call('PTTL', HS) < tonumber(ttl) / 2
+  store_header(h, write, all, ttl)
 end
 
 local status = status_of(h, now)
@@ -370,12 +373,21 @@ end
 local reply = {outcome = outcome, status = status, transition = transition,
                restart = restart or false, known = owns(node), pruned = pruned}
 if wake_at then reply.wake_at = wake_at end
-if outcome == 'error_rules' then reply.rules = h.rules end
-if outcome == 'error_closed' then reply.reopen_at = reopen_at() or nil end
+-- A join refused for other rules, or because the run closed: the run's rules and when it
+-- is free again (from which a node tells an ended job from its own, not yet started).
+if outcome == 'error_closed' or outcome == 'error_rules' then
+  reply.rules = h.rules
+  reply.reopen_at = reopen_at() or nil
+end
 if op == 'join' and outcome == 'finish' then
   reply.rank = tonumber(redis.call('ZSCORE', P, node))
   reply.master_addr = h.master_addr
   reply.master_port = h.master_port
+  local place = redis.call('HGET', PLACE, node)
+  if place then
+    local b, w, rb, rw = string.match(place, '^(%d+) (%d+) (%d+) (%d+)$')
+    reply.placement = {tonumber(b), tonumber(w), tonumber(rb), tonumber(rw)}
+  end
 end
 if op == 'keep_alive' then
   local oldest = redis.call('ZRANGE', B, 0, 0, 'WITHSCORES')

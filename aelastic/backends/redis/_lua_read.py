@@ -1,24 +1,30 @@
 """The Lua that reads a run: the header every rendezvous script starts with, and the
-scripts reading a run's status and snapshot.
+scripts reading a run's status, snapshot and job health.
 
 How it works: every rendezvous script (these and :mod:`._lua`'s ``OP``) starts with
 :data:`HEADER`. It names the run's keys, checks their Redis types, reads the header hash
 into a table ``h`` (the run's rules in ``h.rules``; ``false`` while no join made the run),
-and makes the status of ``h``, as :func:`aelastic.core.state.status_of` does.
+writes it back (``OP`` only), and makes the status of ``h``, as
+:func:`aelastic.core.state.status_of` does.
+:data:`HEALTH` answers the job's health hash as it is (:mod:`._health` reads it).
 """
 
 from __future__ import annotations
 
-__all__ = ["HEADER", "SNAPSHOT", "STATUS"]
+__all__ = ["HEADER", "HEALTH", "SNAPSHOT", "STATUS"]
 
-#: KEYS: header, participants, ports, wait list, redundancy list, beats, secrets, and a
-#: sorted set used (and deleted) while a round's ranks are fixed.
-#: Defines check_types, load_header, status_of, server_now.
+#: KEYS: header, participants, ports, wait list, redundancy list, beats, secrets, a sorted
+#: set used (and deleted) while a round's ranks are fixed, the participants' profiles, the
+#: members' placements, the members done, the members failed, the job's health
+#: (:class:`._scripts.RunKeys`). Defines check_types, load_header, store_header, status_of,
+#: server_now.
 HEADER = r"""
 local HS, P, PORTS, W, R, B, S, ORDER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
   KEYS[6], KEYS[7], KEYS[8]
+local PROF, PLACE, D, F, H = KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
 local TYPES = {[HS] = 'hash', [P] = 'zset', [PORTS] = 'hash', [W] = 'set', [R] = 'set',
-               [B] = 'zset', [S] = 'hash', [ORDER] = 'zset'}
+               [B] = 'zset', [S] = 'hash', [ORDER] = 'zset', [PROF] = 'hash',
+               [PLACE] = 'hash', [D] = 'set', [F] = 'set', [H] = 'hash'}
 
 -- Checks the Redis type of the given keys (all of them by default); returns an error
 -- object and whether the header exists.
@@ -45,7 +51,7 @@ local function load_header(epoch, exists)
             sample = {}, master_addr = false, master_port = false, replid = false,
             rules = false, vacated = false}
   end
-  if f[1] ~= '3' then
+  if f[1] ~= '4' then
     local ok, doc = pcall(cjson.decode, f[15] or '')
     if ok and type(doc) == 'table' and doc['format'] == 'aelastic.rendezvous.state' then
       return nil, {error = 'version', version = doc['version']}
@@ -68,18 +74,48 @@ local function load_header(epoch, exists)
           vacated = (f[21] and f[21] ~= '' and tonumber(f[21])) or false}
 end
 
+-- Writes h back (when `write`: it changed, or the state is new) and refreshes the expiry
+-- of every key (`all`) or of the heartbeats' and secrets' only.
+local function store_header(h, write, all, ttl)
+  local r = h.rules
+  local fields = {'format', '4', 'epoch', h.epoch, 'version', string.format('%d', h.gen),
+    'round', string.format('%d', h.round), 'complete', h.complete and '1' or '0',
+    'closed', h.closed and '1' or '0',
+    'deadline', h.deadline and string.format('%d', h.deadline) or '',
+    'seq', string.format('%d', h.seq), 'world', string.format('%d', h.world),
+    'lost', string.format('%d', h.lost), 'finished', string.format('%d', h.finished),
+    'sample', table.concat(h.sample, '\n'), 'master_addr', h.master_addr or '',
+    'master_port', h.master_port and string.format('%d', h.master_port) or '',
+    'replid', h.replid or '', 'min', string.format('%d', r.min),
+    'max', string.format('%d', r.max), 'last_call', string.format('%d', r.last_call),
+    'window', string.format('%d', r.window),
+    'vacated', h.vacated and string.format('%d', h.vacated) or ''}
+  if h.fresh then
+    table.insert(fields, 'data')
+    table.insert(fields, '{"format":"aelastic.rendezvous.state","version":4}')
+  end
+  if write then redis.call('HSET', HS, unpack(fields)) end
+  if all then
+    for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ttl) end
+  else
+    redis.call('PEXPIRE', B, ttl)
+    redis.call('PEXPIRE', S, ttl)
+  end
+end
+
 -- The status of h; an empty one (token '') while no join made the run.
 local function status_of(h, now)
   if not h.rules then
     return {token = '', round = 0, complete = false, closed = false, now = now,
             participants = 0, world = 0, waiting = 0, redundant = 0, lost = 0,
-            finished = 0, lost_sample = {}}
+            finished = 0, lost_sample = {}, done = 0}
   end
   local st = {token = h.epoch .. '.' .. string.format('%d', h.gen), round = h.round,
               complete = h.complete, closed = h.closed, now = now,
               participants = redis.call('ZCARD', P), world = h.world,
               waiting = redis.call('SCARD', W), redundant = redis.call('SCARD', R),
-              lost = h.lost, finished = h.finished, lost_sample = h.sample}
+              lost = h.lost, finished = h.finished, lost_sample = h.sample,
+              done = redis.call('SCARD', D)}
   if h.deadline then st.deadline = h.deadline end
   return st
 end
@@ -136,5 +172,19 @@ if h.master_addr then
   snap.master_port = h.master_port
 end
 return cjson.encode(snap)
+"""
+)
+
+#: KEYS: as OP. ARGV: none. -> the health hash's fields and values (HGETALL) |
+#: {"absent": true} | error JSON.
+HEALTH = (
+    HEADER
+    + r"""
+local bad, exists = check_types({HS, H})
+if bad then return cjson.encode(bad) end
+local h, err = load_header('', exists)
+if not h then return cjson.encode(err) end
+if h.fresh then return cjson.encode({absent = true}) end
+return redis.call('HGETALL', H)
 """
 )

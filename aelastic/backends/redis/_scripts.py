@@ -11,8 +11,14 @@ Redis Cluster hash tag, so a run lives on one slot and multi-key scripts stay le
 * ``...:p`` participants (sorted set: join order, then rank), ``...:ports`` their bootstrap
   ports, ``...:w`` wait list and ``...:r`` redundancy list (sets), ``...:b`` heartbeats
   (sorted set by time), ``...:s`` the nodes' secrets (hash), ``...:order`` (a sorted set
-  that lives only while a completing round's ranks are sorted): see :mod:`._lua` for the
-  scripts that change them;
+  that lives only while a completing round's ranks are sorted), ``...:prof`` the
+  participants' worker roles and local world sizes (hash), ``...:place`` where each member's
+  workers stand once the round is complete (hash), ``...:done`` and ``...:failed`` the
+  members that said their workers succeeded, or reported a failure, in this round (sets):
+  see :mod:`._lua` for the scripts that change them;
+* ``...:health``: the job's health (hash; :mod:`._lua_health`), written only by the
+  rendezvous script from the members' reports of themselves and the losses it sees, never
+  by a store write (outside ``...:kv:``), read by :data:`HEALTH`;
 * ``...:kv:<key>``: one string per key of the members' store;
 * ``...:op:<id>``: the result of a ``kv_add``, kept a while so a retried add never counts twice;
 * ``...:changes``: the pub/sub channel. A status change publishes ``s<status JSON>`` (round
@@ -32,9 +38,10 @@ from __future__ import annotations
 
 import hashlib
 
-from ._lua import OP, SNAPSHOT, STATUS
+from ._lua import HEALTH, OP, SNAPSHOT, STATUS
 
 __all__ = [
+    "HEALTH",
     "KV_ADD",
     "KV_COMPARE_SET",
     "KV_DELETE",
@@ -97,6 +104,11 @@ class RunKeys:
             f"{self.base}:b",
             f"{self.base}:s",
             f"{self.base}:order",
+            f"{self.base}:prof",
+            f"{self.base}:place",
+            f"{self.base}:done",
+            f"{self.base}:failed",
+            f"{self.base}:health",
         )
 
     def __repr__(self) -> str:
@@ -212,5 +224,5 @@ return {1, n}
 #: Every script, by its SHA1 (what EVALSHA names it by).
 SCRIPTS = {
     hashlib.sha1(src.encode()).hexdigest(): src
-    for src in (OP, STATUS, SNAPSHOT, KV_GET, KV_SET, KV_ADD, KV_COMPARE_SET, KV_DELETE)
+    for src in (OP, STATUS, SNAPSHOT, HEALTH, KV_GET, KV_SET, KV_ADD, KV_COMPARE_SET, KV_DELETE)
 }
