@@ -1,6 +1,7 @@
 """The job's control state cannot be forged, with real agents: a two-node job over
-``aelastic serve`` (with a token) while a client that holds the token but is not a member
-forges, at each attempt, everything an older aelastic trusted or could be asked:
+``aelastic serve`` (with a token), Redis or etcd while a client that holds the store's
+credentials but is not a member forges, at each attempt, everything an older aelastic
+trusted or could be asked:
 
 * in the members' store (which every token holder can write): a health record that sets a
   member's host aside and blames it for a made-up incident of round 10^6 with a spent
@@ -23,6 +24,7 @@ import json
 import re
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,9 +86,10 @@ def _assignment(rank: int) -> bytes:
     return json.dumps(doc).encode()
 
 
-async def _forge(endpoint: str, run_id: str) -> list[str]:
+async def _forge(backend_name: str, endpoint: str, run_id: str) -> list[str]:
     """Every forgery once; what the rendezvous answered to the checked ones."""
-    params = RendezvousParameters("http", endpoint, run_id, 1, 2, token=TOKEN)
+    conf = {"token": TOKEN} if backend_name == "http" else {}
+    params = RendezvousParameters(backend_name, endpoint, run_id, 1, 2, **conf)
     backend = create_backend(params)
     answers = []
     try:
@@ -134,33 +137,52 @@ def _wait_for(path: Path, timeout: float = 90) -> None:
         time.sleep(0.05)
 
 
-def test_a_token_holder_forges_the_control_state_and_nothing_changes(
-    tmp_path: Path, run_id: str
-) -> None:
-    pytest.importorskip("aiohttp")
-    from tests._http_server import HttpServer
+@pytest.fixture(params=["http", "redis", "etcd"])
+def store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """(backend, endpoint) of a real server: ``aelastic serve`` with a token, Redis, etcd."""
+    if request.param == "http":
+        from tests._http_server import HttpServer
 
+        with HttpServer(token=TOKEN) as server:
+            yield "http", server.endpoint
+    elif request.param == "redis":
+        from tests._redis_server import RedisServer
+
+        with RedisServer() as redis_server:
+            yield "redis", redis_server.url
+    else:
+        from tests._etcd_server import EtcdServer
+
+        with EtcdServer() as etcd_server:
+            yield "etcd", etcd_server.endpoint
+
+
+def test_a_token_holder_forges_the_control_state_and_nothing_changes(
+    tmp_path: Path, run_id: str, store: tuple[str, str]
+) -> None:
+    backend_name, endpoint = store
     (tmp_path / "train.py").write_text(textwrap.dedent(WORKER))
     env = {"FORGE_DIR": str(tmp_path), "AELASTIC_HTTP_TOKEN": TOKEN}
-    with HttpServer(token=TOKEN) as server:
-        where = ["--rdzv-backend=http", f"--rdzv-endpoint={server.endpoint}", f"--rdzv-id={run_id}"]
+    where = [
+        f"--rdzv-backend={backend_name}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"
+    ]  # fmt: skip
 
-        def node(addr: str) -> Cli:
-            args = ["run", "--nnodes=2", *where, f"--local-addr={addr}"]
-            args += ["--rdzv-conf=last_call_timeout=0.5,keep_alive_interval=1"]
-            args += ["--max-restarts=1", "--job-max-restarts=1", "--quarantine-after=2"]
-            return Cli([*args, "train.py"], tmp_path, env)
+    def node(addr: str) -> Cli:
+        args = ["run", "--nnodes=2", *where, f"--local-addr={addr}"]
+        args += ["--rdzv-conf=last_call_timeout=0.5,keep_alive_interval=1"]
+        args += ["--max-restarts=1", "--job-max-restarts=1", "--quarantine-after=2"]
+        return Cli([*args, "train.py"], tmp_path, env)
 
-        with node("127.0.0.2") as first, node("127.0.0.3") as second:
-            answers = []
-            for attempt in (0, 1):
-                _wait_for(tmp_path / f"started-{attempt}-0")
-                _wait_for(tmp_path / f"started-{attempt}-1")
-                answers += asyncio.run(_forge(server.endpoint, run_id))
-                (tmp_path / f"forged-{attempt}").touch()
-            assert first.wait(120) == 0, first.output
-            assert second.wait(120) == 0, second.output
-        code, status = run_cli(["status", *where, "--json"], tmp_path, env)
+    with node("127.0.0.2") as first, node("127.0.0.3") as second:
+        answers = []
+        for attempt in (0, 1):
+            _wait_for(tmp_path / f"started-{attempt}-0")
+            _wait_for(tmp_path / f"started-{attempt}-1")
+            answers += asyncio.run(_forge(backend_name, endpoint, run_id))
+            (tmp_path / f"forged-{attempt}").touch()
+        assert first.wait(120) == 0, first.output
+        assert second.wait(120) == 0, second.output
+    code, status = run_cli(["status", *where, "--json"], tmp_path, env)
     out = first.output + "\n" + second.output
     worlds = re.findall(r"worker rank (\d) of 2 group (\d) master (\S+):\d+ phase (\d)", out)
     assert {(r, g, m) for r, g, m, _ in worlds} == {
