@@ -20,7 +20,14 @@ from __future__ import annotations
 
 import logging
 
-from ..core.errors import RendezvousClosedError, RendezvousError, reason
+import anyio
+
+from ..core.errors import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousTimeoutError,
+    reason,
+)
 from ..core.events import RendezvousEvent
 from ..core.health import JobHealth, NodeReport
 from ..core.params import RendezvousInfo, RendezvousSettings, RendezvousStoreInfo
@@ -160,8 +167,23 @@ class DynamicRendezvousHandler(NodeRequests):
             await self._close()
 
     async def _close(self) -> None:
-        await self._request(Op.CLOSE)
-        self._closed_it = self._took_part = True
+        """Close the run, within ``close_timeout`` and one read of the store (torch's bound).
+
+        Raises:
+            RendezvousTimeoutError: The store took longer (the run may be closed or not).
+            RendezvousConnectionError: The store could not be reached.
+        """
+        settings = self._settings
+        limit = settings.close_timeout + settings.read_timeout
+        with anyio.move_on_after(limit):
+            await self._request(Op.CLOSE)
+            self._closed_it = self._took_part = True
+            return
+        raise RendezvousTimeoutError(
+            f"closing the rendezvous '{self.get_run_id()}' did not complete within "
+            f"{limit:g} s (close_timeout {settings.close_timeout:g} s + read_timeout "
+            f"{settings.read_timeout:g} s)"
+        )
 
     async def num_nodes_waiting(self) -> int:
         """Number of nodes waiting to join the next round (late arrivals)."""

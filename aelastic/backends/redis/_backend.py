@@ -149,7 +149,7 @@ class RedisBackend(RedisCalls, NamedConnections):
         client, watch = await self._bind()
         # The reply is news only if the request follows the subscription: once the listener
         # is up (the request then goes on its connection, after the subscription).
-        await client.server.settled()
+        await client.server.settled(self._budget_left())
         mark = watch.mark
         base = self._last if request.op is Op.KEEP_ALIVE else None
         key = beat_key(base)

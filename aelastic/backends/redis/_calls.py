@@ -211,10 +211,15 @@ class RedisCalls:
             "INFO": "after a failover, a state version lost with the old primary is not "
             "moved to a new epoch",
         }
+        started = asyncio.get_running_loop().time()
         answers = await asyncio.gather(
             *(client.command(*c, within=self._read_timeout, route=route) for c in tries.values()),
             return_exceptions=True,
         )
+        if any(isinstance(a, Exception) and _transient(a) for a in answers):
+            # Not answered: the server fails since then (the call that follows gets what is
+            # left of its read timeout, not one more whole).
+            self._failing_since = self._failing_since or started
         for name, answer in zip(tries, answers, strict=True):
             said = str(answer)
             refused = isinstance(answer, ResponseError) and _SCRIPT_REFUSED.search(said)
@@ -237,6 +242,13 @@ class RedisCalls:
             return
         await client.unwatch(self._keys.channel, watch)
         await _shared.release(self._share_key, client)
+
+    def _budget_left(self) -> float:
+        """Seconds left of the read timeout of the outage under way (all of it: none)."""
+        if self._failing_since is None:
+            return self._read_timeout
+        now = asyncio.get_running_loop().time()
+        return max(self._failing_since + self._read_timeout - now, 0.0)
 
     async def _call(self, what: str, attempt: Callable[[float], Awaitable[T]]) -> T:
         """Run ``attempt(timeout)`` with retries on transient failures, within ``read_timeout``."""

@@ -26,6 +26,7 @@ into a one-line error (a service Sentinel does not know, a sentinel refusing the
 from __future__ import annotations
 
 import asyncio
+from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -75,6 +76,10 @@ class Standalone:
         self._combined: RespConnection | None = None
         self._was_combined = False
         self._coming: asyncio.Future[None] | None = None
+        #: A listener connection still being opened after a caller gave up waiting for it,
+        #: and what tells the others waiting for it that somebody did.
+        self._slow: asyncio.Future[None] | None = None
+        self._gave_up: tuple[asyncio.Future[None], asyncio.Future[None]] | None = None
         self.redis: Any = self._command_client(max_connections)
 
     def _command_client(self, max_connections: int) -> Any:
@@ -130,10 +135,24 @@ class Standalone:
             raise RedisConnectionError("the client's connection is being opened again")
         return None
 
-    async def settled(self) -> None:
-        """Until the listener's connection is up (or failed), if it is being opened."""
-        if self._coming is not None:
-            await asyncio.wait({self._coming})  # (not cancelled with this caller)
+    async def settled(self, within: float | None = None) -> None:
+        """Until the listener's connection is up (or failed), if it is being opened, or
+        ``within`` seconds passed: a caller's own bound, so that a server that takes
+        connections but never answers holds no call for the listener's whole connect
+        timeout. Once a caller gave up, nobody waits for that connection any more (the
+        others dial their own meanwhile)."""
+        coming = self._coming
+        if coming is None or coming is self._slow:
+            return
+        if self._gave_up is None or self._gave_up[0] is not coming:
+            self._gave_up = (coming, asyncio.get_running_loop().create_future())
+        gave_up = self._gave_up[1]
+        # (Neither is cancelled with this caller.)
+        await asyncio.wait({coming, gave_up}, timeout=within, return_when=FIRST_COMPLETED)
+        if not coming.done() and within is not None:
+            self._slow = coming
+            if not gave_up.done():
+                gave_up.set_result(None)
 
     def _reusable(self, exclusive: bool) -> RespConnection | None:
         """A connection for a batch: the listener's (pipelined with whatever it carries),

@@ -259,10 +259,8 @@ def _node_at(params: RendezvousParameters, endpoint: str, facade: str, **conf: A
 #: A scenario of a store that hangs, dies or is cut off: not for the memory backend.
 SERVED_ONLY = pytest.mark.backends(*SERVED)
 
+
 #: Backends whose calls to a hung store outlast the store's read timeout (about 11 s).
-_SLOW_TO_GIVE_UP = ("redis", "http", "c10d")
-
-
 @SERVED_ONLY
 @pytest.mark.parametrize(
     ("call", "timeout_key"),
@@ -275,7 +273,6 @@ async def test_a_call_to_a_hung_store_respects_the_requested_timeout(
     backend: str,
     call: str,
     timeout_key: str,
-    request: pytest.FixtureRequest,
 ) -> None:
     """``test_next_rendezvous_respects_the_requested_timeout`` and ``test_set_closed_
     respects_the_requested_timeout``: a store slower than the call's timeout (here one
@@ -283,15 +280,6 @@ async def test_a_call_to_a_hung_store_respects_the_requested_timeout(
     checks its deadline between store calls, each bounded by the store's read timeout: a
     join (close) of 0.5 s with a read timeout of 1 s ends within about a second. The async
     handler only: the sync facade runs the same coroutine."""
-    if backend in _SLOW_TO_GIVE_UP:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="PENDING-BUG: a call to a store that accepts connections and never "
-                "answers fails after about 11 s on redis, http and c10d with read_timeout=1 "
-                "and join/close_timeout=0.5 (its message says 'within 1 s')",
-            )
-        )
     params = make_params(1, 1)
     conf = {timeout_key: 0.5, "read_timeout": 1, "heartbeat_timeout": 0.5}
     node = _node_at(params, stalled_endpoint, "async", **conf)

@@ -197,7 +197,9 @@ class HttpBackend(HttpStore):
             base, self._beat = self._last, request
         doc: dict[str, Any] | list[Any] | None = None
         if self._channel:
-            doc = await conn.channel.send(self._run_id, body, hold, seen, beat_key(base))
+            doc = await conn.channel.send(
+                self._run_id, body, hold, seen, beat_key(base), read_timeout=self._read_timeout
+            )
         if doc is None:
             answer = await conn.call(
                 "POST", self._path + "/rendezvous", self._read_timeout,
@@ -237,7 +239,14 @@ class HttpBackend(HttpStore):
         if not self._channel or beat is None or beat.node != me:
             return 0
         conn, _ = self._open()
-        doc = await conn.channel.send(self._run_id, request_to_json(beat), 0, None, broken=True)
+        doc = await conn.channel.send(
+            self._run_id,
+            request_to_json(beat),
+            0,
+            None,
+            broken=True,
+            read_timeout=self._read_timeout,
+        )
         departed = doc.get("departed") if isinstance(doc, dict) else None
         return departed if type(departed) is int else 0
 

@@ -9,9 +9,12 @@ and awaits the answer with that id (one reader task hands the answers out); held
 are answered when the status moves or the hold ends, as over HTTP, and a cancelled send
 withdraws its request (as closing an HTTP connection would). Whatever goes wrong (the
 server has no channel: an older ``aelastic serve``, or a proxy refusing WebSockets; the
-socket closes or fails; no answer within the hold and a margin; a 5xx answer) makes
-:meth:`Channel.send` return ``None``: the caller then sends that request over HTTP, which
-has the retries and the error messages (rendezvous requests are idempotent). After a failed
+socket closes or fails; a 5xx answer) makes :meth:`Channel.send` return ``None``: the
+caller then sends that request over HTTP, which has the retries and the error messages
+(rendezvous requests are idempotent). A server that takes the connection but answers
+neither the opening handshake nor a message within the call's ``read_timeout`` (beyond the
+message's hold) is not reachable: that raises at once, as HTTP would after its own wait
+(so a call never takes two read timeouts, nor a fixed ten seconds). After a failed
 open the channel is tried again after a backoff (1 s doubling to 30 s; no channel there,
 an older server or a proxy that does not pass WebSockets on: 10 minutes). A 4xx answer
 raises, as over HTTP.
@@ -36,7 +39,8 @@ from ..wire import CHANNEL_PATH
 
 __all__ = ["Channel"]
 
-#: Seconds an open may take, and an answer beyond its hold.
+#: Seconds an open may take, and an answer beyond its hold, at most (the call's read
+#: timeout, when shorter, bounds both).
 _OPEN_TIMEOUT = 10.0
 _ANSWER_MARGIN = 10.0
 _FIRST_BACKOFF = 1.0
@@ -81,6 +85,7 @@ class Channel:
         seen: str | None,
         beat: str = "",
         broken: bool = False,
+        read_timeout: float = _OPEN_TIMEOUT,
     ) -> dict[str, Any] | list[Any] | None:
         """Send one rendezvous request; its reply's JSON (a list: the brief answer to a
         keep-alive sent with its beat key ``beat``; the whole answer, ``{"departed": n}``,
@@ -88,11 +93,12 @@ class Channel:
         over HTTP.
 
         Raises:
-            RendezvousConnectionError: The server refused the request (4xx).
+            RendezvousConnectionError: The server refused the request (4xx), or took the
+                connection but answered nothing within ``read_timeout`` (beyond the hold).
         """
         socket = self._socket
         if socket is None or socket.ws.closed:
-            socket = await self._open()
+            socket = await self._open(read_timeout)
             if socket is None:
                 return None
         msg_id = next(self._ids)
@@ -109,8 +115,9 @@ class Channel:
             return None  # closed meanwhile: nobody would hand the answer out
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         socket.pending[msg_id] = future
+        margin = min(_ANSWER_MARGIN, read_timeout)
         try:
-            async with fail_after(hold + _ANSWER_MARGIN):
+            async with fail_after(hold + margin):
                 await socket.ws.send_str(json.dumps(message, separators=(",", ":")))
                 doc = await future
         except (ConnectionError, aiohttp.ClientError, RuntimeError):
@@ -118,7 +125,7 @@ class Channel:
         except TimeoutError:  # a server that does not answer: a new socket next time
             with contextlib.suppress(aiohttp.ClientError, ConnectionError):
                 await socket.ws.close()
-            return None
+            raise self._unanswered(f"a message within {margin:g} s beyond its hold") from None
         except asyncio.CancelledError:
             # (Cancelling this task cancels the future it awaits.) No answer yet: withdraw
             # the request, a held join must not be applied again.
@@ -152,7 +159,13 @@ class Channel:
         task.add_done_callback(socket.notes.discard)
         task.add_done_callback(retrieve)  # a withdrawal the closing socket refused
 
-    async def _open(self) -> _Socket | None:
+    def _unanswered(self, what: str) -> RendezvousConnectionError:
+        return RendezvousConnectionError(
+            f"The rendezvous server at {self._endpoint} took the connection but answered "
+            f"nothing: not {what} (read_timeout)."
+        )
+
+    async def _open(self, read_timeout: float) -> _Socket | None:
         loop = asyncio.get_running_loop()
         if self._closed or loop.time() < self._retry_at:
             return None
@@ -164,15 +177,19 @@ class Channel:
                 return socket
             if self._closed or loop.time() < self._retry_at:
                 return None
+            limit = min(_OPEN_TIMEOUT, read_timeout)
             try:
-                async with fail_after(_OPEN_TIMEOUT):
+                async with fail_after(limit):
                     ws = await self._session.ws_connect(self._url, autoping=True)
+            except TimeoutError:
+                self._failed(None)
+                raise self._unanswered(f"the channel's opening within {limit:g} s") from None
             except aiohttp.WSServerHandshakeError as exc:
                 # No channel there: an older server (404, 405), or a proxy on the way that
                 # does not pass WebSockets on (the server sees a plain GET: 400).
                 self._failed(_NO_CHANNEL_BACKOFF if exc.status in (400, 404, 405) else None)
                 return None
-            except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, OSError):
                 self._failed(None)
                 return None
             if self._closed:
