@@ -158,6 +158,7 @@ def _stalled(
             where=stall.where,
             user_where=stall.user_where,
             in_collective=stall.in_collective,
+            stopped=stall.stopped,
             waiting_for_peer=waiting_for_peer,
             stacks_file=saved,
             stacks=stall.stacks[:_EVENT_STACKS],

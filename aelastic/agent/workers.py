@@ -314,6 +314,7 @@ def _stalled(failure: ProcessFailure, stall: Stall) -> ProcessFailure:
         message=message,
         error_file_data={"message": {"message": message, "extraInfo": extra}},
         stalled=True,
-        # Waiting for a peer, or unknown (it did not answer): blamed after one seen stuck.
-        secondary=stall.in_collective or not stall.stacks,
+        # Waiting for a peer: blamed after the peer. One that could not be asked for its
+        # stacks (stopped, silent) is the suspect, before any rank that waits for it.
+        secondary=stall.in_collective and not stall.unresponsive,
     )

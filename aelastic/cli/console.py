@@ -258,10 +258,12 @@ def _healing(kind: EventKind, data: Mapping[str, Any]) -> str:
         idle = f"no progress for {float(data.get('idle', 0)):.1f} s"
         idle += f" after {data.get('steps', 0)} step(s)"
         at = data.get("user_where") or data.get("where") or "an unknown line (no stacks)"
+        if data.get("stopped") and not data.get("where"):
+            at = "an unknown line (no stacks: the process is stopped, by SIGSTOP or a debugger)"
         if data.get("waiting_for_peer"):
             return (
                 f"{who}: {idle}, waiting in torch.distributed at {shown(str(at))}; "
-                "waiting one more stall timeout for the rank at fault"
+                "waiting one more stall timeout (6 s at least) for the rank at fault"
             )
         text = f"{who} is hung: {idle}; stuck at {shown(str(at))}"
         if data.get("user_where") and data.get("where"):
