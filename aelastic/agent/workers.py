@@ -61,7 +61,8 @@ class WorkerSet:
         restart_count: Restarts spent so far.
         run_id: The rendezvous run id.
         forks: The fork server of a callable under the ``fork`` start method.
-        extra_env: Variables of aelastic's own for every worker (in-place recovery's socket).
+        extra_env: Variables of aelastic's own for every worker (in-place recovery's socket,
+            the agent's beat page).
     """
 
     def __init__(
