@@ -310,7 +310,9 @@ class ElasticAgent:
     def _failed(self, failures: dict[int, ProcessFailure], reason: str) -> RunResult:
         result = RunResult(WorkerState.FAILED, failures=self._kept(failures))
         self._events.set_state(WorkerState.FAILED)
-        log.error("%s:\n%s", reason, format_failures(result, self._spec.role))
+        root = result.root_cause  # the report is the caller's (format_failures, a launcher)
+        where = "" if root is None else f" (root cause: rank {root.global_rank})"
+        log.error("workers of role '%s' failed: %s%s", self._spec.role, reason, where)
         return result
 
     # -- rendezvous and ranks -------------------------------------------------------------
