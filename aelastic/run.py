@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> None:
     plan = _plan(args)
     secrets = known_secrets(plan.rdzv_endpoint, plan.rdzv_configs, os.environ)
     outcome = Outcome()
-    console = Console(enabled=not plan.quiet, secrets=secrets)
+    console = Console(enabled=not plan.quiet, secrets=secrets, report=False)  # raised below
     code = asyncio.run(launch(plan, console, outcome))
     if outcome.signal is not None:
         raise_for([outcome.signal])

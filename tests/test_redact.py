@@ -203,3 +203,55 @@ def test_worker_and_standby_environments_drop_credentials() -> None:
     assert not SECRET_ENV & set(env) and env["PATH"] == "/bin"
     bootstrap = {"PYTHONPATH": BOOTSTRAP_DIR}  # aelastic's worker bootstrap, no secret
     assert standby_env(spec, parent) == {"PATH": "/bin", **bootstrap}
+
+
+def test_a_secret_on_the_command_line_is_warned_about_naming_its_variable() -> None:
+    from aelastic.backends.registry import secret_variables
+    from aelastic.core.redact import exposed_secrets
+
+    url = "redis://default:Pw-secret-1@h:6379/0"
+    redis = secret_variables("redis")
+    argv = ["aelastic", "run", f"--rdzv-endpoint={url}", "--rdzv-conf", "sentinel_password=S3nt"]
+    conf = {"sentinel_password": "S3nt", "key_prefix": "job"}
+    first, second = exposed_secrets(url, conf, argv, redis)
+    assert first.startswith("the password in --rdzv-endpoint is on the command line, which")
+    assert "set AELASTIC_REDIS_PASSWORD in the environment instead and leave the password" in first
+    assert "(or give the whole option in PET_RDZV_ENDPOINT)" in first
+    assert second.startswith("the sentinel_password in --rdzv-conf is on the command line")
+    assert "set AELASTIC_REDIS_SENTINEL_PASSWORD in the environment" in second
+    assert not any("Pw-secret-1" in x or "S3nt" in x for x in (first, second))
+    # Given in the environment (PET_RDZV_ENDPOINT, PET_RDZV_CONF): not on the command line.
+    assert exposed_secrets(url, conf, ["aelastic", "run", "train.py"], redis) == []
+    # The hosted backends and the HTTP server's token; a backend aelastic does not know.
+    [token] = exposed_secrets("h:29400", {"token": "T0k"}, ["--rdzv-conf=token=T0k"], {})
+    assert token.endswith("give the option in the environment instead (PET_RDZV_CONF)")
+    for name in ("c10d", "static", "http"):
+        [line] = exposed_secrets("h:1", {"token": "T0k"}, ["token=T0k"], secret_variables(name))
+        assert "set AELASTIC_HTTP_TOKEN in the environment instead" in line
+    assert exposed_secrets("h:1", {"token": ""}, ["token="], secret_variables("http")) == []
+
+
+def test_each_backends_secret_variable_is_the_one_it_reads() -> None:
+    from aelastic.backends.etcd._endpoint import ENV_PASSWORD as ETCD
+    from aelastic.backends.http.wire import TOKEN_ENV
+    from aelastic.backends.redis._endpoint import ENV_PASSWORD, ENV_SENTINEL_PASSWORD
+    from aelastic.backends.registry import BUILTINS
+    from aelastic.core.redact import SECRET_ENV
+
+    expected = {
+        "redis": {
+            "endpoint": ENV_PASSWORD,
+            "password": ENV_PASSWORD,
+            "sentinel_password": ENV_SENTINEL_PASSWORD,
+        },
+        "http": {"endpoint": TOKEN_ENV, "token": TOKEN_ENV},
+        "c10d": {"token": TOKEN_ENV},
+        "static": {"token": TOKEN_ENV},
+        "etcd": {"endpoint": ETCD},
+    }
+    for info in BUILTINS:
+        variables = dict(info.secret_env)
+        assert set(variables.values()) <= SECRET_ENV, info.name
+        assert expected.get(info.name, {}).items() <= variables.items(), info.name
+        for key in variables:  # the endpoint, a key it has (etcd: keys it refuses)
+            assert key == "endpoint" or key in info.config_keys or info.name == "etcd", key

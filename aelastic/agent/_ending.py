@@ -5,10 +5,10 @@ waits at the exit barrier (:func:`~._round.exit_barrier`) and, once the barrier 
 member done, closes the rendezvous: the job is over. :func:`shutdown` runs after whatever
 ended ``run()`` (a return, an error, a cancellation; the caller shields it): standbys and
 the in-place channel closed, workers stopped (SIGTERM, grace, SIGKILL) and reaped, the
-master port released, the rendezvous left (closed first after a failure when
-``close_on_failure``), the fork server closed, the run's scratch and disposable log
-directories removed, ``Finished`` published. Both act on the agent's own state, as its
-methods would; they live here so that :mod:`.agent` keeps to its loop.
+agent's beat page removed, the master port released, the rendezvous left (closed first after
+a failure when ``close_on_failure``), the fork server closed, the run's scratch and
+disposable log directories removed, ``Finished`` published. Both act on the agent's own
+state, as its methods would; they live here so that :mod:`.agent` keeps to its loop.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ async def shutdown(agent: ElasticAgent, result: RunResult | None) -> None:
             with anyio.move_on_after(last_word(agent._handler)):
                 await quietly(agent._handler.leave(finished=succeeded), "leave the rendezvous")
     finally:
+        await agent._beat.aclose()  # it beat until the workers were stopped
         forks, agent._forks = agent._forks, None
         if forks is not None:
             await forks.aclose()

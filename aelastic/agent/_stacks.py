@@ -9,6 +9,8 @@ end marker, so the file is read once it has been quiet for a moment, at most
 frames; :func:`where` names the innermost frame of the main thread (the stuck line) and the
 innermost one in the user's own code; :func:`in_collective` says whether the main thread is
 inside ``torch.distributed`` (waiting for a peer rather than stuck by itself).
+:func:`stopped` reads the process's state from ``/proc``: a stopped process (``SIGSTOP``, a
+debugger) cannot answer, so it is not asked and not waited for.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "in_collective",
     "main_stack",
     "parse_stacks",
+    "stopped",
     "where",
 ]
 
@@ -127,11 +130,23 @@ def in_collective(stack: ThreadStack | None) -> bool:
     return any(marker in f.file for f in stack.frames)
 
 
+def stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (``SIGSTOP``, ``SIGTSTP``, a debugger: state ``T`` or
+    ``t`` in ``/proc/<pid>/stat``): it runs no signal handler until it is continued."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return bool(fields) and fields[0] in (b"T", b"t")
+
+
 async def dump_stacks(targets: Sequence[tuple[int, int, str]]) -> dict[int, str]:
     """Ask each ``(pid, signal, stacks file)`` for its stacks; what each wrote, by pid.
 
     A worker that is gone, or whose dump did not come within :data:`DUMP_WAIT`, gives what
-    its file holds (maybe nothing).
+    its file holds (maybe nothing); a worker that is :func:`stopped` (now, or while it is
+    waited for) is not waited for.
     """
     sizes: dict[int, int] = {}
     for pid, signum, path in targets:
@@ -148,6 +163,9 @@ async def dump_stacks(targets: Sequence[tuple[int, int, str]]) -> dict[int, str]
         await asyncio.sleep(_STEP)
         now = time.monotonic()
         for pid, path in list(pending.items()):
+            if stopped(pid):
+                del pending[pid]  # it cannot answer until it is continued
+                continue
             size = _size(path)
             if size != last[pid]:
                 last[pid], quiet_since[pid] = size, now

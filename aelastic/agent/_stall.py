@@ -8,10 +8,15 @@ after its first progress); then it asks the stalled workers for the Python stack
 thread (:mod:`._stacks`) and tells the agent (``report``: the console line, the event, the
 stacks in the log directory). A node whose stalled workers all wait inside
 ``torch.distributed`` is most likely waiting for a peer that is stuck elsewhere: it waits
-one more timeout, so that the peer's own agent acts first and the group change stops these
-workers without a restart spent here. Then the stalled workers' process groups get SIGKILL
-(as torch's file-timer watchdog does): their exit is a worker failure like any other,
-described with the stall (:meth:`Stall.describe`) and its stacks.
+one more timeout (at least :data:`~._stacks.DUMP_WAIT`, the longest a peer's agent waits for
+stacks that do not come), so that the peer's own agent acts first and the group change
+stops these workers without a restart spent here. A stalled worker that cannot be asked
+for stacks (stopped by ``SIGSTOP`` or a debugger, or silent past the dump's bound) is the
+suspect: it is stopped at once, and its failure is its own, never one that broke in a
+collective, so that it is named the root cause before the peers that wait for it. Then the
+stalled workers' process groups get SIGKILL (as torch's file-timer watchdog does): their
+exit is a worker failure like any other, described with the stall (:meth:`Stall.describe`)
+and its stacks.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 import anyio
 
 from ._progress import ProgressPages
-from ._stacks import dump_stacks, in_collective, main_stack, parse_stacks, where
+from ._stacks import DUMP_WAIT, dump_stacks, in_collective, main_stack, parse_stacks, stopped, where
 from ._unkillable import WorkersUnkillable, inspect, unkillable_bound
 from .policy import check_stalls
 from .process import WorkerProcess
@@ -49,6 +54,8 @@ class Stall:
         where: The main thread's innermost frame (``file:line in func``), or ``""``.
         user_where: The innermost frame in the user's own code, when not ``where``.
         in_collective: The main thread waits inside ``torch.distributed``.
+        stopped: The process is stopped (``SIGSTOP``, a debugger): it could not be asked
+            for its stacks.
     """
 
     local_rank: int
@@ -59,6 +66,13 @@ class Stall:
     where: str = ""
     user_where: str = ""
     in_collective: bool = False
+    stopped: bool = False
+
+    @property
+    def unresponsive(self) -> bool:
+        """Its stacks could not be taken (stopped, or silent past the dump's bound): it is
+        the suspect, before any worker that waits for it in a collective."""
+        return self.stopped or not self.stacks
 
     def describe(self) -> str:
         """One line: how long, after how much progress, and where."""
@@ -69,6 +83,8 @@ class Stall:
             text += f"; stuck at {self.user_where} (innermost: {self.where})"
         elif self.where:
             text += f"; stuck at {self.where}"
+        elif self.stopped:
+            text += " (no stacks: the process is stopped, by SIGSTOP or a debugger)"
         elif not self.stacks:
             text += " (no stacks: the worker did not answer)"
         return text
@@ -118,7 +134,8 @@ async def watch_stalls(
         if not waited_for_peer and all(s.in_collective for s in stalls):
             waited_for_peer = True
             report(stalls, True)
-            await anyio.sleep(stall_timeout)
+            # The peer's agent may need the dump's whole bound to find its worker silent.
+            await anyio.sleep(max(stall_timeout, DUMP_WAIT + 1.0))
             continue  # then look again: moving again, or stalled (with whoever stalled since)
         report(stalls, False)
         await _kill([running[s.local_rank] for s in stalls], grace)
@@ -129,10 +146,11 @@ async def _describe(
     pages: ProgressPages, running: dict[int, WorkerProcess], ranks: Sequence[int], now: float
 ) -> list[Stall]:
     readings = {rank: pages.read(rank) for rank in ranks}
+    frozen = {rank for rank, r in readings.items() if stopped(r.pid or running[rank].pid)}
     targets = [
         (r.pid, r.stack_signal, pages.stacks_file(rank))
         for rank, r in readings.items()
-        if r.stack_signal and _ours(r.pid, running[rank].pid)
+        if r.stack_signal and rank not in frozen and _ours(r.pid, running[rank].pid)
     ]
     dumps = await dump_stacks(targets) if targets else {}
     stalls = []
@@ -150,6 +168,7 @@ async def _describe(
                 where=top,
                 user_where=mine,
                 in_collective=in_collective(stack),
+                stopped=rank in frozen or stopped(reading.pid or running[rank].pid),
             )
         )
     return stalls

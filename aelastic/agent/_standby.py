@@ -8,13 +8,14 @@ argument (``torch``: a spare's workers are ready but for their ranks; with it
 ``torch._dynamo``, which torch's first optimizer imports, seconds on a loaded machine; an
 import that fails is left for the script to fail), and blocks on the Unix socket ``FD``
 until the agent sends one message: the worker's full environment, its argv, and descriptors
-for stdout and stderr (SCM_RIGHTS). It applies them, empties ``__main__`` and runs the
-script there as ``python script.py`` would (``sys.path[0]``, ``__file__``, ``sys.argv``), or
-the module as ``python -m`` does. End-of-file on the socket (the agent closed it, or is
-gone) makes it exit 0. Everything happens inside one function with local imports, so that
-emptying ``__main__`` leaves nothing of the standby behind but the few standard modules it
-imported. An uncaught error of the worker is printed as Python prints it, without the
-standby's frames.
+for stdout and stderr (SCM_RIGHTS). It applies them (the bootstrap's runtime, loaded at its
+start, then watches the agent's beat page that the environment names), empties ``__main__``
+and runs the script there as ``python script.py`` would (``sys.path[0]``, ``__file__``,
+``sys.argv``), or the module as ``python -m`` does. End-of-file on the socket (the agent
+closed it, or is gone) makes it exit 0. Everything happens inside one function with local
+imports, so that emptying ``__main__`` leaves nothing of the standby behind but the few
+standard modules it imported. An uncaught error of the worker is printed as Python prints
+it, without the standby's frames.
 """
 
 
@@ -49,6 +50,9 @@ def _serve() -> None:
     for key in job["unset"]:
         os.environ.pop(key, None)
     os.environ.update(job["env"])
+    runtime = sys.modules.get("_aelastic_worker")  # the bootstrap's, loaded at the start
+    if runtime is not None:
+        runtime.watch_agent()  # the beat page came with the worker's environment
     main = sys.modules["__main__"].__dict__
     for name in [n for n in main if not n.startswith("__")]:
         del main[name]

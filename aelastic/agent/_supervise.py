@@ -11,18 +11,23 @@ place (:mod:`._inplace`) add two: a worker that says its collective broke waits 
 group change that explains it (``grace``: the heartbeat window and a little more), else it
 is told to fail (its exit is then a failure like any other); and workers resumed in a new
 group must say they joined it within ``recovery_timeout``, else they are restarted the old
-way. The attempt's outcome is what the policy needs next: an observation and the failures.
+way. Workers killed while the agent was frozen past the deadline they watch
+(:mod:`._beat`: they stopped themselves) end the attempt as a lapse, not a failure. The
+attempt's outcome is what the policy needs next: an observation and the failures.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import time
 from functools import partial
 
 import anyio
 
 from ..core.race import first_of
 from ..core.view import MembershipView
+from ._beat import AgentBeat
 from ._inplace import InPlaceChannel
 from ._publish import AgentPublisher
 from ._stall import Stall, watch_stalls
@@ -50,12 +55,14 @@ async def supervise(
     inplace: InPlaceChannel | None = None,
     grace: float = 0.0,
     recovery_timeout: float = 60.0,
+    beat: AgentBeat | None = None,
 ) -> Outcome:
     """Wait for the first thing that calls for action in the attempt of ``workers``.
 
     Returns:
         What happened (for :func:`~aelastic.agent.policy.decide`) and who failed.
     """
+    began = time.monotonic()
 
     async def exits() -> Outcome:
         running = list(workers.processes)
@@ -67,6 +74,9 @@ async def supervise(
             failed = [p for p in workers.processes if p.returncode not in (None, 0)]
             # Workers stopped together for a stall (SIGKILLed) die at once: all are failures.
             if failed and not any(p.local_rank in workers.stalls for p in running):
+                killed = all(p.returncode == -signal.SIGKILL for p in failed)
+                if killed and beat is not None and beat.lapsed(began):
+                    return Observation(Trigger.AGENT_LAPSED), {}  # they stopped themselves
                 events.set_state(WorkerState.FAILED)
                 return Observation(Trigger.WORKER_FAILED), workers.failures(failed)
         events.set_state(WorkerState.SUCCEEDED)
@@ -158,6 +168,7 @@ def _stalled(
             where=stall.where,
             user_where=stall.user_where,
             in_collective=stall.in_collective,
+            stopped=stall.stopped,
             waiting_for_peer=waiting_for_peer,
             stacks_file=saved,
             stacks=stall.stacks[:_EVENT_STACKS],

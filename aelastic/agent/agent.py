@@ -41,6 +41,7 @@ from ..core.errors import (
 from ..core.events import Event
 from ..core.health import JobHealth
 from ._aio import uncancellable
+from ._beat import AgentBeat
 from ._blocking import run_blocking
 from ._ending import finish, shutdown
 from ._forks import ForkServer, fork_server_for
@@ -105,6 +106,7 @@ class ElasticAgent:
         self._heal = JobHealthKeeper(spec, self._events)
         self._forks: ForkServer | None = None
         self._peer = PeerLoss(self._handler)  # a peer's loss: no restart, workers kept
+        self._beat = AgentBeat(self._handler)  # a frozen agent's workers stop by themselves
 
     def __repr__(self) -> str:
         return f"ElasticAgent(role={self._spec.role!r}, group={self._group!r})"
@@ -217,6 +219,7 @@ class ElasticAgent:
         failures: dict[int, ProcessFailure] = {}
         stopped_at: float | None = None
         await self._peer.channel.start()
+        self._beat.start()
         self._standbys.schedule()  # a spare's workers are warm before it has a rank
         while True:
             try:
@@ -243,6 +246,7 @@ class ElasticAgent:
                 self._peer.channel,
                 self._peer.grace,
                 self._spec.recovery_timeout,
+                self._beat,
             )
             if (explained := await self._peer.explain(failures, self._round)) is not None:
                 observation, failures = explained, {}  # a peer's loss broke our collective
@@ -302,7 +306,9 @@ class ElasticAgent:
     def _failed(self, failures: dict[int, ProcessFailure], reason: str) -> RunResult:
         result = RunResult(WorkerState.FAILED, failures=self._kept(failures))
         self._events.set_state(WorkerState.FAILED)
-        log.error("%s:\n%s", reason, format_failures(result, self._spec.role))
+        root = result.root_cause  # the report is the caller's (format_failures, a launcher)
+        where = "" if root is None else f" (root cause: rank {root.global_rank})"
+        log.error("workers of role '%s' failed: %s%s", self._spec.role, reason, where)
         return result
 
     # -- rendezvous and ranks -------------------------------------------------------------
@@ -330,7 +336,7 @@ class ElasticAgent:
             self.restart_count,
             self._handler.get_run_id(),
             self._forks,
-            self._peer.channel.env(),
+            {**self._peer.channel.env(), **self._beat.env()},
         )
         self._peer.channel.forget()
         started = time.monotonic()

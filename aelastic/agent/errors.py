@@ -26,7 +26,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -213,23 +213,56 @@ def _signal_name(number: int) -> str:
         return _NOT_AVAILABLE
 
 
-def format_failures(result: RunResult, name: str = "worker") -> str:
-    """A readable report of ``result``'s failures, root cause last (like torch's)."""
+def format_failures(
+    result: RunResult,
+    name: str = "worker",
+    *,
+    shown: Callable[[ProcessFailure], bool] | None = None,
+) -> str:
+    """``result``'s failures in the shape of torch's report (``ChildFailedError``'s message):
+    ``<name> FAILED``, the other failures, then the root cause, between rules.
+
+    Args:
+        result: The run's result.
+        name: The title's name (torch's: the entrypoint, ``train.py``).
+        shown: Whether a failure's stderr reached the console: then the traceback of an
+            uncaught exception (exit code 1) is in the worker's output already, and its
+            ``traceback`` line holds the exception only.
+    """
     root = result.root_cause
     if root is None:
         return f"{name}: no failures"
-    lines = [f"{name} FAILED", "Failures:"]
-    others = [f for f in _by_time(result.failures) if f is not root]
-    lines.extend(_describe(i + 1, f) for i, f in enumerate(others))
-    if not others:
-        lines.append("  <NO_OTHER_FAILURES>")
-    lines.append("Root Cause (first observed failure):")
-    lines.append(_describe(0, root))
-    return "\n".join(lines)
+    title = f"{name} FAILED"
+    root_block, others = "", []
+    for index, failure in enumerate(sorted(result.failures.values(), key=_rank)):
+        block = _describe(index, failure, shown is not None and shown(failure))
+        if failure is root:
+            root_block = block
+        else:
+            others.append(block)
+    blocks = [title, root_block, *others]
+    width = min(max(len(line) for block in blocks for line in block.split("\n")), _WIDTH)
+    return "\n".join(
+        [
+            "=" * width,
+            title,
+            "-" * width,
+            "Failures:",
+            *(others or ["  <NO_OTHER_FAILURES>"]),
+            "-" * width,
+            "Root Cause (first observed failure):",
+            root_block,
+            "=" * width,
+        ]
+    )
 
 
-def _by_time(failures: Mapping[int, ProcessFailure]) -> list[ProcessFailure]:
-    return sorted(failures.values(), key=lambda f: (f.timestamp, f.global_rank))
+#: The widest rule of a report (torch's).
+_WIDTH = 60
+
+
+def _rank(failure: ProcessFailure) -> int:
+    return failure.global_rank
 
 
 def error_details(failure: ProcessFailure) -> str:
@@ -238,9 +271,17 @@ def error_details(failure: ProcessFailure) -> str:
     return stack.rstrip() if stack.strip() else failure.message
 
 
-def _describe(index: int, failure: ProcessFailure) -> str:
+def _describe(index: int, failure: ProcessFailure, shown: bool = False) -> str:
     signal_part = f" ({failure.signal_name()})" if failure.exitcode < 0 else ""
-    message = bounded(error_details(failure), failure.error_file).replace("\n", "\n    ")
+    stack = _callstack(failure.error_file_data)
+    # An uncaught exception (exit code 1, its traceback in the error file) was printed by
+    # the worker's Python: shown on the console already, it is not shown again.
+    if shown and failure.exitcode == 1 and stack.strip() and not failure.stalled:
+        lines = [line for line in failure.message.splitlines() if line.strip()]
+        last = printable(lines[-1].strip())[:SHOWN_WIDTH] if lines else ""
+        message = f"{last} (the traceback is above, in the worker's output)"
+    else:
+        message = bounded(error_details(failure), failure.error_file).replace("\n", "\n    ")
     return (
         f"[{index}]:\n"
         f"  time      : {failure.timestamp_isoformat()}\n"

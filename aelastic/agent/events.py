@@ -187,8 +187,9 @@ class WorkerStalled(AgentEvent):
         where: The main thread's innermost frame; ``user_where`` the innermost one in the
             user's code (``""`` when the same or unknown).
         in_collective: It waits inside ``torch.distributed``.
-        waiting_for_peer: The node waits one more timeout for the peer at fault (all its
-            stalled workers wait in collectives) before stopping them.
+        stopped: Its process is stopped (``SIGSTOP``, a debugger): no stacks could be taken.
+        waiting_for_peer: The node waits one more timeout (at least 6 s) for the peer at
+            fault (all its stalled workers wait in collectives) before stopping them.
         stacks_file: Where the stacks were written (``""``: no log directory).
         stacks: The stacks (bounded).
     """
@@ -204,6 +205,7 @@ class WorkerStalled(AgentEvent):
     where: str = ""
     user_where: str = ""
     in_collective: bool = False
+    stopped: bool = False
     waiting_for_peer: bool = False
     stacks_file: str = ""
     stacks: str = ""

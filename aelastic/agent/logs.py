@@ -38,7 +38,14 @@ from typing import IO, Any
 from . import _output
 from .api import Std, WorkerSpec, std_map
 
-__all__ = ["AttemptLogs", "Target", "line_prefix", "plan_streams", "run_log_dir"]
+__all__ = [
+    "AttemptLogs",
+    "Target",
+    "line_prefix",
+    "plan_streams",
+    "run_log_dir",
+    "stderr_on_console",
+]
 
 
 #: The duplicate files of stdout and stderr (torch's names).
@@ -102,6 +109,13 @@ def plan_streams(spec: WorkerSpec, files: bool) -> dict[int, tuple[Target, Targe
             pair.append(target)
         plans[rank] = (pair[0], pair[1])
     return plans
+
+
+def stderr_on_console(spec: WorkerSpec, local_rank: int) -> bool:
+    """Whether the stderr of the worker of ``local_rank`` reaches the agent's own stderr
+    (not redirected, or teed; and not filtered out)."""
+    plan = plan_streams(spec, files=spec.log_dir != os.devnull).get(local_rank)
+    return plan is not None and plan[1] in (Target.INHERIT, Target.TEE)
 
 
 def line_prefix(spec: WorkerSpec, local_rank: int, global_rank: int) -> str:

@@ -10,6 +10,9 @@ the restarts left, to a :class:`Decision`. The agent only carries the decision o
   else RESTART (spends one restart) while restarts remain, else FAIL.
 * Workers kept for in-place recovery did not join their new group in time -> RESCALE
   (they are stopped and started again the old way; no restart spent).
+* The agent did not run past the deadline its workers watch (it was frozen), and they
+  stopped themselves -> RESCALE (its peers may have dropped the node: no restart spent, as
+  for a node removed from its round).
 * The group changed:
   - the run was closed by another node -> ABORT (the job is over for everybody);
   - this node was removed from its round, or a member is lost (left, or silent past the
@@ -34,6 +37,7 @@ class Trigger(enum.Enum):
     WORKER_FAILED = "worker_failed"
     MEMBERSHIP_CHANGED = "membership_changed"
     RECOVERY_TIMED_OUT = "recovery_timed_out"
+    AGENT_LAPSED = "agent_lapsed"
 
 
 class Action(enum.Enum):
@@ -107,6 +111,10 @@ def decide(observation: Observation, restarts_left: int) -> Decision:
         return Decision(Action.FAIL, "a worker failed and no restarts are left")
     if trigger is Trigger.RECOVERY_TIMED_OUT:
         return Decision(Action.RESCALE, "workers did not recover in place in time: restarting")
+    if trigger is Trigger.AGENT_LAPSED:
+        return Decision(
+            Action.RESCALE, "this agent was frozen past its heartbeat window: its workers stopped"
+        )
     return _membership(observation)
 
 

@@ -61,7 +61,8 @@ class WorkerSet:
         restart_count: Restarts spent so far.
         run_id: The rendezvous run id.
         forks: The fork server of a callable under the ``fork`` start method.
-        extra_env: Variables of aelastic's own for every worker (in-place recovery's socket).
+        extra_env: Variables of aelastic's own for every worker (in-place recovery's socket,
+            the agent's beat page).
     """
 
     def __init__(
@@ -314,6 +315,7 @@ def _stalled(failure: ProcessFailure, stall: Stall) -> ProcessFailure:
         message=message,
         error_file_data={"message": {"message": message, "extraInfo": extra}},
         stalled=True,
-        # Waiting for a peer, or unknown (it did not answer): blamed after one seen stuck.
-        secondary=stall.in_collective or not stall.stacks,
+        # Waiting for a peer: blamed after the peer. One that could not be asked for its
+        # stacks (stopped, silent) is the suspect, before any rank that waits for it.
+        secondary=stall.in_collective and not stall.unresponsive,
     )

@@ -163,7 +163,8 @@ class HostedBackend:
             self._port = sock.getsockname()[1]
             unused, self._client = self._client, self._make_client()
             await unused.aclose()
-        runner = web.AppRunner(create_app(token=self._token or ""), access_log=None)
+        # The job's token: config key `token`, else AELASTIC_HTTP_TOKEN (as the clients).
+        runner = web.AppRunner(create_app(token=self._token), access_log=None)
         await runner.setup()
         try:
             await web.SockSite(runner, sock).start()

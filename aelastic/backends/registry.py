@@ -39,6 +39,7 @@ __all__ = [
     "external_names",
     "known_config_keys",
     "register_backend",
+    "secret_variables",
 ]
 
 BackendFactory = Callable[[RendezvousParameters], RendezvousBackend]
@@ -59,6 +60,8 @@ class BackendInfo:
         aliases: Other names it answers to on aelastic's command line (torch's names).
         read_as: For a backend that a node of the job serves (torch's ``c10d`` and
             ``static``), the backend that reads its runs from another process.
+        secret_env: The environment variable that gives each of its secrets instead of the
+            command line (``"endpoint"``: a password in the endpoint; else a config key).
     """
 
     name: str
@@ -70,6 +73,7 @@ class BackendInfo:
     config_keys: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
     read_as: str | None = None
+    secret_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def external(self) -> bool:
@@ -125,6 +129,11 @@ BUILTINS: tuple[BackendInfo, ...] = (
             "ssl_keyfile",
             "ssl_cert_reqs",
         ),
+        secret_env=(
+            ("endpoint", "AELASTIC_REDIS_PASSWORD"),
+            ("password", "AELASTIC_REDIS_PASSWORD"),
+            ("sentinel_password", "AELASTIC_REDIS_SENTINEL_PASSWORD"),
+        ),
     ),
     BackendInfo(
         "http",
@@ -134,6 +143,7 @@ BUILTINS: tuple[BackendInfo, ...] = (
         multi_node=True,
         torchrun_alias="aelastic-http",
         config_keys=("token", "channel"),
+        secret_env=(("endpoint", "AELASTIC_HTTP_TOKEN"), ("token", "AELASTIC_HTTP_TOKEN")),
     ),
     BackendInfo(
         "c10d",
@@ -144,6 +154,7 @@ BUILTINS: tuple[BackendInfo, ...] = (
         torchrun_alias="aelastic-c10d",
         config_keys=("token", "store_type"),
         read_as="http",
+        secret_env=(("endpoint", "AELASTIC_HTTP_TOKEN"), ("token", "AELASTIC_HTTP_TOKEN")),
     ),
     BackendInfo(
         "static",
@@ -154,6 +165,7 @@ BUILTINS: tuple[BackendInfo, ...] = (
         torchrun_alias="aelastic-static",
         config_keys=("token", "rank"),
         read_as="http",
+        secret_env=(("endpoint", "AELASTIC_HTTP_TOKEN"), ("token", "AELASTIC_HTTP_TOKEN")),
     ),
     BackendInfo(
         "etcd",
@@ -171,6 +183,11 @@ BUILTINS: tuple[BackendInfo, ...] = (
             "recheck_interval",
         ),
         aliases=("etcd-v2",),
+        secret_env=(
+            ("endpoint", "AELASTIC_ETCD_PASSWORD"),
+            ("password", "AELASTIC_ETCD_PASSWORD"),
+            ("etcd_password", "AELASTIC_ETCD_PASSWORD"),
+        ),
     ),
 )
 
@@ -201,6 +218,12 @@ def external_names(
     rows += [info for name in also if (info := backend_info(name)) is not None]
     names = [info.torchrun_alias if torchrun else info.name for info in rows]
     return ", ".join(names[:-1]) + f" {conjunction} " + names[-1] if len(names) > 1 else names[0]
+
+
+def secret_variables(name: str) -> dict[str, str]:
+    """Backend ``name``'s variable for each secret (see :attr:`BackendInfo.secret_env`)."""
+    info = backend_info(name)
+    return dict(info.secret_env) if info is not None else {}
 
 
 def known_config_keys(name: str) -> tuple[str, ...]:

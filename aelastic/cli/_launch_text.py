@@ -109,13 +109,14 @@ def failed_to_run(
     exc: BaseException, console: Console, agent: ElasticAgent, config: LaunchConfig
 ) -> int:
     """Say why the agent could not run (the rendezvous, a worker's start); exit code 1."""
+    # The end of the run: the job's root cause, if any, is said after (news=False).
     if isinstance(exc, RendezvousClosedError) and agent.metrics.rendezvous_count == 0:
         for line in _closed_on_arrival(config, exc):
-            console.line(line, always=True)
+            console.line(line, always=True, news=False)
     elif isinstance(exc, RendezvousError):
-        console.line(f"error: rendezvous failed: {typed(exc)}", always=True)
+        console.line(f"error: rendezvous failed: {typed(exc)}", always=True, news=False)
     elif isinstance(exc, OSError):
-        console.line(f"error: cannot start the workers: {reason(exc)}", always=True)
+        console.line(f"error: cannot start the workers: {reason(exc)}", always=True, news=False)
     else:
-        console.line(f"error: {exc}", always=True)
+        console.line(f"error: {exc}", always=True, news=False)
     return EXIT_FAILED

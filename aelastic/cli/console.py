@@ -7,8 +7,11 @@ How it works: :class:`Console` is an agent event listener (``agent.add_listener`
 took. Every line is redacted (:func:`aelastic.core.redact.redact`): no endpoint password,
 ``password=``/``token=`` value or known secret is ever printed. A hung worker (where it is
 stuck), the job's first failure (from the rendezvous store: the same on every node), a
-quarantined host and workers that outlived SIGKILL get a line each; the job's first failure
-is said again at the end of a failed run. Lines are queued, never
+quarantined host and workers that outlived SIGKILL get a line each. The job's root cause is
+said once: held until the next line of the run (a restart, a rescale), or until the end of
+a failed run, where it follows this node's report in torch's shape (:meth:`Console.result`:
+the entrypoint's name, the failures, the root cause; a traceback the worker's own output
+showed is not shown again). Lines are queued, never
 written on the event loop (:mod:`aelastic.agent._output`): a console that stops reading
 costs dropped lines and a note, never a heartbeat. Workers' own output is not touched: it
 goes to stdout/stderr as the agent streams it.
@@ -17,17 +20,15 @@ goes to stdout/stderr as the agent streams it.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
-import textwrap
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
 from ..agent import _output
 from ..agent.api import ProcessFailure, RunResult
-from ..agent.errors import SHOWN_WIDTH, bounded, error_details, printable
+from ..agent.errors import SHOWN_WIDTH, format_failures, printable
 from ..agent.events import EventKind
 from ..core.events import Event
 from ..core.health import FailureRecord, shown
@@ -86,7 +87,7 @@ class _LogHandler(logging.Handler):
             if record.exc_info:
                 text += "\n" + logging.Formatter().formatException(record.exc_info)
             level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
-            self._console.line(level + text, always=True)
+            self._console.line(level + text, always=True, news=False)
         except Exception:  # pragma: no cover - logging must never raise
             self.handleError(record)
 
@@ -99,6 +100,8 @@ class Console:
         enabled: ``False`` prints only errors and the final summary.
         started: Monotonic time of the launch (``+seconds`` are counted from it).
         secrets: Values never to print (passwords, tokens), masked wherever they appear.
+        report: ``False``: a failed run's report in torch's shape is left to the caller,
+            which raises torch's ``ChildFailedError`` (its message is that report).
     """
 
     def __init__(
@@ -108,15 +111,21 @@ class Console:
         enabled: bool = True,
         started: float | None = None,
         secrets: Iterable[str] = (),
+        report: bool = True,
     ) -> None:
         self._stream = stream
+        self._report = report
         self._enabled = enabled
         self._started = time.monotonic() if started is None else started
         self._secrets = frozenset(secrets)
         self._job_failure: str | None = None
+        self._held: str | None = None  # the job's root cause, not said yet
 
-    def line(self, text: str, *, always: bool = False) -> None:
-        """Print ``text`` as one launcher line."""
+    def line(self, text: str, *, always: bool = False, news: bool = True) -> None:
+        """Print ``text`` as one launcher line (``news``: a line of the run's story, which
+        the job's root cause, when held, goes before; a log record is not)."""
+        if news:
+            self._say_held()
         if not (self._enabled or always):
             return
         stream = self._stream or sys.stderr
@@ -143,18 +152,22 @@ class Console:
         """The agent listener: print the line for ``event``, if it deserves one."""
         text = self.describe(event)
         if event.kind is EventKind.JOB_FAILURE and text:
-            if text != self._job_failure:  # read again, unchanged: said already
-                self.line(text, always=True)
+            if text != self._job_failure:  # read again, unchanged: held or said already
+                self._held = text
             self._job_failure = text
         elif event.kind in _ALWAYS and text:
             self.line(text, always=True)
         elif text:
             self.line(text)
 
+    def _say_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self.line(held, always=True, news=False)
+
     def job_failure(self) -> None:
-        """Say the job's first failure again (at the end), if one was read."""
-        if self._job_failure is not None:
-            self.line(self._job_failure, always=True)
+        """Say the job's root cause (at the end) unless it was said already."""
+        self._say_held()
 
     @staticmethod
     def describe(event: Event) -> str | None:
@@ -210,30 +223,29 @@ class Console:
             return f"gave up waiting for the other nodes after {_ms(data.get('duration', 0))}"
         return None
 
-    def result(self, result: RunResult, name: str) -> None:
-        """The final line(s): success, or the root cause of the failure."""
+    def result(
+        self,
+        result: RunResult,
+        name: str,
+        shown: Callable[[ProcessFailure], bool] | None = None,
+    ) -> None:
+        """The end: success; or this node's failures in torch's shape (``<name> FAILED``,
+        the failures, the root cause), then the job's root cause, once.
+
+        Args:
+            result: The run's result.
+            name: The entrypoint's name (torch's title).
+            shown: Whether a failure's traceback reached the console with the worker's own
+                output (then the report does not show it again).
+        """
         if not result.is_failed():
             self.line(f"{name}: all workers of this node succeeded")
             return
-        root = result.root_cause
-        if root is None:
+        if result.root_cause is None:
             self.line(f"{name} FAILED (no worker failure recorded)", always=True)
-            return
-        self.line(f"{name} FAILED; root cause: {summarize_failure(root)}", always=True)
-        if os.path.isfile(root.error_file):
-            self.line(f"error file of rank {root.global_rank}: {root.error_file}", always=True)
-        elif root.error_file_data:  # the file went with the temporary logs: show what it said
-            details = textwrap.indent(bounded(error_details(root), root.error_file), "  ")
-            self.line(
-                f"error file of rank {root.global_rank} (not kept; --log-dir keeps it):\n{details}",
-                always=True,
-            )
-        others = sorted(
-            (f for f in result.failures.values() if f is not root), key=lambda f: f.global_rank
-        )
-        if others:
-            also = ", ".join(f"rank {f.global_rank} ({describe_exit(f.exitcode)})" for f in others)
-            self.line(f"also failed: {also}", always=True)
+        elif self._report:
+            text = format_failures(result, name, shown=shown)
+            self.line(f"the failures of this node:\n{text}", always=True, news=False)
         self.job_failure()
 
 
@@ -258,10 +270,12 @@ def _healing(kind: EventKind, data: Mapping[str, Any]) -> str:
         idle = f"no progress for {float(data.get('idle', 0)):.1f} s"
         idle += f" after {data.get('steps', 0)} step(s)"
         at = data.get("user_where") or data.get("where") or "an unknown line (no stacks)"
+        if data.get("stopped") and not data.get("where"):
+            at = "an unknown line (no stacks: the process is stopped, by SIGSTOP or a debugger)"
         if data.get("waiting_for_peer"):
             return (
                 f"{who}: {idle}, waiting in torch.distributed at {shown(str(at))}; "
-                "waiting one more stall timeout for the rank at fault"
+                "waiting one more stall timeout (6 s at least) for the rank at fault"
             )
         text = f"{who} is hung: {idle}; stuck at {shown(str(at))}"
         if data.get("user_where") and data.get("where"):

@@ -7,13 +7,14 @@ from the first line of :func:`launch` (even if the process inherited them ignore
 that task: the agent then stops its workers as torchrun does (the signal received, to each
 process group, the grace period, then SIGKILL) and leaves the rendezvous; the launcher exits
 with 1, as torchrun does after a signal.
-A failed run exits with 1 too, after a root-cause summary (rank, exit code or signal, the
-message of the worker's error file) and the job's own first failure (from every node's
-reports in the rendezvous store). A node whose host was quarantined exits with 3, one whose
-workers outlived SIGKILL with 4. A SIGHUP ignored at start (``nohup``) stays ignored.
-A job id whose run was closed before this node came (a finished job's) gets the way out:
-a new ``--rdzv-id``, or ``aelastic status --reset``. Endpoints show without their
-password. Torch is never imported here.
+A failed run exits with 1 too, after this node's report in torch's shape (the entrypoint's
+name, the failures, the root cause: rank, exit code or signal, what the worker's error file
+said unless its output showed that traceback already) and the job's own root cause, once
+(from every node's reports in the rendezvous store). A node whose host was quarantined exits
+with 3, one whose workers outlived SIGKILL with 4. A SIGHUP ignored at start (``nohup``)
+stays ignored. A job id whose run was closed before this node came (a finished job's) gets
+the way out: a new ``--rdzv-id``, or ``aelastic status --reset``. Endpoints show without
+their password. Torch is never imported here.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..agent import ElasticAgent, NodeQuarantined, NumaBindingError, RunResult, 
 from ..agent._health import health_port
 from ..agent._signals import kept_ignored
 from ..agent._unkillable import WorkersUnkillable
+from ..agent.logs import stderr_on_console
 from ..agent.prometheus import AgentCollector, serve_metrics
 from ..core.race import fail_after
 from ..launcher._config import worker_spec
@@ -298,7 +300,8 @@ async def _outcome(
         return EXIT_OK
     except NodeQuarantined as exc:
         outcome.error = exc
-        console.line(f"{name}: {exc}; this node left the job (exit code 3)", always=True)
+        left = f"{name}: {exc}; this node left the job (exit code 3)"
+        console.line(left, always=True, news=False)  # the job's root cause after it
         console.job_failure()
         return EXIT_QUARANTINED
     except WorkersUnkillable as exc:
@@ -311,7 +314,7 @@ async def _outcome(
         console.job_failure()
         return code
     outcome.result = result
-    console.result(result, name)
+    console.result(result, name, lambda failure: stderr_on_console(agent.spec, failure.local_rank))
     if received:  # the signal came as the run ended by itself
         return EXIT_FAILED
     return EXIT_FAILED if result.is_failed() else EXIT_OK

@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 from ..agent.api import START_METHODS
-from ..core.redact import redact
+from ..backends.registry import secret_variables
+from ..core.redact import exposed_secrets, redact
 from .conf_keys import unknown_key_warnings
 from .devices import determine_local_world_size
 from .heal_flags import HealOptions, heal_options
@@ -152,6 +153,7 @@ def config_from_args(
         conf["rank"] = str(args.node_rank)
         master_port = None
     warnings.extend(unknown_key_warnings(conf, backend))
+    warnings.extend(exposed_secrets(endpoint, conf, sys.orig_argv, secret_variables(backend)))
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise UsageError(f"--master-port {args.master_port} is not a port number")
     grace: float = 30.0

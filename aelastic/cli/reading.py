@@ -6,16 +6,20 @@ How it works: :func:`add_backend_flags` adds ``--rdzv-backend``, ``--rdzv-endpoi
 them: a backend that lives inside one launcher (memory) cannot be read from outside; a
 backend that one of the job's nodes serves (c10d, static) is read as its row's ``read_as``
 says (the HTTP server its host runs; never hosted from here);
-``--timeout`` becomes the backend's ``read_timeout`` unless ``--rdzv-conf`` sets one.
+``--timeout`` becomes the backend's ``read_timeout`` unless ``--rdzv-conf`` sets one. A
+password or token given on the command line (where every user of the machine can read it)
+is warned about, naming the variable to use instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 
-from ..backends.registry import BUILTINS, backend_info, external_names
+from ..backends.registry import BUILTINS, backend_info, external_names, secret_variables
+from ..core.redact import exposed_secrets
 from .conf_keys import unknown_key_warnings
 from .options import BACKEND_ALIASES, UsageError, parse_rdzv_conf
 
@@ -60,7 +64,8 @@ def backend_of(
     Args:
         args: Parsed flags of :func:`add_backend_flags`.
         command: The command's name, for messages.
-        warn: Called with each warning line (unknown ``--rdzv-conf`` keys).
+        warn: Called with each warning line (a secret the command line shows, unknown
+            ``--rdzv-conf`` keys).
 
     Raises:
         UsageError: A flag is missing or wrong.
@@ -83,7 +88,8 @@ def backend_of(
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be positive, not {args.timeout}")
     config = parse_rdzv_conf(args.rdzv_conf)
+    exposed = exposed_secrets(args.rdzv_endpoint, config, sys.orig_argv, secret_variables(name))
     config.setdefault("read_timeout", str(args.timeout))
-    for warning in unknown_key_warnings(config, name):
+    for warning in [*exposed, *unknown_key_warnings(config, name)]:
         warn(f"aelastic {command}: warning: {warning}")
     return name, config

@@ -9,18 +9,22 @@ token or secret; also quoted ``'password': '...'`` as in a dict's repr) and ``Be
 values become ``***`` too. Values known to be secret (a password given in the environment)
 can be passed as ``known``: they are masked wherever they appear. :func:`redact_endpoint`
 also handles a bare ``user:pw@host:port``. :data:`SECRET_ENV` lists the variables that
-carry credentials, which workers never inherit. Pure functions, no aelastic imports.
+carry credentials, which workers never inherit. :func:`exposed_secrets` finds the secrets of
+a launcher's rendezvous options that its own command line shows (every user of the machine
+can read a command line: ``ps``, ``/proc/<pid>/cmdline``; an environment only its owner),
+and says which variable to use instead. Pure functions, no aelastic imports.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
     "MASK",
     "SECRET_ENV",
+    "exposed_secrets",
     "is_secret_key",
     "known_secrets",
     "redact",
@@ -149,3 +153,51 @@ def known_secrets(
         if value:
             found.add(value)
     return frozenset(found)
+
+
+#: How the rendezvous options are given in the environment instead (torchrun's variables).
+_OPTION_ENV = {"endpoint": "PET_RDZV_ENDPOINT", "conf": "PET_RDZV_CONF"}
+_READABLE = "which every user of this machine can read (ps, /proc/<pid>/cmdline)"
+
+
+def exposed_secrets(
+    endpoint: str,
+    config: Mapping[str, Any],
+    argv: Sequence[str],
+    variables: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Warnings for the secrets among the rendezvous options that ``argv`` shows.
+
+    Args:
+        endpoint: The rendezvous endpoint (a password in it counts).
+        config: The rendezvous settings (the keys named like a secret count).
+        argv: The process's command line (``sys.orig_argv``): an option given in the
+            environment (``PET_RDZV_ENDPOINT``, ``PET_RDZV_CONF``) is not in it.
+        variables: The backend's variable for each secret (``"password"`` ->
+            ``AELASTIC_REDIS_PASSWORD``; ``"endpoint"``: the endpoint's password).
+
+    Returns:
+        One line per exposed secret, naming the variable to use instead (no secret in it).
+    """
+    variables = variables or {}
+    found: list[str] = []
+    shown = " ".join(argv)
+    if _userinfo_password(endpoint) and endpoint in shown:
+        what = "the password in --rdzv-endpoint"
+        found.append(_exposed(what, variables.get("endpoint"), "endpoint"))
+    for key, value in config.items():
+        if is_secret_key(str(key)) and value and f"{key}={value}" in shown:
+            found.append(_exposed(f"the {key} in --rdzv-conf", variables.get(str(key)), "conf"))
+    return found
+
+
+def _exposed(what: str, variable: str | None, option: str) -> str:
+    whole = _OPTION_ENV[option]
+    if variable is None:
+        how = f"give the option in the environment instead ({whole})"
+    else:
+        how = f"set {variable} in the environment instead"
+        if option == "endpoint":
+            how += " and leave the password out of the endpoint"
+        how += f" (or give the whole option in {whole})"
+    return f"{what} is on the command line, {_READABLE}: {how}"

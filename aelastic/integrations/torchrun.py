@@ -29,13 +29,15 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 from .. import rendezvous as aapi
 from .. import sync
-from ..backends.registry import BUILTINS, backend_info, external_names
+from ..backends.registry import BUILTINS, backend_info, external_names, secret_variables
+from ..core.redact import exposed_secrets
 from ..core.view import MembershipView
 
 __all__ = [
@@ -329,6 +331,8 @@ def create_handler(params: Any) -> Any:
             external_names(also=("c10d",), torchrun=True),
         )
     config = dict(params.config)
+    for line in exposed_secrets(params.endpoint, config, sys.orig_argv, secret_variables(name)):
+        log.warning(line)
     rescale = aapi.RendezvousParameters(name, "", "-", 1, 1, **config).get_as_bool(
         "rescale_on_member_loss", True
     )

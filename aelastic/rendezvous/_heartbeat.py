@@ -13,7 +13,9 @@ is out (then it need not ask the backend itself), and ``holding_changed`` when t
 changes (before the first beat, after a failed one). An answer that no longer knows this
 node (pruned, removed) ends the task and tells the handler; so does a rendezvous gone for
 good (:class:`~aelastic.core.errors.RendezvousLostError`: the watcher then hears it from the
-backend). Time and sleeps come only from the handler's clock.
+backend). :attr:`Heartbeats.sent_at` says when the last keep-alive went out (the agent's
+workers stop by themselves one heartbeat window after it, should the agent freeze). Time
+and sleeps come only from the handler's clock.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class Heartbeats:
         self._holding = False
         #: Set whenever :attr:`holding` changes (a watcher clears it before it looks).
         self.holding_changed = asyncio.Event()
+        #: When the last keep-alive went out, on the clock (the task's start before the
+        #: first: the round's completion was heard); ``None`` while the task does not run.
+        self.sent_at: float | None = None
 
     @property
     def running(self) -> bool:
@@ -88,6 +93,7 @@ class Heartbeats:
 
     def start(self) -> None:
         """Start beating (on the running loop)."""
+        self.sent_at = self._clock.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._beat(), name=self._name)
         # Held beats: the first goes at once, so a watcher relies on them from the start
         # (it never asks the backend for news meanwhile).
@@ -96,6 +102,7 @@ class Heartbeats:
     async def stop(self) -> None:
         """Stop beating and wait until the task is over (an error of the task is raised)."""
         task, self._task = self._task, None
+        self.sent_at = None
         if task is None or task.done():
             return
         task.cancel()
@@ -111,6 +118,7 @@ class Heartbeats:
             await self._beats()
         finally:
             self._hold(False)
+            self.sent_at = None
 
     async def _beats(self) -> None:
         interval = self._settings.keep_alive_interval
@@ -131,7 +139,7 @@ class Heartbeats:
             if checking and status is not None and status.token != seen:
                 check_at = None  # news came first (another survivor pruned): no need
                 continue
-            asked = clock.monotonic()
+            asked = self.sent_at = clock.monotonic()
             # Held (HTTP): the answer comes when the status moves or the next beat is due
             # (or the planned check, which the next beat makes). The check's own beat is
             # held too: if its prune moved the status, the node has not seen that status

@@ -86,6 +86,13 @@ class DynamicRendezvousHandler(NodeRequests):
         """Always ``False``: workers bootstrap their own store at MASTER_ADDR:MASTER_PORT."""
         return False
 
+    @property
+    def keep_alive_age(self) -> float | None:
+        """Seconds since this node's last keep-alive went out (since its round completed,
+        before the first), or ``None`` while it beats for no round."""
+        sent = self._heartbeats.sent_at
+        return None if sent is None else max(self._clock.monotonic() - sent, 0.0)
+
     def get_backend(self) -> str:
         """Name of the rendezvous backend."""
         return self._backend_name

@@ -5,6 +5,8 @@
   inside its fourth step (``train_step``) after writing the time to ``$HEAL_DIR/hang``.
 * ``raise``: one all-reduce, then rank 1 raises ``ValueError`` while rank 0 goes on to the next
   all-reduce (which breaks: its peer is gone).
+* ``train``: steps (a twentieth of a second apart) until ``$HEAL_DIR/finish`` exists; in a
+  world of 2, after its third step, each worker writes its pid to ``$HEAL_DIR/$HEAL_NODE.pid``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,18 @@ def main() -> int:
         optimizer.step()
         optimizer.zero_grad()
 
-    for step in range(6):
+    if mode == "train":
+        step = 0
+        while not os.path.exists(os.path.join(os.environ["HEAL_DIR"], "finish")):
+            train_step(step)
+            step += 1
+            if step == 3 and dist.get_world_size() == 2:
+                pid_file = os.path.join(os.environ["HEAL_DIR"], os.environ["HEAL_NODE"] + ".pid")
+                with open(pid_file + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.replace(pid_file + ".tmp", pid_file)
+            time.sleep(0.05)
+    for step in range(0 if mode == "train" else 6):
         train_step(step)
     print(f"rank {rank} finished on attempt {attempt}", flush=True)
     dist.destroy_process_group()

@@ -13,7 +13,9 @@ Files go to ``$HEAL_DIR``. Modes:
 * ``hang_once KIND``: reports progress five times, then, the first time any worker of this
   node runs it (no ``$HEAL_DIR/hung.KIND`` yet), hangs: ``own`` inside ``stuck_in_step``,
   ``collective`` inside ``all_reduce`` of the file ``$HEAL_COLLECTIVE`` (a stand-in that
-  lives under a ``torch/distributed/`` directory, as a rank waiting for a stuck peer would).
+  lives under a ``torch/distributed/`` directory, as a rank waiting for a stuck peer would);
+  ``stopped`` as ``own``, but the worker stops itself with ``SIGSTOP`` instead (a frozen
+  rank: no stacks can be taken from it).
 * ``hang_pair``: on attempt 0, after five progress reports, local rank 0 waits in the
   ``$HEAL_COLLECTIVE`` stand-in (after writing ``$HEAL_DIR/waiting``); local rank 1 starts
   its reports once that file is there and, one report later (and more reports until
@@ -58,9 +60,13 @@ def main() -> int:
         if not os.path.exists(marker):
             with open(marker, "w"):
                 pass
-            if arg == "own":  # a step later than the peer: the peer's stall is seen first
+            if arg in ("own", "stopped"):  # a step later than the peer: its stall is seen first
                 time.sleep(float(os.environ.get("HEAL_LATER", "0.5")))
                 aelastic.worker.progress()
+                if arg == "stopped":
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 stuck_in_step()
             import runpy
 

@@ -97,8 +97,9 @@ async def test_worker_environment_is_torchs(run_id: str, tmp_path: Any) -> None:
         # Exactly the agent's environment plus the contract (Python may add LC_CTYPE), and
         # the agent's in-place recovery socket (a path in a private directory).
         known = set(os.environ) | set(expected) | {"OMP_NUM_THREADS", "AELASTIC_TEST_HUB"}
-        assert set(env) - known <= {"LC_CTYPE", "AELASTIC_INPLACE_SOCKET"}
+        assert set(env) - known <= {"LC_CTYPE", "AELASTIC_INPLACE_SOCKET", "AELASTIC_AGENT_BEAT"}
         assert "aelastic-inplace-" in env.get("AELASTIC_INPLACE_SOCKET", "aelastic-inplace-")
+        assert "aelastic-beat-" in env.get("AELASTIC_AGENT_BEAT", "aelastic-beat-")
         assert all(env[k] == v for k, v in os.environ.items() if k not in expected)
         assert hello["argv"] == ["env", f"--lr={local_rank}"]
 

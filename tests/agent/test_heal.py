@@ -310,6 +310,56 @@ async def test_a_node_waiting_in_a_collective_lets_the_hung_peer_act_first(
     assert health.latest.root.host == "127.0.0.2" and health.incidents_total == 1
 
 
+@pytest.mark.parametrize("timeout", [1.0, 3.0])
+async def test_a_stopped_rank_is_the_root_cause_never_the_peer_waiting_for_it(
+    run_id: str, tmp_path: Path, timeout: float
+) -> None:
+    """Node B's worker stops itself (SIGSTOP: no stacks can be taken from it) a step after
+    node A's began to wait for it in a collective, so A's stall is seen first. Whatever the
+    stall timeout (shorter than the 5 s a dump may take, or not), B is the suspect: its
+    worker is stopped at once and named the job's root cause; A's waits for it."""
+    fake = tmp_path / "torch" / "distributed" / "c10d.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("import time\ndef all_reduce():\n    time.sleep(600)\n")
+    conf = {"last_call_timeout": 1.0}
+    env = {"HEAL_COLLECTIVE": str(fake), "HEAL_LATER": "0.5"}
+    common: dict[str, Any] = {"stall_timeout": timeout, "max_restarts": 1, "env": env}
+    waiting = ElasticAgent(
+        heal_spec(
+            make_handler(run_id, 2, 2, local_addr="127.0.0.1", **conf),
+            tmp_path,
+            "hang_once",
+            "collective",
+            **common,
+        )
+    )
+    frozen = ElasticAgent(
+        heal_spec(
+            make_handler(run_id, 2, 2, local_addr="127.0.0.2", **conf),
+            tmp_path,
+            "hang_once",
+            "stopped",
+            **common,
+        )
+    )
+    events_waiting, events_frozen = recorder(waiting), recorder(frozen)
+    async with started(waiting, frozen) as tasks:
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    assert all(r.state is WorkerState.SUCCEEDED for r in results)
+    assert (waiting.restart_count, frozen.restart_count) == (0, 1)
+    [culprit] = [e for e in events_frozen if isinstance(e, WorkerStalled)]
+    assert culprit.stopped and not culprit.stacks and not culprit.waiting_for_peer
+    assert timeout <= culprit.idle < timeout + 4.0  # not the 5 s a dump may be given
+    for peer in [e for e in events_waiting if isinstance(e, WorkerStalled)]:
+        assert peer.in_collective and peer.waiting_for_peer and not peer.stopped
+    assert frozen.job_health is not None  # A read it too if it had a failure of its own
+    for health in filter(None, (waiting.job_health, frozen.job_health)):
+        assert health.latest is not None
+        root = health.latest.root
+        assert (root.host, root.stalled, root.secondary) == ("127.0.0.2", True, False)
+        assert "the process is stopped" in root.message and health.incidents_total == 1
+
+
 @pytest.mark.parametrize("busy", [0.0, 2.0])
 async def test_workers_stopped_together_for_a_stall_are_all_failures_the_stuck_one_first(
     run_id: str, tmp_path: Path, busy: float

@@ -101,9 +101,10 @@ def test_quiet_console_still_reports_failures() -> None:
     other = ProcessFailure(0, 4, 1233, 1, "boom", 2.0)
     console.result(RunResult(WorkerState.FAILED, failures={5: failure, 4: other}), "train.py")
     text = out.getvalue()
-    assert "train.py FAILED; root cause: rank 5 (local rank 1, pid 1234" in text
-    assert "failed with signal SIGTERM" in text
-    assert "also failed: rank 4 (exit code 1)" in text
+    assert "\ntrain.py FAILED\n" in text and text.count("FAILED") == 1
+    failures, root = text.split("Root Cause (first observed failure):")
+    assert "rank      : 4 (local_rank: 0)\n  exitcode  : 1 (pid: 1233)" in failures
+    assert "rank      : 5 (local_rank: 1)\n  exitcode  : -15 (pid: 1234) (SIGTERM)" in root
 
 
 def test_summaries() -> None:
@@ -132,3 +133,33 @@ def test_log_records_become_lines() -> None:
     assert "warning: heartbeat failed: timeout" in text
     assert "hidden" not in text
     assert "error: shown" in text
+
+
+def _root(rank: int) -> dict[str, Any]:
+    record = {"time": 1.0, "host": "h", "node": "h_1_0", "node_rank": 0, "rank": rank}
+    record.update(local_rank=0, exitcode=1, message="ValueError: x", round=0)
+    return {"root": record, "failed_nodes": 1, "incidents": 1}
+
+
+def test_the_jobs_root_cause_is_said_once_before_the_next_step_or_last() -> None:
+    out = io.StringIO()
+    console = Console(out)
+    console(_event(EventKind.JOB_FAILURE, **_root(3)))
+    console(_event(EventKind.JOB_FAILURE, **_root(3)))  # read again: held once
+    assert out.getvalue() == ""
+    console.line("warning: a log record", news=False)  # not a step of the run: still held
+    console(_event(EventKind.RESTART, reason="a worker failed", spent=True, restarts_left=1))
+    lines = out.getvalue().splitlines()
+    assert ["root cause of the job's failure 1: rank 3" in x for x in lines] == [False, True, False]
+    assert "restarting the workers" in lines[2]
+    # A failed end: this node's report, then the root cause (a new one), once, last.
+    out.seek(0)
+    out.truncate()
+    console(_event(EventKind.JOB_FAILURE, **_root(4)))
+    failure = ProcessFailure(0, 4, 1234, 1, "boom", 1.0)
+    console.result(RunResult(WorkerState.FAILED, failures={4: failure}), "train.py")
+    console.job_failure()  # the launcher's last word: said already
+    text = out.getvalue()
+    assert text.count("root cause of the job's failure") == 1
+    assert text.index("train.py FAILED") < text.index("root cause of the job's failure 1: rank 4")
+    assert text.rstrip().splitlines()[-1].endswith("(1 node failed)")

@@ -51,6 +51,6 @@ def test_a_50_mb_error_file_with_escape_sequences_is_shown_bounded(tmp_path: Pat
     [error_file] = (tmp_path / "logs").rglob("error.json")
     path = str(error_file.relative_to(tmp_path))
     assert "too large to read whole>" in out and f"(cut: see {path})" in out, out
-    assert f"error file of rank 0: {path}" in out, out
+    assert f"error_file: {path}" in out, out
     [rss] = [int(x.split()[-1]) for x in done.stdout.splitlines() if "launcher maxrss" in x]
     assert rss < 100 * 1024, rss  # the launcher alone is ~30 MB: the file was not read

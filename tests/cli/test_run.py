@@ -87,14 +87,14 @@ def test_failing_worker_reports_the_root_cause(tmp_path: Path) -> None:
         ["run", "--nproc-per-node", "2", "--shutdown-timeout", "5", script], tmp_path
     )
     assert code == 1, out  # torchrun's exit code for failed workers
-    root = [line for line in out.splitlines() if "root cause:" in line]
-    assert root, out
-    assert "rank 1" in root[-1]
-    assert "exit code 3" in root[-1]
-    assert "ValueError: bad batch at step 3" in root[-1]
-    # No --log-dir: the temporary logs go with the run, so the summary says what the error
-    # file said (its traceback), never a path that no longer exists.
-    assert "error file of rank 1 (not kept; --log-dir keeps it):\n  Traceback..." in out, out
+    [root] = [line for line in out.splitlines() if "root cause of the job's failure" in line]
+    assert "rank 1 (local rank 1)" in root and "failed with exit code 3" in root, out
+    report = out[out.index("fail.py FAILED") : out.index(root)]
+    assert "Root Cause (first observed failure):\n[0]:" in report, out
+    assert "rank      : 1 (local_rank: 1)\n  exitcode  : 3 (pid: " in report
+    # No --log-dir: the temporary logs go with the run, so the report says what the error
+    # file said (its traceback: the worker did not print it), never a path that is gone.
+    assert "error_file: <not kept: no log_dir>\n  traceback : Traceback..." in report, out
     assert "error.json" not in out, out
 
 
@@ -103,12 +103,57 @@ def test_log_dir_keeps_the_error_files_of_a_failed_run(tmp_path: Path) -> None:
     args = ["run", "--nproc-per-node", "2", "--shutdown-timeout", "5", "--log-dir", "logs"]
     code, out = run_cli([*args, script], tmp_path)
     assert code == 1, out
-    shown = re.findall(r"error file of rank 1: (.*error\.json)", out)
+    shown = re.findall(r"error_file: (.*error\.json)", out)
     assert shown, out
     path = tmp_path / shown[-1]
     assert path.is_file(), out  # still there after the launcher exited
     message = json.loads(path.read_text())["message"]
     assert message["message"] == "ValueError: bad batch at step 3"
+
+
+RAISE = """
+import time
+
+def load(shard):
+    raise ValueError(f"the data shard {shard} is corrupt")
+
+time.sleep(0.2)
+load(7)
+"""
+
+
+def test_a_failure_is_reported_once_the_workers_traceback_then_torchs_report(
+    tmp_path: Path,
+) -> None:
+    """A real failing script: its traceback once (the worker's own output), then this
+    node's report in torch's shape under the entrypoint's name, then the job's root cause,
+    each once."""
+    script = _script(tmp_path, "fail.py", RAISE)
+    code, out = run_cli(["run", "--standalone", script], tmp_path)
+    assert code == 1, out
+    assert out.count("Traceback (most recent call last)") == 1, out
+    assert out.count('raise ValueError(f"the data shard {shard} is corrupt")') == 1, out
+    assert out.count("FAILED") == 1 and "default FAILED" not in out, out
+    assert out.count("root cause of the job's failure") == 1, out
+    lines = out.splitlines()
+    traceback_at = lines.index("Traceback (most recent call last):")
+    title_at = lines.index("fail.py FAILED")  # the entrypoint's name, as torch says it
+    assert traceback_at < title_at
+    rule = "=" * len(lines[title_at - 1])
+    assert lines[title_at - 1] == rule and lines[title_at + 1] == "-" * len(rule)
+    end = lines.index(rule, title_at)
+    assert lines[title_at + 2 : title_at + 6] == [
+        "Failures:",
+        "  <NO_OTHER_FAILURES>",
+        "-" * len(rule),
+        "Root Cause (first observed failure):",
+    ]
+    report = "\n".join(lines[title_at:end])
+    assert "rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: " in report
+    assert "  traceback : ValueError: the data shard 7 is corrupt (the traceback is above" in report
+    [root] = lines[end + 1 :]  # the last line
+    assert "root cause of the job's failure 1: rank 0 (local rank 0)" in root
+    assert root.endswith("exit code 1: ValueError: the data shard 7 is corrupt (1 node failed)")
 
 
 def test_worker_killed_by_a_signal(tmp_path: Path) -> None:

@@ -102,6 +102,14 @@ def _stopped_at_the_end(node: Cli) -> Iterator[None]:
             node.wait(60)
 
 
+def _warned(what: str, variable: str, text: str) -> bool:
+    return any(
+        line.startswith(f"aelastic status: warning: {what} is on the command line")
+        and f"set {variable} in the environment instead" in line
+        for line in text.splitlines()
+    )
+
+
 def _assert_no_secret(text: str) -> None:
     for secret in SECRETS:
         assert secret not in text, f"{secret!r} shown in:\n{text}"
@@ -133,17 +141,21 @@ def test_a_job_shows_no_secret_and_workers_inherit_none(
         node.wait_for(lambda lines: any('"restart": "1"' in line for line in lines), 90)
 
         # aelastic status, text and JSON, with the password in the URL or in --rdzv-conf.
+        # The password on status's command line is warned about, naming the variable.
         code, out = _status(tmp_path, _url(server), run_id)
         assert code == 0, out
         assert re.search(rf"job '{run_id}': round \d+, complete", out), out
+        assert _warned("the password in --rdzv-endpoint", "AELASTIC_REDIS_PASSWORD", out)
         _assert_no_secret(out)
         code, out = _status(tmp_path, _url(server), run_id, "--json")
         assert code == 0, out
-        assert [p["rank"] for p in json.loads(out)["participants"]] == [0]
+        document = "\n".join(x for x in out.splitlines() if not x.startswith("aelastic status:"))
+        assert [p["rank"] for p in json.loads(document)["participants"]] == [0]
         _assert_no_secret(out)
         plain = f"redis://127.0.0.1:{server.port}/0"
         code, out = _status(tmp_path, plain, run_id, "--rdzv-conf", f"password={PASSWORD}")
         assert code == 0, out
+        assert _warned("the password in --rdzv-conf", "AELASTIC_REDIS_PASSWORD", out)
         _assert_no_secret(out)
         # An error message: a wrong password is not shown either.
         wrong = "Wr0ng-9e8d7c-pw"
@@ -156,6 +168,7 @@ def test_a_job_shows_no_secret_and_workers_inherit_none(
 
     out = node.output
     _assert_no_secret(out)
+    assert "on the command line" not in out  # the endpoint came in PET_RDZV_ENDPOINT
     assert f"redis rendezvous at redis://default:***@127.0.0.1:{server.port}/0" in out
     assert "restarting the workers" in out
 
@@ -234,3 +247,61 @@ def test_a_bad_http_endpoint_shows_no_secret(tmp_path: Path) -> None:
     assert code == 2, out
     assert "http://" in out and "Traceback" not in out
     _assert_no_secret(out)
+
+
+# Works until the file "go" exists.
+UNTIL_GO = """
+import os, time
+while not os.path.exists("go"):
+    time.sleep(0.05)
+"""
+
+
+def _get_runs(port: int, token: str | None) -> int:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/runs")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+@pytest.mark.parametrize("given", ["command line", "environment"])
+def test_a_hosted_token_on_the_command_line_is_warned_about_the_environments_is_taken(
+    tmp_path: Path, run_id: str, given: str
+) -> None:
+    """torch's c10d rendezvous, hosted by the node: its token given as ``--rdzv-conf
+    token=...`` (which ``ps`` shows every user) is warned about, naming AELASTIC_HTTP_TOKEN;
+    given in that variable, it is not, and the hosted server requires it all the same."""
+    pytest.importorskip("aiohttp")
+    from tests._ports import free_port
+
+    (tmp_path / "train.py").write_text(textwrap.dedent(UNTIL_GO))
+    port = free_port()
+    args = ["run", "--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+    args += [f"--rdzv-id={run_id}", "train.py"]
+    env = {}
+    if given == "command line":
+        args.insert(1, f"--rdzv-conf=token={TOKEN}")
+    else:
+        env["AELASTIC_HTTP_TOKEN"] = TOKEN
+    with Cli(args, tmp_path, env=env) as node, _stopped_at_the_end(node):
+        node.wait_for(lambda lines: any("started 1 worker" in x for x in lines), 60)
+        assert _get_runs(port, None) == 401
+        assert _get_runs(port, "not-" + TOKEN) == 401
+        assert _get_runs(port, TOKEN) == 200
+        (tmp_path / "go").touch()
+        assert node.wait(60) == 0, node.output
+    warned = [x for x in node.lines if "is on the command line" in x]
+    if given == "command line":
+        [line] = warned
+        assert "warning: the token in --rdzv-conf is on the command line, which every user" in line
+        assert "set AELASTIC_HTTP_TOKEN in the environment instead" in line
+    else:
+        assert not warned, node.output
+    _assert_no_secret(node.output)

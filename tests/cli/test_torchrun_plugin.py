@@ -219,6 +219,23 @@ def test_memory_waiting_for_other_nodes_is_said(
         handler.shutdown()
 
 
+def test_a_token_on_torchruns_command_line_is_warned_about(
+    run_id: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token = "T0k-on-the-line"
+    argv = ["torchrun", "--rdzv-backend=aelastic-memory", f"--rdzv-conf=token={token}", "t.py"]
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    handler = plugin.create_handler(_params(run_id, token=token))
+    handler.shutdown()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        m.startswith("the token in --rdzv-conf is on the command line, which every user")
+        and "give the option in the environment instead (PET_RDZV_CONF)" in m
+        for m in said
+    ), said
+    assert not any(token in m for m in said)
+
+
 def test_unknown_backend_name() -> None:
     params = _params("x")
     params.backend = "aelastic-nope"
