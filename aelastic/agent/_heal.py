@@ -198,6 +198,9 @@ class JobHealthKeeper:
             )
         quarantine = None
         mine = latest.round == round_ and latest.root.host == self._host
+        # A root cause that broke in a collective (no primary report came) names a victim
+        # as likely as a culprit: it sets no host aside.
+        mine = mine and not latest.root.secondary
         if mine and spec.quarantine_after is not None and latest.streak >= spec.quarantine_after:
             quarantine = f"the job's root cause {latest.streak} times in a row"
         self.publish()
