@@ -22,8 +22,10 @@ import anyio
 
 from ..core.errors import RendezvousError
 from ._aio import quietly
+from ._heal import NodeQuarantined
 from ._round import exit_barrier
 from ._services import last_word
+from ._signals import SignalException
 from ._unkillable import WorkersUnkillable
 from .api import RunResult, WorkerState
 from .errors import logs_disposable
@@ -52,8 +54,21 @@ async def finish(agent: ElasticAgent) -> RunResult:
     return RunResult(WorkerState.SUCCEEDED, return_values=values)
 
 
-async def shutdown(agent: ElasticAgent, result: RunResult | None) -> None:
-    """Stop and reap every worker, leave the rendezvous, release what the run made."""
+def _own_error(error: BaseException | None) -> bool:
+    """Whether the run ended on an error of this agent's own (its workers could not be
+    started, ...): torch's ``launch_agent`` then shuts the rendezvous down, as after a
+    failure. Not a rendezvous error (the rendezvous itself failed or closed), a quarantine
+    (this node leaves on purpose) or a signal."""
+    return isinstance(error, Exception) and not isinstance(
+        error, RendezvousError | NodeQuarantined | SignalException
+    )
+
+
+async def shutdown(
+    agent: ElasticAgent, result: RunResult | None, error: BaseException | None = None
+) -> None:
+    """Stop and reap every worker, close the rendezvous after a failure or an error of this
+    agent's own (``close_on_failure``), leave it, release what the run made."""
     try:
         await agent._standbys.aclose()
         await agent._peer.channel.aclose()
@@ -62,7 +77,7 @@ async def shutdown(agent: ElasticAgent, result: RunResult | None) -> None:
         agent._port.release()
         if agent._joined:
             agent._joined = False
-            failed = result is not None and result.is_failed()
+            failed = (result is not None and result.is_failed()) or _own_error(error)
             if failed and agent._spec.close_on_failure:
                 with anyio.move_on_after(last_word(agent._handler)):
                     await quietly(agent._handler.set_closed(), "close the rendezvous")

@@ -175,13 +175,17 @@ class ElasticAgent:
             raise RuntimeError("an ElasticAgent runs once: make a new one")
         self._used = True
         result: RunResult | None = None
+        error: BaseException | None = None
         try:
             self._forks = self._forks or fork_server_for(self._spec)  # a callable under fork
             async with agent_services(self):  # events of the store, NUMA check, health check
                 result = await self._invoke_run()
             return result
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            await uncancellable(shutdown(self, result))
+            await uncancellable(shutdown(self, result, error))
 
     def run_sync(
         self, role: str = DEFAULT_ROLE, *, signals: tuple[signal.Signals, ...] | None = None

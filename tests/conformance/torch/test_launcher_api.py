@@ -204,12 +204,6 @@ def test_launch_shutdown(backend: str, endpoint: str, run_id: str, tmp_path: Pat
     assert _closed_afterwards(backend, endpoint, run_id)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PENDING-BUG: an agent that ends with an error of its own (its workers cannot be "
-    "started) leaves the rendezvous without closing it; torch's launch_agent shuts the "
-    "rendezvous down on any exception but a signal (docs/torch-api.md does not list this)",
-)
 def test_rdzv_handler_shutdown_on_agent_error(
     backend: str, endpoint: str, run_id: str, tmp_path: Path
 ) -> None:
