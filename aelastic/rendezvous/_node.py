@@ -296,7 +296,7 @@ class NodeRequests:
                 self._rename()
                 continue
             if outcome is not Outcome.WAIT:
-                free_in = self._id_free_in(reply)
+                free_in = self._id_free_in(reply, sent)
                 if free_in is None or clock.monotonic() + free_in > deadline:
                     raise join_refused(self._settings, self._node, reply)
                 self._publish_id_wait(reply, free_in, deadline)
@@ -317,20 +317,27 @@ class NodeRequests:
                 await self._wait_change(reply.status.token, wake)
             expired = clock.monotonic() > deadline
 
-    def _id_free_in(self, reply: Reply) -> float | None:
+    def _id_free_in(self, reply: Reply, sent: float) -> float | None:
         """Seconds until the run's id is free for this node's job, when the run refused its
-        join for having ended (closed, or empty with other rules) before this node's
-        handler was made: a node of a new job waits for the id. ``None``: refuse (a node
-        of the ended job, which was in the run or was made while it went on, is told it
-        ended; so is any node while nodes are still in the run, as torch's is)."""
+        join (sent at ``sent``, monotonic) for having ended (closed, or empty with other
+        rules) before this node's handler was made: a node of a new job waits for the id.
+        ``None``: refuse (a node of the ended job, which was in the run or was made while
+        it went on, is told it ended; so is any node while nodes are still in the run, as
+        torch's is)."""
         ended = reply.outcome in (Outcome.ERROR_CLOSED, Outcome.ERROR_RULES)
         free_at, rules = reply.reopen_at_ms, reply.run_rules
         if self._took_part or not ended or free_at is None or rules is None:
             return None
+        if self._waited_for_id is not None:  # decided at its first refusal: a new job's
+            return max(free_at - reply.status.now_ms, 0) / 1000
         # Durations only (the backend's clock against this node's): since the run's last
-        # node left, and since this handler was made.
+        # node left, by the backend when it answered, and since this handler was made, when
+        # the join was sent (before the backend answered). Were this node's age taken once
+        # the answer is in, a slow answer (a loaded machine) would make a handler made just
+        # after the run emptied (a job run again at once: in a notebook, milliseconds
+        # later) look older than the emptiness, and refuse it.
         since_vacated = (reply.status.now_ms - (free_at - reuse_grace_ms(rules))) / 1000
-        if self._clock.monotonic() - self._made_at >= since_vacated:
+        if sent - self._made_at >= since_vacated:
             return None
         return max(free_at - reply.status.now_ms, 0) / 1000
 
