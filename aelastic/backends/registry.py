@@ -59,6 +59,9 @@ class BackendInfo:
         aliases: Other names it answers to on aelastic's command line (torch's names).
         read_as: For a backend that a node of the job serves (torch's ``c10d`` and
             ``static``), the backend that reads its runs from another process.
+        default_endpoint: Where an empty endpoint points (``None``: an empty endpoint is
+            refused). The torchrun plugin, which cannot refuse one (torchrun's default is
+            empty), names it in its first progress line and in its errors.
     """
 
     name: str
@@ -70,6 +73,7 @@ class BackendInfo:
     config_keys: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
     read_as: str | None = None
+    default_endpoint: str | None = None
 
     @property
     def external(self) -> bool:
@@ -125,6 +129,7 @@ BUILTINS: tuple[BackendInfo, ...] = (
             "ssl_keyfile",
             "ssl_cert_reqs",
         ),
+        default_endpoint="localhost:6379",
     ),
     BackendInfo(
         "http",
@@ -171,6 +176,7 @@ BUILTINS: tuple[BackendInfo, ...] = (
             "recheck_interval",
         ),
         aliases=("etcd-v2",),
+        default_endpoint="localhost:2379",
     ),
 )
 
