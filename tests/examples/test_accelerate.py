@@ -248,3 +248,24 @@ def test_notebook_launcher_cell_run_twice(store: tuple[str, str]) -> None:
         assert sorted(sums) == ["0", "1"], out
     assert "waiting for the job id" not in first, out
     assert re.search(r"\[aelastic\] waiting for the job id: .* free again in \d+ s", second), out
+
+
+@pytest.mark.timeout(TIMEOUT + 10)
+def test_notebook_launcher_on_two_machines(store: tuple[str, str]) -> None:
+    # Each machine's notebook runs the cell with num_nodes=2 and the same rdzv_id.
+    backend, endpoint = store
+    (cell,) = _blocks("python")
+    for documented, ours in (
+        ('"aelastic-http"', repr(backend)),
+        ("server-host:29400", endpoint),
+        ("num_processes=2,", "num_processes=2, num_nodes=2,"),
+    ):
+        assert documented in cell, cell
+        cell = cell.replace(documented, ours)
+    notebooks = [start(["-c", textwrap.dedent(TRAIN) + cell]) for _ in range(2)]
+    sums = []
+    for notebook in notebooks:
+        code, out = finish(notebook, TIMEOUT)
+        assert code == 0, out
+        sums += re.findall(r"\[notebook\] rank (\d) of 4: sum 10$", out, re.M)
+    assert sorted(sums) == ["0", "1", "2", "3"], sums
