@@ -13,7 +13,8 @@
   AELASTIC_HTTP_TOKEN for the server (``None``: no auth); ``persist`` is a path for
   ``--persist``; ``port`` defaults to a free one, kept across restarts. ``max_body`` (which
   ``aelastic serve`` has no flag for) runs ``run_server(max_body=...)`` the way the command
-  does instead.
+  does instead. ``host`` (default ``127.0.0.1``) is the loopback address it listens on
+  (``127.0.0.2``: not ``localhost``, as a server on another machine).
 * ``start(timeout=30)`` returns once the server printed that it listens (it then accepts
   connections); it raises ``RuntimeError`` with the server's stderr if it exits instead.
   ``url`` is ``http://127.0.0.1:PORT``, ``endpoint`` is ``127.0.0.1:PORT``.
@@ -63,8 +64,10 @@ class HttpServer:
         port: int | None = None,
         extra_args: tuple[str, ...] = (),
         max_body: int | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.token = token
+        self.host = host
         self.persist = None if persist is None else str(persist)
         self.port = free_port() if port is None else port
         self.extra_args = extra_args
@@ -75,12 +78,12 @@ class HttpServer:
     @property
     def url(self) -> str:
         """``http://127.0.0.1:PORT``."""
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def endpoint(self) -> str:
         """``127.0.0.1:PORT`` (what ``--rdzv-endpoint`` takes)."""
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -115,10 +118,10 @@ class HttpServer:
             env["AELASTIC_HTTP_TOKEN"] = self.token
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
         if self.max_body is not None:
-            cmd = [sys.executable, "-c", _SERVE_WITH_MAX_BODY, "127.0.0.1", str(self.port)]
+            cmd = [sys.executable, "-c", _SERVE_WITH_MAX_BODY, self.host, str(self.port)]
             cmd += [self.persist or "", str(self.max_body)]
         else:
-            cmd = [sys.executable, "-m", "aelastic", "serve", "--host", "127.0.0.1"]
+            cmd = [sys.executable, "-m", "aelastic", "serve", "--host", self.host]
             cmd += ["--port", str(self.port), *self.extra_args]
             if self.persist is not None:
                 cmd += ["--persist", self.persist]

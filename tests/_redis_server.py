@@ -15,6 +15,7 @@ Usage::
 
     RedisServer(password="s3cret")           # --requirepass; url stays without the password
     RedisServer(tls=True)                    # rediss:// only; server.ca_file is its certificate
+    RedisServer(host="127.0.0.2")            # another loopback address (as another machine's)
 
     # in a test module or conftest: a fixture (scope "module" by default) yielding a started
     # server, killed at the end of the scope; a test that stops it must start it again
@@ -23,9 +24,9 @@ Usage::
     redis_server_with_password = redis_server_fixture(password="s3cret")
 
 The server runs with ``--save "" --appendonly no`` (nothing on disk: a restart is empty) and
-``--bind 127.0.0.1``; its log goes to a file in a temporary directory that ``start`` errors
-quote. ``start`` returns once the server logs that it is ready and answers PING (no
-polling). Tests are skipped (not failed) when ``redis-server`` is not on PATH.
+``--bind 127.0.0.1`` (or ``host``); its log goes to a file in a temporary directory that
+``start`` errors quote. ``start`` returns once the server logs that it is ready and answers
+PING (no polling). Tests are skipped (not failed) when ``redis-server`` is not on PATH.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ _START_TIMEOUT = 20.0
 
 
 class RedisServer:
-    """A ``redis-server`` process on 127.0.0.1.
+    """A ``redis-server`` process on 127.0.0.1 (or ``host``).
 
     Args:
         password: Start with ``--requirepass`` (clients must authenticate).
@@ -57,6 +58,8 @@ class RedisServer:
         extra_args: More ``redis-server`` arguments.
         tls: Serve TLS only, with a fresh self-signed certificate for 127.0.0.1
             (:attr:`ca_file`); the url is then ``rediss://``.
+        host: The loopback address it listens on (``127.0.0.2``: not ``localhost``, as a
+            server on another machine).
     """
 
     def __init__(
@@ -65,12 +68,14 @@ class RedisServer:
         port: int | None = None,
         extra_args: tuple[str, ...] = (),
         tls: bool = False,
+        host: str = "127.0.0.1",
     ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server is not on PATH")
         self.binary = binary
         self.password = password
+        self.host = host
         self.port = port or free_port()
         self.extra_args = extra_args
         self.process: subprocess.Popen[bytes] | None = None
@@ -90,7 +95,7 @@ class RedisServer:
     @property
     def url(self) -> str:
         """``redis://127.0.0.1:PORT/0`` (``rediss://`` with TLS; never the password)."""
-        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/0"
 
     def _make_certificate(self) -> None:
         openssl = shutil.which("openssl")
@@ -114,7 +119,7 @@ class RedisServer:
         """
         if self.running:
             return self
-        args = [self.binary, "--bind", "127.0.0.1"]
+        args = [self.binary, "--bind", self.host]
         if self.tls:
             args += ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no"]
             args += ["--tls-cert-file", str(self.ca_file), "--tls-key-file", str(self._key_file)]
@@ -165,7 +170,7 @@ class RedisServer:
         """A synchronous client of this server (with the password); close it after use."""
         if self.tls:
             kwargs.update(ssl=True, ssl_ca_certs=str(self.ca_file))
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **kwargs)
+        return redis.Redis(host=self.host, port=self.port, password=self.password, **kwargs)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the server and wait for it to exit (SIGKILL after ``timeout``)."""

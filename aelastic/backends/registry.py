@@ -62,6 +62,9 @@ class BackendInfo:
             ``static``), the backend that reads its runs from another process.
         secret_env: The environment variable that gives each of its secrets instead of the
             command line (``"endpoint"``: a password in the endpoint; else a config key).
+        default_endpoint: Where an empty endpoint points (``None``: an empty endpoint is
+            refused). The torchrun plugin, which cannot refuse one (torchrun's default is
+            empty), names it in its first progress line and in its errors.
     """
 
     name: str
@@ -74,6 +77,7 @@ class BackendInfo:
     aliases: tuple[str, ...] = ()
     read_as: str | None = None
     secret_env: tuple[tuple[str, str], ...] = ()
+    default_endpoint: str | None = None
 
     @property
     def external(self) -> bool:
@@ -134,6 +138,7 @@ BUILTINS: tuple[BackendInfo, ...] = (
             ("password", "AELASTIC_REDIS_PASSWORD"),
             ("sentinel_password", "AELASTIC_REDIS_SENTINEL_PASSWORD"),
         ),
+        default_endpoint="localhost:6379",
     ),
     BackendInfo(
         "http",
@@ -188,6 +193,7 @@ BUILTINS: tuple[BackendInfo, ...] = (
             ("password", "AELASTIC_ETCD_PASSWORD"),
             ("etcd_password", "AELASTIC_ETCD_PASSWORD"),
         ),
+        default_endpoint="localhost:2379",
     ),
 )
 

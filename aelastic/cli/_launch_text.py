@@ -15,7 +15,12 @@ from ..agent import ElasticAgent
 from ..backends.registry import backend_info
 from ..core.errors import reason, typed
 from ..core.redact import redact_endpoint
-from ..rendezvous import RendezvousClosedError, RendezvousError
+from ..rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
 from .console import Console
 from .options import LaunchConfig
 
@@ -114,7 +119,12 @@ def failed_to_run(
         for line in _closed_on_arrival(config, exc):
             console.line(line, always=True, news=False)
     elif isinstance(exc, RendezvousError):
-        console.line(f"error: rendezvous failed: {typed(exc)}", always=True, news=False)
+        said = f"error: rendezvous failed: {typed(exc)}"
+        if config.endpoint_note and isinstance(
+            exc, RendezvousConnectionError | RendezvousTimeoutError
+        ):
+            said += f" ({config.endpoint_note})"
+        console.line(said, always=True, news=False)
     elif isinstance(exc, OSError):
         console.line(f"error: cannot start the workers: {reason(exc)}", always=True, news=False)
     else:

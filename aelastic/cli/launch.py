@@ -216,7 +216,12 @@ async def _launch(
             agent = ElasticAgent(spec)
             agent.add_listener(console)
             # No progress line once a stop signal came: nothing is waited for any more.
-            agent.add_listener(Progress(lambda text: None if received else console.line(text)))
+            agent.add_listener(
+                Progress(
+                    lambda text: None if received else console.line(text),
+                    note=config.endpoint_note,
+                )
+            )
             failed = await _observe(config, agent, console, observers)
             if failed is not None:
                 return failed

@@ -24,6 +24,7 @@ from ..core.redact import exposed_secrets, redact
 from .conf_keys import unknown_key_warnings
 from .devices import determine_local_world_size
 from .heal_flags import HealOptions, heal_options
+from .progress import default_endpoint_note
 from .rules import (
     BACKEND_ALIASES,
     UsageError,
@@ -90,6 +91,9 @@ class LaunchConfig:
     duplicate_stderr_filters: tuple[str, ...] = ()
     start_method: str = "spawn"
     rdzv_asked: str = ""
+    #: Said with the first progress line and a connection error when the endpoint was
+    #: taken by default (a static rendezvous without --master-addr or --master-port).
+    endpoint_note: str | None = None
     warnings: tuple[str, ...] = ()
     heal: HealOptions = field(default_factory=HealOptions)
 
@@ -211,9 +215,20 @@ def config_from_args(
         duplicate_stderr_filters=torchrun_options.duplicate_stderr_filters,
         start_method=start_method,
         rdzv_asked="standalone" if args.standalone else str(args.rdzv_backend).strip(),
+        endpoint_note=_endpoint_note(args, backend, endpoint),
         warnings=tuple(warnings),
         heal=heal_options(args),
     )
+
+
+def _endpoint_note(args: argparse.Namespace, backend: str, endpoint: str) -> str | None:
+    """What the progress lines and errors say when the endpoint was taken by default: a
+    static rendezvous's is ``--master-addr:--master-port`` (127.0.0.1:29500 by default)."""
+    if backend != "static" or args.rdzv_endpoint:
+        return None
+    given = (("--master-addr", args.master_addr), ("--master-port", args.master_port))
+    missing = [flag for flag, value in given if value is None]
+    return default_endpoint_note(endpoint, ["--rdzv-endpoint", *missing]) if missing else None
 
 
 def _observability(args: argparse.Namespace) -> tuple[str | None, int]:

@@ -11,7 +11,13 @@ kind of wait prints one line at once, then at most one every ``interval`` second
     redis at host:6379 unreachable (connection refused); retrying for 55 s more
 
 A completed round (or a call that succeeds) ends the wait, so the next wait prints at once
-again. Lines go through the console, which redacts them.
+again. Lines go through the console, which redacts them. An endpoint that nobody gave (the
+launcher took a default) is named in the first line (:func:`default_endpoint_note`)::
+
+    redis at localhost:6379 unreachable (connection refused); retrying for 55 s more; the
+    endpoint localhost:6379 is taken by default: no --rdzv-endpoint or PET_RDZV_ENDPOINT was given
+
+The torchrun plugin logs the same lines (:mod:`aelastic.integrations.torchrun`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from collections.abc import Callable
 
 from ..core.events import BackendRetry, Event, EventKind, RendezvousEvent, RendezvousWaiting
 
-__all__ = ["Progress", "describe_wait", "duration"]
+__all__ = ["Progress", "default_endpoint_note", "describe_wait", "duration"]
 
 #: Seconds between two lines about the same wait.
 INTERVAL = 10.0
@@ -65,6 +71,15 @@ def _reason(error: str) -> str:
     return error if len(error) <= 80 else error[:77] + "..."
 
 
+def default_endpoint_note(endpoint: str, not_given: list[str] | tuple[str, ...]) -> str:
+    """What the first progress line and a connection error add when the endpoint was taken by
+    default: ``the endpoint localhost:6379 is taken by default: no --rdzv-endpoint or
+    PET_RDZV_ENDPOINT was given``; ``not_given`` names the flags (or variables) that set it."""
+    names = list(not_given)
+    said = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+    return f"the endpoint {endpoint} is taken by default: no {said} was given"
+
+
 def describe_wait(event: RendezvousWaiting | BackendRetry) -> str:
     """The progress line for a wait."""
     if isinstance(event, BackendRetry):
@@ -99,12 +114,16 @@ class Progress:
     Args:
         line: Prints one line (the console's).
         interval: Least seconds between two lines about the same wait.
+        note: Said at the end of the first line (:func:`default_endpoint_note`).
     """
 
-    def __init__(self, line: Callable[[str], None], interval: float = INTERVAL) -> None:
+    def __init__(
+        self, line: Callable[[str], None], interval: float = INTERVAL, note: str | None = None
+    ) -> None:
         self._line = line
         self._interval = interval
         self._last: dict[EventKind, float] = {}
+        self._note = note
 
     def __call__(self, event: Event) -> None:
         """Print a line for ``event`` if it is a wait and none was printed lately."""
@@ -119,4 +138,7 @@ class Progress:
         if last is not None and now - last < self._interval:
             return
         self._last[event.kind] = now
-        self._line(describe_wait(event))
+        text = describe_wait(event)
+        if self._note:
+            text, self._note = f"{text}; {self._note}", None
+        self._line(text)

@@ -21,6 +21,13 @@ answers 1 when a member of the round left or stopped sending heartbeats, so that
 (which polls it) stops its workers and re-rendezvous with the survivors instead of running on
 with a stale world. Set ``--rdzv-conf rescale_on_member_loss=false`` for torch's behaviour.
 Errors are raised as torch's exception types (``RendezvousClosedError``, ``DistStoreError``...).
+
+torch's agent says nothing while the rendezvous waits: the handler's progress lines (those
+``aelastic run`` prints: waiting for nodes, for the job id, for a store it cannot reach) are
+logged as warnings of ``aelastic.torchrun``, which torch's logging defaults show on stderr.
+An empty endpoint (torchrun's default) that the backend fills in (Redis: ``localhost:6379``)
+is named in the first of them and in connection errors; a job on a store with torch's
+default id, ``none``, is warned about (every job given no id shares it).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from typing import Any
 from .. import rendezvous as aapi
 from .. import sync
 from ..backends.registry import BUILTINS, backend_info, external_names, secret_variables
-from ..core.redact import exposed_secrets
+from ..cli.progress import Progress, default_endpoint_note
+from ..core.redact import exposed_secrets, redact
 from ..core.view import MembershipView
 
 __all__ = [
@@ -99,8 +107,9 @@ def _share_tcp_store() -> bool:
 
 
 @contextlib.contextmanager
-def _torch_errors() -> Iterator[None]:
-    """Re-raise aelastic's errors as torch's types of the same name."""
+def _torch_errors(note: str | None = None) -> Iterator[None]:
+    """Re-raise aelastic's errors as torch's types of the same name; a connection error or
+    a timeout ends with ``note`` (the endpoint taken by default), if any."""
     from torch.distributed import DistStoreError
     from torch.distributed.elastic.rendezvous import api as tapi
 
@@ -110,7 +119,24 @@ def _torch_errors() -> Iterator[None]:
         raise DistStoreError(str(exc)) from exc
     except aapi.RendezvousError as exc:
         cls = getattr(tapi, type(exc).__name__, tapi.RendezvousError)
-        raise cls(str(exc)) from exc
+        said = str(exc)
+        if note and isinstance(exc, aapi.RendezvousConnectionError | aapi.RendezvousTimeoutError):
+            said = f"{said} ({note})"
+        raise cls(said) from exc
+
+
+def _default_endpoint_note(name: str, endpoint: str) -> str | None:
+    """What to say when no endpoint was given and the backend took its default."""
+    info = backend_info(BACKENDS[name])
+    if endpoint.strip() or info is None or info.default_endpoint is None:
+        return None
+    return default_endpoint_note(info.default_endpoint, ["--rdzv-endpoint", "PET_RDZV_ENDPOINT"])
+
+
+def _progress_line(text: str) -> None:
+    """One progress line of the handler (the lines ``aelastic run`` prints), logged: with
+    torch's logging defaults (no handler, warnings shown) it goes to stderr as it is."""
+    log.warning("[aelastic] %s", redact(text))
 
 
 def _seconds(timeout: timedelta | float | None) -> float | None:
@@ -184,11 +210,16 @@ def _classes() -> tuple[type[Any], type[Any]]:
         """torch's ``RendezvousHandler`` over aelastic's rendezvous (see the module doc)."""
 
         def __init__(
-            self, name: str, handler: sync.SyncRendezvousHandler, rescale_on_member_loss: bool
+            self,
+            name: str,
+            handler: sync.SyncRendezvousHandler,
+            rescale_on_member_loss: bool,
+            note: str | None = None,
         ) -> None:
             self._name = name
             self._handler = handler
             self._rescale_on_member_loss = rescale_on_member_loss
+            self._note = note
             self._watch: Any = None  # asyncio.Task[MembershipView] on aelastic's loop
             self._tcp_store: Any = None
 
@@ -208,7 +239,7 @@ def _classes() -> tuple[type[Any], type[Any]]:
         def next_rendezvous(self) -> Any:
             self._stop_watch()
             self._tcp_store = None  # the workers of the last round are gone: drop their store
-            with _torch_errors():
+            with _torch_errors(self._note):
                 info = self._handler.next_rendezvous()
                 store = AelasticStore(info.store)
                 bootstrap = info.bootstrap_store_info
@@ -242,11 +273,11 @@ def _classes() -> tuple[type[Any], type[Any]]:
             return addr_b.decode(), int(port_b)
 
         def is_closed(self) -> bool:
-            with _torch_errors():
+            with _torch_errors(self._note):
                 return self._handler.is_closed()
 
         def set_closed(self) -> None:
-            with _torch_errors():
+            with _torch_errors(self._note):
                 self._handler.set_closed()
 
         def num_nodes_waiting(self) -> int:
@@ -263,13 +294,13 @@ def _classes() -> tuple[type[Any], type[Any]]:
                         return max(view.waiting, 1)
                     if view.waiting:
                         return view.waiting
-            with _torch_errors():
+            with _torch_errors(self._note):
                 return self._handler.num_nodes_waiting()
 
         def shutdown(self) -> bool:
             self._stop_watch()
             self._tcp_store = None
-            with _torch_errors():
+            with _torch_errors(self._note):
                 return self._handler.shutdown()
 
         def _start_watch(self) -> None:
@@ -347,5 +378,16 @@ def create_handler(params: Any) -> Any:
         local_addr=params.local_addr,
         **config,
     )
+    if info is not None and info.external and params.run_id == "none":
+        log.warning(
+            "[aelastic] the job id is 'none', torch's default: every job started on this "
+            "store without an id of its own (--rdzv-id, PET_RDZV_ID) shares it, and one "
+            "started right after another waits for it; give each job its own id"
+        )
+    note = _default_endpoint_note(name, params.endpoint or "")
+    handler = sync.create_handler(aparams)
+    # What `aelastic run` prints while the rendezvous waits (for nodes, the job id, the
+    # store), logged: torch's agent says nothing while it waits.
+    handler.async_handler.add_listener(Progress(_progress_line, note=note))
     _, handler_cls = _classes()
-    return handler_cls(name, sync.create_handler(aparams), bool(rescale))
+    return handler_cls(name, handler, bool(rescale), note)

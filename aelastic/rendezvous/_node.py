@@ -321,17 +321,23 @@ class NodeRequests:
 
     def _id_free_in(self, reply: Reply, sent: float) -> float | None:
         """Seconds until the run's id is free for this node's job, when the run refused its
-        join for having ended (closed, or empty with other rules) before this node's
-        handler was made: a node of a new job waits for the id. ``None``: refuse (a node
-        of the ended job, which was in the run or was made while it went on, is told it
-        ended; so is any node while nodes are still in the run, as torch's is)."""
+        join (sent at ``sent``, monotonic) for having ended (closed, or empty with other
+        rules) before this node's handler was made: a node of a new job waits for the id.
+        ``None``: refuse (a node of the ended job, which was in the run or was made while
+        it went on, is told it ended; so is any node while nodes are still in the run, as
+        torch's is)."""
         ended = reply.outcome in (Outcome.ERROR_CLOSED, Outcome.ERROR_RULES)
         free_at, rules = reply.reopen_at_ms, reply.run_rules
         if self._took_part or not ended or free_at is None or rules is None:
             return None
+        if self._waited_for_id is not None:  # decided at its first refusal: a new job's
+            return max(free_at - reply.status.now_ms, 0) / 1000
         # Durations only (the backend's clock against this node's): since the run's last
-        # node left, as the backend answered, and since this handler was made, when the
-        # request was sent (so that its way to the backend counts for the handler).
+        # node left, by the backend when it answered, and since this handler was made, when
+        # the join was sent (before the backend answered). Were this node's age taken once
+        # the answer is in, a slow answer (a loaded machine) would make a handler made just
+        # after the run emptied (a job run again at once: in a notebook, milliseconds
+        # later) look older than the emptiness, and refuse it.
         since_vacated = (reply.status.now_ms - (free_at - reuse_grace_ms(rules))) / 1000
         if sent - self._made_at >= since_vacated:
             return None

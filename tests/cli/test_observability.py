@@ -177,3 +177,26 @@ def test_progress_while_the_store_is_unreachable(tmp_path: Path) -> None:
         line = next(x for x in cli.lines if want in x)
         assert line.endswith(" s more"), line
         assert "topsecret" not in cli.output
+
+
+def test_an_endpoint_taken_by_default_is_named_in_the_first_line_and_the_error(
+    tmp_path: Path,
+) -> None:
+    # A static job's node rank 1 given --master-port but no --master-addr: the rendezvous
+    # is at 127.0.0.1 (torchrun's default), where nothing listens.
+    (tmp_path / "ok.py").write_text("print('hello')\n")
+    port = free_port()
+    args = ["run", "--nnodes=2", "--node-rank=1", f"--master-port={port}"]
+    args += ["--rdzv-conf=join_timeout=3", "ok.py"]
+    code, out = run_cli(args, tmp_path)
+    assert code == 1, out
+    note = (
+        f"the endpoint 127.0.0.1:{port} is taken by default: no --rdzv-endpoint or "
+        "--master-addr was given"
+    )
+    waits = [line for line in out.splitlines() if f"static at 127.0.0.1:{port} unreachable" in line]
+    assert waits and waits[0].endswith(f" s more; {note}"), out
+    assert all(note not in line for line in waits[1:]), out  # said once
+    errors = [line for line in out.splitlines() if "error: rendezvous failed" in line]
+    assert len(errors) == 1 and errors[0].endswith(f"({note})"), out
+    assert "hello" not in out

@@ -7,6 +7,7 @@ end-to-end tests run real ``torchrun`` processes whose workers all-reduce over g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import importlib.util
 import os
@@ -30,6 +31,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from aelastic import RendezvousParameters as AelasticParameters
 from aelastic import sync
 from aelastic.integrations import torchrun as plugin
 
@@ -234,6 +236,91 @@ def test_a_token_on_torchruns_command_line_is_warned_about(
         for m in said
     ), said
     assert not any(token in m for m in said)
+
+
+def test_an_endpoint_taken_by_default_is_where_the_backend_goes() -> None:
+    from aelastic.backends import BUILTINS, create_backend
+    from aelastic.backends.etcd import parse_endpoint as etcd_endpoint
+    from aelastic.backends.redis import parse_endpoint as redis_endpoint
+
+    parse = {"redis": redis_endpoint, "etcd": etcd_endpoint}
+    for info in BUILTINS:
+        if info.default_endpoint is not None:
+            read = parse[info.name]
+            empty, default = read("", {}, {}), read(info.default_endpoint, {}, {})
+            assert empty == default, info.name
+        elif info.multi_node:  # no default: an empty endpoint is refused, saying so
+            params = AelasticParameters(info.name, "", "x", 1, 1)
+            with pytest.raises(ValueError, match="endpoint"):
+                create_backend(params)
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_default_endpoint_is_named_in_the_first_line_and_the_error(
+    run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("redis")
+    if _listening(6379):
+        pytest.skip("something listens on localhost:6379: the default endpoint would answer")
+    params = _params(run_id, read_timeout="2")
+    params.backend, params.endpoint = "aelastic-redis", ""
+    handler = plugin.create_handler(params)
+    note = (
+        "the endpoint localhost:6379 is taken by default: no --rdzv-endpoint or "
+        "PET_RDZV_ENDPOINT was given"
+    )
+    try:
+        with pytest.raises(Exception) as failed:
+            handler.next_rendezvous()
+    finally:
+        with contextlib.suppress(Exception):
+            handler.shutdown()
+    assert type(failed.value).__name__ == "RendezvousConnectionError"
+    assert type(failed.value).__module__.startswith("torch.")
+    assert str(failed.value).endswith(f"({note})"), failed.value
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "aelastic.torchrun" and "redis at" in r.getMessage()
+    ]
+    assert lines and lines[0].startswith("[aelastic] redis at localhost:6379 unreachable"), lines
+    assert lines[0].endswith(f"; {note}") and all(note not in m for m in lines[1:]), lines
+
+
+def test_the_plugin_logs_what_it_waits_for(run_id: str, caplog: pytest.LogCaptureFixture) -> None:
+    # torch's agent says nothing while the rendezvous waits: the plugin logs aelastic's line.
+    handler = plugin.create_handler(_params(run_id, nodes=2, join_timeout="1"))
+    try:
+        with pytest.raises(Exception, match="did not complete"):
+            handler.next_rendezvous()
+    finally:
+        handler.shutdown()
+    said = [r for r in caplog.records if r.name == "aelastic.torchrun"]
+    waits = [r for r in said if "waiting for nodes" in r.getMessage()]
+    assert waits and waits[0].levelname == "WARNING", said
+    assert (
+        waits[0]
+        .getMessage()
+        .startswith("[aelastic] waiting for nodes: 1 joined of min 2 (max 2); join timeout in")
+    ), waits[0].getMessage()
+
+
+def test_a_job_on_a_store_with_torchs_default_id_is_warned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    params = _params("none")
+    params.backend, params.endpoint = "aelastic-http", "127.0.0.1:1"  # never reached
+    plugin.create_handler(params)._handler.close()
+    memory = _params("none")  # a rendezvous of this process: no other job can share it
+    plugin.create_handler(memory).shutdown()
+    warned = [r.getMessage() for r in caplog.records if "the job id is 'none'" in r.getMessage()]
+    assert len(warned) == 1 and "PET_RDZV_ID" in warned[0], warned
 
 
 def test_unknown_backend_name() -> None:

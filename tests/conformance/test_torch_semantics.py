@@ -5,13 +5,16 @@ that used it is over (a late node of that job still learns that it closed)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import anyio
 import pytest
 
-from aelastic import RendezvousClosedError, RendezvousStoreInfo
+from aelastic import RendezvousClosedError, RendezvousParameters, RendezvousStoreInfo
+from aelastic.backends import create_backend
+from aelastic.core.params import RendezvousSettings
 from aelastic.rendezvous import DynamicRendezvousHandler, RendezvousWaiting
-from tests._rendezvous_helpers import PROMPT, handler_group, join_all
+from tests._rendezvous_helpers import PROMPT, TEST_CONF, handler_group, join_all
 
 from .conftest import MakeParams
 
@@ -70,6 +73,10 @@ async def test_a_job_id_is_used_again_once_the_job_is_over(make_params: MakePara
         handler_group(*where, 1, 2, 2, **conf) as (late,),
     ):
         await join_all(old_job)
+        # The job runs a while: a late node of a job was made that long before the run
+        # emptied (which is how it is told from a node of a new job, made after: by
+        # durations, so a second keeps it apart from any answer's delay under load).
+        await anyio.sleep(1.0)
         await _over(old_job)
         # A late node of the old job: the run closed, and says when its id is free again.
         with anyio.fail_after(PROMPT), pytest.raises(RendezvousClosedError) as closed:
@@ -109,6 +116,54 @@ async def test_a_new_job_with_the_id_of_one_just_over_waits_for_it_then_starts(
     if params.backend != "memory":  # memory frees the id at once once its handlers let go
         assert waits and waits[0].id_wait == "closed", events
         assert waits[0].id_free_in is not None and 0 < waits[0].id_free_in <= 0.8
+
+
+class _SlowAnswers:
+    """A backend whose answers come late, as on a loaded machine: each request is applied
+    at once, its reply handed over ``delay`` seconds later."""
+
+    def __init__(self, backend: Any, delay: float) -> None:
+        self._backend = backend
+        self._delay = delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    async def apply(self, request: Any, hold: float = 0.0, seen: str | None = None) -> Any:
+        reply = await self._backend.apply(request, hold, seen)
+        await asyncio.sleep(self._delay)
+        return reply
+
+
+async def test_a_job_made_just_after_the_last_one_waits_for_its_id_when_answers_are_slow(
+    make_params: MakeParams,
+) -> None:
+    """A job run again at once (a notebook's cell: its handler made milliseconds after the
+    last one's node left), whose backend answers 0.3 s late: it is a new job (its handler
+    was made after the run emptied), so it waits for the id, then starts; a slow answer
+    does not make it look older than the emptiness."""
+    params = make_params(1, 1, **SHORT)
+    conf, where = params.config, (params.backend, params.endpoint, params.run_id)
+    async with handler_group(*where, 1, 1, 1, **conf) as old_job:
+        await join_all(old_job)
+        await _over(old_job)
+        new_params = RendezvousParameters(
+            *where, 1, 1, local_addr="127.0.0.1", **{**TEST_CONF, **conf}
+        )
+        backend = _SlowAnswers(create_backend(new_params), 0.3)
+        settings = RendezvousSettings.from_parameters(new_params)
+        new = DynamicRendezvousHandler(backend, settings, local_addr="127.0.0.1")
+        events: list[object] = []
+        new.add_listener(events.append)
+        try:
+            with anyio.fail_after(PROMPT):
+                info = await new.next_rendezvous()
+        finally:
+            await new.aclose()
+    assert (info.rank, info.world_size) == (0, 1)
+    waits = [e for e in events if isinstance(e, RendezvousWaiting) and e.id_wait]
+    if params.backend != "memory":  # memory frees the id at once once its handlers let go
+        assert waits and waits[0].id_wait == "closed", events
 
 
 async def test_a_run_that_never_formed_is_free_after_the_grace(make_params: MakeParams) -> None:

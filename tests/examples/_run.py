@@ -7,34 +7,53 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(args: Sequence[str], timeout: float = 100) -> tuple[int, str]:
-    """``python <args>`` in the repository root; (exit code, stdout and stderr merged).
-
-    The example runs in its own session; if it outlives ``timeout`` (kept below pytest's
-    own timeout), its whole process group is killed and the test fails with its output.
-    """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen(
+def start(args: Sequence[str], env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``python <args>`` in the repository root, in a session of its own, its stdout
+    and stderr merged; the environment is this one without its ``PET_*`` variables, plus
+    ``env``."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    full.update(env or {})
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full.get("PYTHONPATH")]))
+    return subprocess.Popen(
         [sys.executable, *args],
         cwd=ROOT,
-        env=env,
+        env=full,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 100) -> tuple[int, str]:
+    """(exit code, output) of a process :func:`start` started; if it outlives ``timeout``
+    (kept below pytest's own timeout), its whole process group is killed and the test fails
+    with its output."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"{args} still running after {timeout} s; output:\n{out}") from None
+        raise AssertionError(
+            f"{proc.args} still running after {timeout} s; output:\n{out}"
+        ) from None
     return proc.returncode, out
+
+
+def run(
+    args: Sequence[str], timeout: float = 100, env: Mapping[str, str] | None = None
+) -> tuple[int, str]:
+    """``python <args>`` in the repository root; (exit code, stdout and stderr merged).
+
+    The example runs in its own session; if it outlives ``timeout`` (kept below pytest's
+    own timeout), its whole process group is killed and the test fails with its output.
+    ``env`` is added to the environment (whose ``PET_*`` variables are dropped).
+    """
+    return finish(start(args, env), timeout)
