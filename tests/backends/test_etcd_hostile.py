@@ -186,3 +186,52 @@ async def test_the_message_cap_is_far_above_a_1024_node_snapshot() -> None:
     size = len(answer.messages[0])
     print(f"a 1,024-node snapshot's answer: {size} bytes ({size / 1024:.0f} bytes a node)")
     assert answer.code == 0 and 1024 * 100 < size < MAX_MESSAGE / 50, size
+
+
+# -- a member that takes the connection and never answers -----------------------------------
+
+
+async def test_a_silent_member_fails_a_request_within_its_read_timeout() -> None:
+    with HostileServer("silent") as server:
+        client = EtcdClient(parse_endpoint(server.endpoint, {}), read_timeout=3)
+        started = time.monotonic()
+        try:
+            with pytest.raises(RendezvousConnectionError) as info:
+                await client.call("/v3/kv/range", {"key": b64("k")}, "a range")
+        finally:
+            await client.aclose()
+    took = time.monotonic() - started
+    assert 2.5 < took < 3 + 3, took
+    said = str(info.value)
+    assert "could not be reached within 3 s (a range)" in said and server.endpoint in said
+
+
+async def test_a_join_to_a_silent_member_ends_within_the_join_timeout(run_id: str) -> None:
+    """Whatever the read timeout (60 s here), the join gives up once its own timeout ran
+    out, naming the endpoint; meanwhile the client tried again (and said so) each time the
+    member said nothing for 10 s."""
+    from aelastic import RendezvousParameters
+    from aelastic.core.events import BackendRetry
+    from aelastic.rendezvous import create_handler
+
+    with HostileServer("silent") as server:
+        params = RendezvousParameters(
+            "etcd", server.endpoint, run_id, 1, 1, join_timeout=12, read_timeout=60
+        )
+        handler = create_handler(params)
+        retries: list[tuple[float, BackendRetry]] = []
+        handler.hub.add_listener(
+            lambda e: retries.append((time.monotonic(), e)) if isinstance(e, BackendRetry) else 0
+        )
+        started = time.monotonic()
+        try:
+            with pytest.raises(RendezvousConnectionError) as info:
+                await handler.next_rendezvous()
+        finally:
+            await handler.aclose()
+    took = time.monotonic() - started
+    assert 12 < took < 12 + 5, took
+    said = str(info.value)
+    assert server.endpoint in said and "within its join timeout (12 s)" in said, said
+    assert retries and 9 < retries[0][0] - started < 12, retries
+    assert "said nothing for 10 s" in retries[0][1].error, retries

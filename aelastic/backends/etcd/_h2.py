@@ -100,6 +100,8 @@ class Connection(asyncio.Protocol):
         self._windows = Windows()  # the member's, for what this side sends
         self._received = 0
         self._heard = False  # the member's first settings arrived
+        #: Resolved when the member's first settings arrive (it speaks at all).
+        self.heard: asyncio.Future[None] = self.loop.create_future()
         self.closed = False
         self._error: BaseException | None = None
         self._blocks: dict[tuple[str, Metadata], bytes] = {}  # request header blocks
@@ -125,6 +127,7 @@ class Connection(asyncio.Protocol):
                 self._end(NotEtcd(f"it does not speak HTTP/2 ({shown!r})"))
                 return
             self._heard = True
+            self.heard.set_result(None)
         at = 0  # frames are cut off the buffer once, after the loop (not one by one)
         try:
             while len(buffer) - at >= 9 and not self.closed:

@@ -10,8 +10,9 @@ grant was applied); or all in one write, when their order does not matter. A con
 that failed, that etcd ended or that broke the protocol (:mod:`._limits`) is dropped for
 the next call; a call that times out or is cancelled is reset, and the connection stays,
 unless the member left this side's writes unread meanwhile (a member that reads nothing
-holds nothing more of this side's). A streamed call's answers wait for their reader within
-:data:`~._limits.MAX_UNREAD` bytes.
+holds nothing more of this side's). A member that takes a connection and says nothing at
+all (:data:`SILENT`) is given up, and the call tried again. A streamed call's answers wait
+for their reader within :data:`~._limits.MAX_UNREAD` bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from ._h2 import Call, Connection, Metadata
 from ._limits import MAX_UNREAD
 from ._proto import Method, ProtoError, Schema, decode
 
-__all__ = ["Answer", "Arrived", "Pool", "answers"]
+__all__ = ["SILENT", "Answer", "Arrived", "Pool", "answers"]
+
+#: A member that took the connection and said nothing for this long (not even HTTP/2's
+#: settings) is given up, and the call tried again: an attempt at the only member would
+#: otherwise wait out the whole read timeout (60 s) in silence, and say nothing meanwhile.
+#: An etcd member sends its settings as its server takes the connection, before it reads
+#: any request: a member that is only slow to answer requests still says that much.
+SILENT = 10.0
 
 
 class Answer(NamedTuple):
@@ -150,6 +158,7 @@ class Pool:
                         connection = await self.connection(host, port, min(connect, timeout))
                     started.append(connection.call(method, request, metadata))
                 call = started[index]
+                await _spoken(connection, call, deadline)
                 try:
                     code, text = await wait_within(
                         asyncio.shield(call.done), deadline - loop.time()
@@ -249,6 +258,24 @@ class Arrived:
         message = self._messages.popleft()
         self._unread -= len(message)
         return message
+
+
+async def _spoken(connection: Connection, call: Call, deadline: float) -> None:
+    """Wait until the member said anything on ``connection`` (its HTTP/2 settings, which
+    an etcd member sends as it takes a connection), for :data:`SILENT` s at most.
+
+    Raises:
+        Transient: It said nothing for that long (the connection is closed).
+    """
+    if connection.heard.done():
+        return
+    loop = asyncio.get_running_loop()
+    within = min(SILENT, deadline - loop.time())
+    waits: set[asyncio.Future[Any]] = {connection.heard, call.done}
+    await asyncio.wait(waits, timeout=max(within, 0.0), return_when=asyncio.FIRST_COMPLETED)
+    if not connection.heard.done() and not call.done.done() and within >= SILENT:
+        connection.close()
+        raise Transient(f"it took the connection and said nothing for {SILENT:g} s")
 
 
 async def answers(
