@@ -44,10 +44,10 @@ from ..core.health import NodeReport
 from ..core.machine import reuse_grace_ms
 from ..core.params import RendezvousSettings, free_port
 from ..core.protocol import RendezvousBackend
-from ..core.race import Signal, first_of
+from ..core.race import Signal, first_of, wait_within
 from ..core.state import NodeDesc, Op, Outcome, Placement, Reply, Request, Status, Transition
 from ._heartbeat import Heartbeats
-from ._refusals import join_refused
+from ._refusals import join_refused, join_unanswered
 
 __all__ = ["HandlerStats", "NodeRequests"]
 
@@ -59,6 +59,10 @@ _local_ids = itertools.count()
 _QUIET = frozenset({Transition.NONE, Transition.KEEP_ALIVE})
 #: Asked again this long after the last call's end by the backend's clock (absorbs drift).
 _LATE = 0.002
+#: Seconds after its deadline a join request is given up when the backend has not answered
+#: it (a request sent just before the deadline still gets its answer from a backend that
+#: answers at all), and that a leave then takes at most.
+_UNANSWERED = 1.0
 #: Other names a node takes when its own is listed under another secret, before it fails.
 _RENAMES = 3
 
@@ -284,7 +288,7 @@ class NodeRequests:
         while True:
             sent = clock.monotonic()
             hold = max(min(interval, deadline - sent), 0.0)
-            reply = await self._request(Op.JOIN, expired=expired, port=port, hold=hold)
+            reply = await self._join_request(deadline, expired=expired, port=port, hold=hold)
             if reply.restart_deadline:
                 deadline = clock.monotonic() + self._settings.join_timeout
             outcome = reply.outcome
@@ -365,6 +369,32 @@ class NodeRequests:
                     id_wait=what,
                 )
             )
+
+    async def _join_request(self, deadline: float, **fields: Any) -> Reply:
+        """A join request, given up :data:`_UNANSWERED` s after the join's ``deadline`` (on
+        the monotonic clock): a backend that does not answer (a store that takes the
+        connection and says nothing) holds a node no longer than its join timeout, whatever
+        its read timeout. What the join may have written is then left, briefly.
+
+        Raises:
+            RendezvousConnectionError: The backend did not answer in time.
+        """
+        within = max(deadline - self._clock.monotonic(), 0.0) + _UNANSWERED
+
+        async def join() -> Reply:
+            return await self._request(Op.JOIN, **fields)
+
+        if isinstance(self._clock, SystemClock):
+            with contextlib.suppress(TimeoutError):
+                return await wait_within(join(), within)
+        else:  # a test's clock: the bound runs on it
+            index, reply = await first_of(join, lambda: self._clock.sleep(within))
+            if index == 0:
+                return reply  # type: ignore[no-any-return]
+        await self._leave_quietly(_UNANSWERED)
+        raise join_unanswered(
+            self._settings, self._node, self._backend_name, self._backend.endpoint
+        )
 
     def _rename(self) -> None:
         """Take another name: this one is listed under another secret (another process of
@@ -464,10 +494,12 @@ class NodeRequests:
             return None
         return change.result()
 
-    async def _leave_quietly(self) -> None:
+    async def _leave_quietly(self, at_most: float | None = None) -> None:
         """Leave what a cancelled or failed join joined; never raises, never hangs (one
-        heartbeat timeout at most: a node told to stop must not wait for a store that is
-        gone)."""
+        heartbeat timeout at most, or ``at_most`` seconds: a node told to stop must not wait
+        for a store that is gone)."""
         timeout = max(min(self._settings.heartbeat_timeout, self._settings.close_timeout), 1.0)
+        if at_most is not None:
+            timeout = min(timeout, at_most)
         with contextlib.suppress(Exception), anyio.move_on_after(timeout, shield=True):
             await self._request(Op.LEAVE)

@@ -2,7 +2,8 @@
 
 How it works: the state machine answers a refused request with an outcome (closed, timed
 out, rules that differ from the run's, a node listed under another secret); these
-functions turn it into the exception the node raises, with a message that says what
+functions turn it into the exception the node raises (and a join the backend left
+unanswered past the join timeout into a connection error naming it), with a message that says what
 happened and what to do (a closed run: when its id is free again). They never name a
 secret.
 """
@@ -13,6 +14,7 @@ import math
 
 from ..core.errors import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
@@ -20,7 +22,7 @@ from ..core.errors import (
 from ..core.params import RendezvousSettings, Rules
 from ..core.state import NodeDesc, Outcome, Reply
 
-__all__ = ["join_refused"]
+__all__ = ["join_refused", "join_unanswered"]
 
 
 def _seconds(ms: int) -> str:
@@ -93,4 +95,14 @@ def join_refused(settings: RendezvousSettings, node: NodeDesc, reply: Reply) -> 
         )
     return RendezvousTimeoutError(
         f"The rendezvous '{run_id}' did not complete on time for node {node}."
+    )
+
+
+def join_unanswered(
+    settings: RendezvousSettings, node: NodeDesc, backend: str, endpoint: str
+) -> RendezvousConnectionError:
+    """The error of a join the backend did not answer before the join timeout ran out."""
+    return RendezvousConnectionError(
+        f"{backend} at {endpoint} did not answer node {node}'s join to run "
+        f"'{settings.run_id}' within its join timeout ({settings.join_timeout:g} s)."
     )

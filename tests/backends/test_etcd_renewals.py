@@ -82,6 +82,9 @@ async def test_the_nodes_of_a_process_renew_on_one_stream_each_lease_its_own(
                 *(b.apply(r) for b, r in zip(backends, beats, strict=True))
             )
             assert all(r.known for r in replies)
+            for b in backends:  # renewed in the background: the beat did not wait
+                assert b._leases is not None
+                await b._leases.settled()
         streams_after, messages_after = keep_alive_streams(server)
         assert streams_after == streams  # the stream was open: no new one
         assert messages_after - messages == 10
@@ -244,3 +247,26 @@ async def test_a_heartbeat_renews_its_lease_before_a_full_request(server: EtcdSe
     finally:
         for b in backends:
             await b.aclose()
+
+
+async def test_a_lease_is_kept_while_its_node_waits_for_a_slow_request(
+    server: EtcdServer,
+) -> None:
+    """A request of a node's that etcd takes longer over than the lease's time to live (a
+    busy etcd's join): the lease is renewed meanwhile, a third of its time to live after the
+    last renewal; a node that waits without it loses its lease."""
+    from aelastic.backends.etcd._leases import Leases
+
+    client = EtcdClient(parse_endpoint(server.endpoint, {}))
+    kept, left = NodeDesc("10.0.0.1", 1, 0), NodeDesc("10.0.0.2", 2, 0)
+    leases = Leases(client, ttl=2)
+    try:
+        for node in (kept, left):
+            await leases.grant(node, 2_000)
+        async with leases.kept(kept):
+            await asyncio.sleep(3.5)  # the slow request
+        for node, alive in ((kept, True), (left, False)):
+            answer = await client.call("/v3/lease/timetolive", {"ID": leases.of(node)}, "ttl")
+            assert (int(answer.get("TTL", -1)) > 0) is alive, (node, answer)
+    finally:
+        await client.aclose()

@@ -7,26 +7,34 @@ every other etcd test).
 
 from __future__ import annotations
 
-import asyncio
 import struct
-from collections import deque
 from typing import Any
 
 import pytest
 
-from aelastic.backends.etcd._answers import EtcdError, Hangup, NotEtcd, Transient
-from aelastic.backends.etcd._h2 import (
+from aelastic.backends.etcd._answers import EtcdError, Hangup, Misbehaved, NotEtcd, Transient
+from aelastic.backends.etcd._frames import (
+    CONTINUATION,
     DATA,
     GOAWAY,
     HEADERS,
     PING,
     SETTINGS,
     WINDOW_UPDATE,
-    Connection,
-    grpc_message,
 )
+from aelastic.backends.etcd._h2 import Connection, grpc_message
 from aelastic.backends.etcd._hpack import CODES, Decoder, HpackError, encode, huffman_decode
-from aelastic.backends.etcd._pool import answers
+from aelastic.backends.etcd._limits import (
+    MAX_FRAME,
+    MAX_HEADER_BLOCK,
+    MAX_HEADER_FRAMES,
+    MAX_HEADER_LIST,
+    MAX_IDLE,
+    MAX_MESSAGE,
+    MAX_OWED,
+    MAX_UNREAD,
+)
+from aelastic.backends.etcd._pool import Arrived, answers
 from aelastic.backends.etcd._proto import (
     METHODS,
     TXN,
@@ -116,6 +124,13 @@ class Recorder:
     def __init__(self) -> None:
         self.written = bytearray()
         self.closed = False
+        self.reading_paused = False
+
+    def pause_reading(self) -> None:
+        self.reading_paused = True
+
+    def resume_reading(self) -> None:
+        self.reading_paused = False
 
     def write(self, data: bytes) -> None:
         self.written += data
@@ -185,16 +200,15 @@ async def test_a_refused_stream_raises_etcds_error_with_its_code() -> None:
     """A trailers-only answer (etcd's refusal of a watch), its message Huffman-coded and
     percent-encoded as gRPC sends it."""
     connection, _ = connected()
-    arrived: deque[bytes] = deque()
-    woken = asyncio.Event()
+    arrived = Arrived()
     call = connection.call("/etcdserverpb.Watch/Watch", b"", end=False, on_message=arrived.append)
-    call.done.add_done_callback(lambda _: woken.set())
+    call.done.add_done_callback(lambda _: arrived.woken.set())
     text = huffman(b"etcdserver: no leader%21")
     trailers = OK_HEADERS + encode([(b"grpc-status", b"14")])
     trailers += b"\x00" + encode([(b"grpc-message", b"")])[1:-1] + bytes((0x80 | len(text),)) + text
     connection.data_received(frame(HEADERS, 5, 1, trailers))
     with pytest.raises(EtcdError) as info:
-        async for _ in answers(call, arrived, woken, WATCH_ANSWER, None):
+        async for _ in answers(call, arrived, WATCH_ANSWER, None):
             pass
     assert info.value.code == 14 and str(info.value) == "etcdserver: no leader!"
 
@@ -254,22 +268,155 @@ async def test_a_connection_lost_before_any_answer_is_a_hangup_after_one_transie
     assert not isinstance(info.value, Hangup)
 
 
-async def test_an_oversized_answer_or_header_block_is_refused_not_buffered() -> None:
-    from aelastic.backends.etcd._call import MAX_MESSAGE
-    from aelastic.backends.etcd._h2 import CONTINUATION, MAX_HEADERS
+async def test_an_oversized_message_or_a_second_unary_message_closes_the_connection() -> None:
+    connection, transport = connected()
+    call = connection.call("/etcdserverpb.KV/Range", b"")
+    other = connection.call("/etcdserverpb.KV/Range", b"")
+    prefix = b"\x00" + (MAX_MESSAGE + 1).to_bytes(4, "big")
+    connection.data_received(frame(HEADERS, 4, 1, OK_HEADERS) + frame(DATA, 0, 1, prefix))
+    with pytest.raises(Misbehaved, match=f"gRPC message of {MAX_MESSAGE + 1} bytes"):
+        await call.done
+    with pytest.raises(Misbehaved):
+        await other.done  # the connection is closed: every call on it fails
+    assert transport.closed and not connection.usable
+    twice, _ = connected()
+    unary = twice.call("/etcdserverpb.KV/Range", b"")
+    answer = grpc_message(b"\x20\x07")
+    twice.data_received(frame(HEADERS, 4, 1, OK_HEADERS) + frame(DATA, 0, 1, answer * 2))
+    with pytest.raises(Misbehaved, match="second gRPC message in a unary"):
+        await unary.done
 
+
+async def test_a_frame_over_the_advertised_size_is_refused_from_its_head() -> None:
+    connection, transport = connected()
+    sent = transport.frames()
+    settings = dict(struct.unpack_from(">HI", sent[0][3], i) for i in range(0, len(sent[0][3]), 6))
+    assert settings[5] == MAX_FRAME and settings[6] == MAX_HEADER_LIST  # advertised
+    call = connection.call("/etcdserverpb.KV/Range", b"")
+    head = (MAX_FRAME + 1).to_bytes(3, "big") + bytes((HEADERS, 4)) + struct.pack(">I", 1)
+    connection.data_received(head + b"\x00" * 100)  # its payload never needed
+    with pytest.raises(Misbehaved, match=f"HEADERS frame of {MAX_FRAME + 1} bytes"):
+        await call.done
+    assert transport.closed
+
+
+@pytest.mark.parametrize(
+    ("fragments", "said"),
+    [
+        ([b""] * (MAX_HEADER_FRAMES + 5), "more than 16 frames"),
+        ([b"\x00" * MAX_FRAME] * 5, f"more than {MAX_HEADER_BLOCK} bytes"),
+    ],
+    ids=["empty-continuations", "oversized-block"],
+)
+async def test_a_header_block_is_bounded_in_bytes_and_in_frames(
+    fragments: list[bytes], said: str
+) -> None:
+    connection, _ = connected()
+    waiting = connection.call("/etcdserverpb.KV/Range", b"")
+    connection.data_received(frame(HEADERS, 0, 1, OK_HEADERS))
+    connection.data_received(b"".join(frame(CONTINUATION, 0, 1, f) for f in fragments))
+    with pytest.raises(Misbehaved, match=said):
+        await waiting.done
+
+
+async def test_a_header_list_is_bounded_once_decoded() -> None:
+    """A small block of one-byte references to a large dynamic-table entry."""
+    connection, _ = connected()
+    waiting = connection.call("/etcdserverpb.KV/Range", b"")
+    entry = b"\x40\x01x\x64" + b"v" * 100  # a literal of 100 bytes, kept as entry 62
+    block = OK_HEADERS + entry + b"\xbe" * 600  # 600 references to it: 80 KB decoded
+    connection.data_received(frame(HEADERS, 4, 1, block))
+    with pytest.raises(Misbehaved, match="header list of more than"):
+        await waiting.done
+
+
+@pytest.mark.parametrize("kind", [PING, SETTINGS], ids=["ping", "settings"])
+async def test_a_flood_of_frames_asking_for_acks_closes_the_connection(kind: int) -> None:
     connection, transport = connected()
     call = connection.call("/etcdserverpb.KV/Range", b"")
     transport.frames()
-    prefix = b"\x00" + (MAX_MESSAGE + 1).to_bytes(4, "big")
-    connection.data_received(frame(HEADERS, 4, 1, OK_HEADERS) + frame(DATA, 0, 1, prefix))
-    with pytest.raises(NotEtcd, match="gRPC message of"):
+    payload = b"12345678" if kind == PING else b""
+    connection.data_received(frame(kind, 0, 0, payload) * (MAX_IDLE + 10))
+    with pytest.raises(Misbehaved, match="flood"):
         await call.done
-    assert [k for k, *_ in transport.frames()] == [3]  # RST_STREAM: the call is left
-    flooded, _ = connected()
-    waiting = flooded.call("/etcdserverpb.KV/Range", b"")
-    flooded.data_received(frame(HEADERS, 0, 1, OK_HEADERS))
-    filler = frame(CONTINUATION, 0, 1, b"\x00" * 16384)
-    flooded.data_received(filler * (MAX_HEADERS // 16384 + 1))
-    with pytest.raises(NotEtcd, match="header block over"):
-        await waiting.done
+    assert transport.closed
+    acks = transport.frames()
+    assert 0 < len(acks) <= MAX_IDLE + 1  # never more acks than the budget
+
+
+async def test_a_member_that_reads_nothing_stops_this_side_reading_and_owes_few_acks() -> None:
+    connection, transport = connected()
+    call = connection.call("/etcdserverpb.KV/Range", b"")
+    transport.frames()
+    connection.pause_writing()  # the transport's buffer is full: the member reads nothing
+    assert transport.reading_paused and connection.writing_paused
+    connection.data_received(frame(PING, 0, 0, b"12345678") * MAX_OWED)
+    assert not connection.closed and len(transport.frames()) == MAX_OWED
+    connection.resume_writing()
+    assert not transport.reading_paused
+    connection.pause_writing()
+    connection.data_received(frame(PING, 0, 0, b"12345678") * (MAX_OWED + 1))
+    with pytest.raises(Misbehaved, match="reads nothing"):
+        await call.done
+
+
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        (frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 0)), "WINDOW_UPDATE of 0"),
+        (frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", (1 << 31) - 1)), "over 2\\^31-1"),
+        (frame(PING, 0, 0, b"1234"), "PING frame of 4 bytes"),
+        (frame(PING, 0, 1, b"12345678"), "PING frame on stream 1"),
+        (frame(DATA, 0, 0, b"x"), "DATA frame on stream 0"),
+        (frame(DATA, 8, 1, b"\x05ab"), "padding is longer"),
+        (frame(SETTINGS, 0, 0, b"\x00\x04\xff\xff\xff\xff"), "initial window"),
+        (frame(SETTINGS, 0, 0, b"\x00\x04\x00"), "SETTINGS frame of 3 bytes"),
+        (frame(CONTINUATION, 4, 1, b""), "CONTINUATION frame"),
+        (frame(GOAWAY, 0, 0, b"\x00"), "GOAWAY frame of 1 bytes"),
+    ],
+    ids=[
+        "zero-window-update",
+        "window-overflow",
+        "short-ping",
+        "ping-on-a-stream",
+        "data-on-stream-0",
+        "padding",
+        "initial-window",
+        "settings-size",
+        "lone-continuation",
+        "short-goaway",
+    ],
+)
+async def test_frames_that_break_http2_close_the_connection(data: bytes, said: str) -> None:
+    connection, transport = connected()
+    call = connection.call("/etcdserverpb.KV/Range", b"")
+    connection.data_received(frame(HEADERS, 4, 1, OK_HEADERS) + data)
+    with pytest.raises(Misbehaved, match=said):
+        await call.done
+    assert transport.closed and not connection.usable
+
+
+async def test_a_connection_ended_by_goaway_closes_once_its_last_call_ends() -> None:
+    connection, transport = connected()
+    call = connection.call("/etcdserverpb.KV/Range", b"")
+    connection.data_received(frame(GOAWAY, 0, 0, struct.pack(">II", 1, 0)))
+    assert not transport.closed
+    trailers = encode([(b"grpc-status", b"0")])
+    connection.data_received(frame(HEADERS, 4, 1, OK_HEADERS) + frame(HEADERS, 5, 1, trailers))
+    assert await call.done == (0, "")
+    assert transport.closed
+
+
+async def test_a_streams_unread_answers_are_bounded() -> None:
+    """A watch whose answers come faster than they are read (never, here)."""
+    connection, _ = connected()
+    arrived = Arrived()
+    call = connection.call("/etcdserverpb.Watch/Watch", b"", end=False, on_message=arrived.append)
+    connection.data_received(frame(HEADERS, 4, 1, OK_HEADERS))
+    message = grpc_message(b"\x00" * (MAX_FRAME - 5))
+    for _ in range(MAX_UNREAD // len(message)):
+        connection.data_received(frame(DATA, 0, 1, message))
+    assert not call.done.done() and arrived
+    connection.data_received(frame(DATA, 0, 1, message) * 2)
+    with pytest.raises(Misbehaved, match="faster than they were read"):
+        await call.done

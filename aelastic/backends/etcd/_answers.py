@@ -4,7 +4,9 @@ How it works: etcd refuses a call with a gRPC status (its code and etcd's messag
 :func:`etcd_error` turns it into an :class:`EtcdError` (or a subclass for the cases
 callers handle). What the connection meets tells a member that cannot answer now
 (:class:`Transient`: try another) from a server that is not an etcd member
-(:class:`NotEtcd`: fail at once). :func:`tls_failure` tells a TLS error that retrying
+(:class:`NotEtcd`: fail at once), and a server that broke HTTP/2 or gRPC, or went beyond
+what this client takes (:class:`Misbehaved`: its connection is closed, the call fails at
+once). :func:`tls_failure` tells a TLS error that retrying
 cannot mend (:class:`TlsFailure`).
 """
 
@@ -22,6 +24,7 @@ __all__ = [
     "EtcdError",
     "Hangup",
     "LeaseNotFound",
+    "Misbehaved",
     "NotEtcd",
     "TlsFailure",
     "Transient",
@@ -72,6 +75,12 @@ class Transient(Exception):
 
 class NotEtcd(Exception):
     """The server answered, but not as an etcd member does."""
+
+
+class Misbehaved(NotEtcd):
+    """The server broke HTTP/2 or gRPC, or sent more than this client takes (a frame, a
+    header block, a message, a flood of frames: :mod:`._limits`); its connection is closed
+    (every call on it fails) and leaves the pool. The message says what the server did."""
 
 
 class Hangup(Transient):

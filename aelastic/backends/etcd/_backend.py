@@ -81,8 +81,9 @@ class EtcdBackend:
             while the watch is down).
         share_connections: Share the loop's client and watch with the other backends of
             the endpoint.
-        lease_ttl: A node's lease time to live (default: the heartbeat window, in whole
-            seconds; tests that drive time themselves set a long one).
+        lease_ttl: A node's lease time to live (default: the heartbeat window in whole
+            seconds, plus a second for etcd's own delay, ``._leases.SLACK``; tests that
+            drive time themselves set a long one).
     """
 
     name = "etcd"
@@ -227,10 +228,9 @@ class EtcdBackend:
         elif op is not Op.KEEP_ALIVE:
             return None
         assert self._leases is not None
-        try:
-            alive = await self._leases.renew(node, at_once=op is Op.KEEP_ALIVE)
-        except LeaseNotFound:
-            alive = False
+        # The renewal goes in the background: the beat (or the wait) is answered now, in
+        # its own time, not in the time a busy etcd takes over the renewal (see ._leases).
+        alive = self._leases.renew_soon(node, at_once=op is Op.KEEP_ALIVE)
         if not alive:
             return None if op is Op.JOIN else self._lost(node, latest, now)
         status = Status(**{**latest.__dict__, "now_ms": now})
@@ -388,6 +388,8 @@ class EtcdBackend:
 
     async def _unbind(self) -> None:
         self._closed = True
+        if self._leases is not None:
+            self._leases.close()
         shared, stream, self._shared, self._stream = self._shared, self._stream, None, None
         if stream is not None:
             stream.sentinel(self, None)

@@ -45,6 +45,7 @@ from ._answers import (
     EtcdError,
     Hangup,
     LeaseNotFound,
+    Misbehaved,
     NotEtcd,
     TlsFailure,
     Transient,
@@ -55,7 +56,14 @@ from ._answers import (
     unb64,
 )
 from ._endpoint import EtcdEndpoint
-from ._failures import auth_failure, not_etcd, refused_by_member, tls_refused, unreachable
+from ._failures import (
+    auth_failure,
+    misbehaved,
+    not_etcd,
+    refused_by_member,
+    tls_refused,
+    unreachable,
+)
 from ._h2 import Metadata
 from ._pool import Pool
 from ._probe import CONNECT_TIMEOUT, LAST_ATTEMPT, SLOW, Terms
@@ -296,6 +304,8 @@ class EtcdClient:
                         raise answer
                 self._failing_since = None
                 return answers
+            except Misbehaved as exc:
+                raise misbehaved(url, what, exc) from None
             except NotEtcd as exc:
                 raise not_etcd(self.endpoint, url, what, exc) from None
             except TlsFailure as exc:
@@ -387,6 +397,8 @@ class EtcdClient:
                 host, port, method, requests, self._metadata(), connect, deadline
             ) as docs:
                 yield self._noting(docs)
+        except Misbehaved as exc:
+            raise misbehaved(url, "watch", exc) from None
         except NotEtcd as exc:
             raise not_etcd(self.endpoint, url, "watch", exc) from None
         except TlsFailure as exc:

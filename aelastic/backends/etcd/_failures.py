@@ -17,13 +17,21 @@ from ._answers import (
     UNAUTHENTICATED,
     UNAVAILABLE,
     EtcdError,
+    Misbehaved,
     TlsFailure,
     auth_error,
     retryable,
 )
 from ._endpoint import ENV_PASSWORD, ENV_USERNAME, EtcdEndpoint
 
-__all__ = ["auth_failure", "not_etcd", "refused_by_member", "tls_refused", "unreachable"]
+__all__ = [
+    "auth_failure",
+    "misbehaved",
+    "not_etcd",
+    "refused_by_member",
+    "tls_refused",
+    "unreachable",
+]
 
 
 def not_etcd(
@@ -39,6 +47,15 @@ def not_etcd(
         )
     return RendezvousConnectionError(
         f"The server at {where} does not answer etcd's v3 API ({what}: {exc}): {hint}"
+    )
+
+
+def misbehaved(url: str, what: str, exc: Misbehaved) -> RendezvousConnectionError:
+    """The server at ``url`` broke HTTP/2 or gRPC, or sent more than the client takes."""
+    return RendezvousConnectionError(
+        f"The server at {url} broke etcd's protocol ({what}): {exc}; its connection was "
+        "closed. Is it an etcd member, with nothing between it and this node that changes "
+        "its answers?"
     )
 
 

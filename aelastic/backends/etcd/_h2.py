@@ -8,8 +8,14 @@ with the call's gRPC status. The connection sends its settings at once (no push,
 windows: etcd's answers never wait for a window update but every gigabyte), answers
 pings and settings, honours the member's windows for what it sends (a message that does
 not fit waits for the window update), and reads header blocks with :mod:`._hpack`.
-A connection the member ends (GOAWAY) takes no new call and fails the calls etcd said
-it will not carry out; one that closes fails every call left.
+A connection the member ends (GOAWAY) takes no new call, fails the calls etcd said
+it will not carry out and closes once the others ended; one that closes fails every call
+left. What a member may send is bounded (:mod:`._limits`: each frame's size from its head,
+before it is buffered; a header block's size and frames; messages; frames that carry
+nothing for a call); a frame that breaks HTTP/2 or goes beyond a bound closes the
+connection, failing every call on it with :class:`~._answers.Misbehaved`, which says what
+the member did. Acknowledgements are written only while the member reads: when the
+transport pauses this side's writes, the connection stops reading until they resume.
 
 What a server that is not an etcd member does fails the calls with
 :class:`~._answers.NotEtcd` (its first bytes are not HTTP/2's settings, an HTTP status
@@ -31,11 +37,35 @@ import asyncio
 import struct
 from collections.abc import Callable
 from typing import cast
-from urllib.parse import unquote
 
-from ._answers import Hangup, NotEtcd, Transient, tls_failure
+from ._answers import Hangup, Misbehaved, NotEtcd, Transient, tls_failure
 from ._call import Call, grpc_message
+from ._frames import (
+    ACK,
+    BIG,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    PING,
+    PREFACE,
+    PRIORITY_FLAG,
+    PUSH_PROMISE,
+    RST_STREAM,
+    SETTINGS,
+    SETTINGS_SENT,
+    WINDOW_UPDATE,
+    check,
+    frame,
+    head,
+    name,
+    unpadded,
+)
 from ._hpack import Decoder, HpackError, encode
+from ._limits import MAX_FRAME, MAX_HEADER_LIST, MAX_OWED, Budget, HeaderBlock
+from ._windows import Windows
 
 __all__ = ["Call", "Connection", "Metadata", "grpc_message"]
 
@@ -43,20 +73,7 @@ __all__ = ["Call", "Connection", "Metadata", "grpc_message"]
 Metadata = tuple[tuple[bytes, bytes], ...]
 
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
-WINDOW_UPDATE, CONTINUATION = 8, 9
-END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-_HEAD = struct.Struct(">BHBBI")  # length (24 bits as 1 + 2 bytes), type, flags, stream
-_BIG = (1 << 31) - 1  # the largest window
 _REFILL = 1 << 30  # received bytes after which a window is topped up again
-_FRAME = 16384  # largest frame sent (the default every peer takes)
-MAX_HEADERS = 256 << 10  # largest header block taken (etcd's are a few hundred bytes)
-
-
-def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    size = len(payload)
-    return _HEAD.pack(size >> 16, size & 0xFFFF, kind, flags, stream) + payload
 
 
 class Connection(asyncio.Protocol):
@@ -76,28 +93,32 @@ class Connection(asyncio.Protocol):
         self._calls: dict[int, Call] = {}
         self._next = 1
         self._decoder = Decoder()
-        self._block: tuple[int, int, bytearray] | None = None  # stream, flags, fragments
-        self.peer_window = 65535  # the member's initial stream window
-        self._window = 65535  # the connection's window for what this side sends
+        self._block: HeaderBlock | None = None  # a header block being received
+        self._idle = Budget(self.loop.time)  # frames that carry nothing for a call
+        self._paused = False  # the transport paused this side's writes
+        self._owed = 0  # acknowledgements written since
+        self._windows = Windows()  # the member's, for what this side sends
         self._received = 0
         self._heard = False  # the member's first settings arrived
+        #: Resolved when the member's first settings arrive (it speaks at all).
+        self.heard: asyncio.Future[None] = self.loop.create_future()
         self.closed = False
         self._error: BaseException | None = None
-        self._blocked: list[Call] = []
         self._blocks: dict[tuple[str, Metadata], bytes] = {}  # request header blocks
 
     # -- asyncio.Protocol -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport = cast(asyncio.Transport, transport)  # uvloop's too
-        settings = struct.pack(">HIHI", 2, 0, 4, _BIG)  # no push; large stream windows
         transport.write(
             PREFACE
-            + _frame(SETTINGS, 0, 0, settings)
-            + _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", _BIG - 65535))
+            + frame(SETTINGS, 0, 0, SETTINGS_SENT)
+            + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", BIG - 65535))
         )
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
         buffer = self._buffer
         buffer += data
         if not self._heard and len(buffer) >= 9:
@@ -106,20 +127,45 @@ class Connection(asyncio.Protocol):
                 self._end(NotEtcd(f"it does not speak HTTP/2 ({shown!r})"))
                 return
             self._heard = True
+            self.heard.set_result(None)
+        at = 0  # frames are cut off the buffer once, after the loop (not one by one)
         try:
-            while len(buffer) >= 9 and not self.closed:
-                high, low, kind, flags, stream = _HEAD.unpack_from(buffer)
-                size = high << 16 | low
-                if len(buffer) < 9 + size:
-                    return
-                payload = bytes(buffer[9 : 9 + size])
-                del buffer[: 9 + size]
-                self._frame(kind, flags, stream & _BIG, payload)
+            while len(buffer) - at >= 9 and not self.closed:
+                size, kind, flags, stream = head(buffer, at)  # judged before it is buffered
+                end = at + 9 + size
+                if len(buffer) < end:
+                    break
+                payload = bytes(buffer[at + 9 : end])
+                at = end
+                self._frame(kind, flags, stream, payload)
+        except Misbehaved as exc:
+            self._end(exc)
         except (HpackError, struct.error, IndexError, ValueError) as exc:
-            self._end(NotEtcd(f"an HTTP/2 frame not understood ({exc})"))
+            self._end(Misbehaved(f"it broke HTTP/2 ({exc})"))
+        if not self.closed:
+            del buffer[:at]
 
     def eof_received(self) -> bool | None:
         return False
+
+    def pause_writing(self) -> None:
+        # The member does not read what this side writes: nothing more is read from it
+        # (so no more frames that ask for an acknowledgement) until it does.
+        self._paused = True
+        self._owed = 0
+        if not self.closed and self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if not self.closed and self._transport is not None:
+            self._transport.resume_reading()
+
+    @property
+    def writing_paused(self) -> bool:
+        """Whether the member leaves what this side writes unread (the transport's buffer
+        is over its high-water mark)."""
+        return self._paused
 
     def connection_lost(self, exc: Exception | None) -> None:
         failure = None if exc is None else tls_failure(exc)
@@ -135,7 +181,7 @@ class Connection(asyncio.Protocol):
     @property
     def usable(self) -> bool:
         """Whether a new call may start here."""
-        return not self.closed and self._next < _BIG - 2
+        return not self.closed and self._next < BIG - 2
 
     def call(
         self,
@@ -166,7 +212,8 @@ class Connection(asyncio.Protocol):
                     (b"content-type", b"application/grpc"), (b"te", b"trailers"), *metadata,
                 )
             )  # fmt: skip
-        self._transport.write(_frame(HEADERS, END_HEADERS, stream, block))
+        self._transport.write(frame(HEADERS, END_HEADERS, stream, block))
+        self._idle.earn(1)
         if message is not None:
             self.send_data(call, grpc_message(message), end)
         return call
@@ -176,29 +223,15 @@ class Connection(asyncio.Protocol):
             return
         call.backlog += data
         call.end_after_backlog = call.end_after_backlog or end
-        self._flush(call)
-
-    def _flush(self, call: Call) -> None:
-        assert self._transport is not None
-        backlog = call.backlog
-        out = bytearray()
-        while backlog:
-            size = min(len(backlog), self._window, call.window, _FRAME)
-            if size <= 0:
-                if call not in self._blocked:
-                    self._blocked.append(call)
-                break
-            self._window -= size
-            call.window -= size
-            last = size == len(backlog) and call.end_after_backlog
-            out += _frame(DATA, END_STREAM if last else 0, call.stream, bytes(backlog[:size]))
-            del backlog[:size]
-        else:
-            if call.end_after_backlog and not out:
-                out += _frame(DATA, END_STREAM, call.stream)
-            call.end_after_backlog = False
+        out = self._windows.frames(call)
         if out:
-            self._transport.write(bytes(out))
+            self._transport.write(out)
+            self._idle.earn(1 + len(out) // MAX_FRAME)
+
+    @property
+    def peer_window(self) -> int:
+        """The member's initial stream window (a new call's)."""
+        return self._windows.initial
 
     def reset(self, call: Call) -> None:
         if self._calls.pop(call.stream, None) is not None:
@@ -209,10 +242,12 @@ class Connection(asyncio.Protocol):
     def rst(self, stream: int) -> None:
         """Tell the member this side left ``stream`` (RST_STREAM, CANCEL)."""
         if not self.closed and self._transport is not None:
-            self._transport.write(_frame(RST_STREAM, 0, stream, struct.pack(">I", 8)))
+            self._transport.write(frame(RST_STREAM, 0, stream, struct.pack(">I", 8)))
 
     def forget(self, call: Call) -> None:
         self._calls.pop(call.stream, None)
+        if not self._calls and self._next >= BIG - 2 and not self.closed:
+            self.close()  # ended by the member (or out of streams): nothing left on it
 
     def close(self) -> None:
         """Close the connection (every call left fails). Idempotent."""
@@ -222,6 +257,7 @@ class Connection(asyncio.Protocol):
         if self._error is None:
             self._error = exc
         self.closed = True
+        self._buffer.clear()
         if self._transport is not None:
             # abort, not close: a TLS close waits (up to 30 s) for the member's close_notify,
             # keeping the socket open meanwhile
@@ -233,63 +269,85 @@ class Connection(asyncio.Protocol):
     # -- frames ---------------------------------------------------------------------------
 
     def _frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
-        if self._block is not None and kind != CONTINUATION:
-            raise ValueError("a frame inside a header block")
+        block = self._block
+        if block is not None:
+            if kind != CONTINUATION or stream != block.stream:
+                raise Misbehaved("it sent another frame inside a header block")
+            block.add(payload)
+            if flags & END_HEADERS:
+                self._headers()
+            return
+        check(kind, stream, payload)
+        if kind in (DATA, HEADERS) and (not stream % 2 or stream >= self._next):
+            raise Misbehaved(f"it sent a {name(kind)} frame on stream {stream}, never opened")
         if kind == DATA:
             self._data(flags, stream, payload)
         elif kind == HEADERS:
-            if flags & PADDED:
-                payload = payload[1 : len(payload) - payload[0]]
+            fragment = unpadded(payload, flags)
             if flags & PRIORITY_FLAG:
-                payload = payload[5:]
-            self._block = (stream, flags, bytearray(payload))
-            if flags & END_HEADERS:
-                self._headers()
-        elif kind == CONTINUATION:
-            if self._block is None or self._block[0] != stream:
-                raise ValueError("a CONTINUATION out of place")
-            self._block[2].extend(payload)
-            if len(self._block[2]) > MAX_HEADERS:
-                raise ValueError(f"a header block over {MAX_HEADERS} bytes")
+                if len(fragment) < 5:
+                    raise Misbehaved("it sent a HEADERS frame too short for its priority")
+                fragment = fragment[5:]
+            self._block = HeaderBlock(stream, flags, fragment)
             if flags & END_HEADERS:
                 self._headers()
         elif kind == SETTINGS:
+            self._idle.spend("SETTINGS")
             if not flags & ACK:
                 self._settings(payload)
         elif kind == PING:
-            if not flags & ACK and self._transport is not None:
-                self._transport.write(_frame(PING, ACK, 0, payload))
+            self._idle.spend("PING")
+            if not flags & ACK:
+                self._acknowledge(frame(PING, ACK, 0, payload))
         elif kind == WINDOW_UPDATE:
-            self._window_update(stream, int.from_bytes(payload[:4], "big") & _BIG)
+            self._window_update(stream, int.from_bytes(payload, "big") & BIG)
         elif kind == RST_STREAM:
             call = self._calls.get(stream)
-            if call is not None:
-                code = int.from_bytes(payload[:4], "big")
+            if call is None:
+                self._idle.spend("RST_STREAM")
+            else:
+                code = int.from_bytes(payload, "big")
                 call.fail(Transient(f"etcd reset the call's stream (HTTP/2 error {code})"))
         elif kind == GOAWAY:
             self._goaway(payload)
-        elif kind == PUSH_PROMISE:
-            raise ValueError("a push, never allowed")
+        elif kind in (PUSH_PROMISE, CONTINUATION):
+            raise Misbehaved(f"it sent a {name(kind)} frame (a push, or out of a header block)")
+        else:  # PRIORITY, or a type this side does not know: ignored (RFC 9113 4.1, 5.3.2)
+            self._idle.spend(name(kind))
+
+    def _acknowledge(self, frame: bytes) -> None:
+        """Write an acknowledgement (PING, SETTINGS): never more than :data:`MAX_OWED`
+        while the member reads nothing."""
+        if self._paused:
+            self._owed += 1
+            if self._owed > MAX_OWED:
+                raise Misbehaved(
+                    f"it reads nothing of this side's writes while it asks for more "
+                    f"acknowledgements (PING, SETTINGS): over {MAX_OWED} wait unsent"
+                )
+        assert self._transport is not None
+        self._transport.write(frame)
 
     def _data(self, flags: int, stream: int, payload: bytes) -> None:
         size = len(payload)  # padding included: it counts against the windows too
-        if flags & PADDED:
-            payload = payload[1 : len(payload) - payload[0]]
+        data = unpadded(payload, flags)
+        if not data and not flags & END_STREAM:
+            self._idle.spend("an empty DATA frame")
         self._received += size
         top_up = b""
         if self._received >= _REFILL:
-            top_up = _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._received))
+            top_up = frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._received))
             self._received = 0
         call = self._calls.get(stream)
-        if call is not None:
+        if call is not None:  # (else in flight when this side left the call: dropped)
             call.received += size
             if call.received >= _REFILL:
-                top_up += _frame(WINDOW_UPDATE, 0, stream, struct.pack(">I", call.received))
+                top_up += frame(WINDOW_UPDATE, 0, stream, struct.pack(">I", call.received))
                 call.received = 0
             if not call.headers_seen:
                 call.fail(NotEtcd("an answer without HTTP headers"))
             else:
-                call.body(payload)
+                call.body(data)
                 if flags & END_STREAM:
                     call.fail(NotEtcd("an answer without gRPC's status"))
         if top_up and self._transport is not None:
@@ -297,73 +355,54 @@ class Connection(asyncio.Protocol):
 
     def _headers(self) -> None:
         assert self._block is not None
-        stream, flags, block = self._block
-        self._block = None
-        headers = dict(self._decoder.decode(bytes(block)))  # decoded even for a gone call
+        block, self._block = self._block, None
+        stream, flags = block.stream, block.flags
         call = self._calls.get(stream)
-        if call is None:
-            return
-        if not call.headers_seen:
-            status = headers.get(b":status", b"")
-            if status != b"200":
-                error = (Transient if status[:1] == b"5" else NotEtcd)(
-                    f"HTTP status {status.decode(errors='replace') or 'missing'}"
-                )
-                call.fail(error)
-                return
-            kind = headers.get(b"content-type", b"")
-            if not kind.startswith(b"application/grpc"):
-                call.fail(NotEtcd(f"an answer of type {kind.decode(errors='replace')!r}"))
-                return
-            call.headers_seen = True
-        if b"grpc-status" in headers or flags & END_STREAM:
-            try:
-                code = int(headers.get(b"grpc-status", b"2"))
-            except ValueError:
-                code = 2
-            text = unquote(headers.get(b"grpc-message", b"").decode(errors="replace"))
-            self.forget(call)
-            if not call.done.done():
-                call.done.set_result((code, text))
+        if call is None:  # (trailers in flight when this side left the call)
+            self._idle.spend("a header block for no call", 1 + len(block.fragments) // 256)
+        # Decoded even for a call that is gone: the decoder's table must follow the member's.
+        headers = dict(self._decoder.decode(bytes(block.fragments), MAX_HEADER_LIST))
+        if call is not None:
+            call.headers(headers, bool(flags & END_STREAM))
 
     def _settings(self, payload: bytes) -> None:
         # (Only the initial window matters here: this side's header blocks index nothing,
         # whatever table size the member allows, and its frames are never over 16 KiB.)
-        for offset in range(0, len(payload) - 5, 6):
+        if len(payload) % 6:
+            raise Misbehaved(f"it sent a SETTINGS frame of {len(payload)} bytes")
+        for offset in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, offset)
-            if key == 4:  # SETTINGS_INITIAL_WINDOW_SIZE: every open stream's window moves
-                change, self.peer_window = value - self.peer_window, value
-                for call in self._calls.values():
-                    call.window += change
-        assert self._transport is not None
-        self._transport.write(_frame(SETTINGS, ACK, 0))
+            if key == 4:  # SETTINGS_INITIAL_WINDOW_SIZE
+                self._windows.set_initial(value, self._calls.values())
+        self._acknowledge(frame(SETTINGS, ACK, 0))
         self._unblock()
 
     def _window_update(self, stream: int, increment: int) -> None:
-        if stream == 0:
-            self._window += increment
-        else:
-            call = self._calls.get(stream)
-            if call is None:
-                return
-            call.window += increment
+        call = self._calls.get(stream)
+        if stream and call is None:
+            return  # a call that ended
+        self._windows.update(call, increment)
         self._unblock()
 
     def _unblock(self) -> None:
-        blocked, self._blocked = self._blocked, []
-        for call in blocked:
-            if not call.done.done():
-                self._flush(call)
+        out = self._windows.unblocked()
+        if out and self._transport is not None:
+            self._transport.write(out)
+            self._idle.earn(1 + len(out) // MAX_FRAME)
 
     def _goaway(self, payload: bytes) -> None:
-        last = int.from_bytes(payload[:4], "big") & _BIG
+        if len(payload) < 8:
+            raise Misbehaved(f"it sent a GOAWAY frame of {len(payload)} bytes")
+        last = int.from_bytes(payload[:4], "big") & BIG
         code = int.from_bytes(payload[4:8], "big")
         said = payload[8:].decode(errors="replace")
         error = Transient(
             f"etcd ended the connection (HTTP/2 error {code}{': ' * bool(said)}{said})"
         )
         self._error = self._error or error
-        self._next = _BIG  # no new call
+        self._next = BIG  # no new call
         for stream, call in list(self._calls.items()):
             if stream > last:
                 call.fail(error)
+        if not self._calls:
+            self.close()

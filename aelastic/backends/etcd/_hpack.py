@@ -5,11 +5,14 @@ How it works: :func:`encode` writes each header as a literal without indexing an
 Huffman coding (a request's few headers; nothing for the server to remember, so nothing
 to keep in step). :class:`Decoder` reads a header block: indexed fields, literals with or
 without indexing, dynamic table size updates; its dynamic table evicts by the RFC's
-accounting (32 octets an entry beyond its name and value). The Huffman code is canonical
-(codes of one length are consecutive, in symbol order), so the RFC's table is rebuilt
-from its code lengths alone (:data:`_LENGTHS`, Appendix B), and decoding reads one bit at
-a time through a dict of (length, code): error messages and a few headers an answer, not
-a hot path.
+accounting (32 octets an entry beyond its name and value), and the headers a block
+decodes to are bounded (``limit``: names, values and 32 octets an entry, as
+SETTINGS_MAX_HEADER_LIST_SIZE counts them). The Huffman code is canonical (codes of one
+length are consecutive, in symbol order), so the RFC's table is rebuilt from its code
+lengths alone (:data:`_LENGTHS`, Appendix B); decoding walks the code's tree four bits at a
+time through a table built once (:data:`_NEXT`, :data:`_EMIT`: for each inner node of the
+tree and each nibble, the node reached and the symbols passed), a few milliseconds for the
+largest header block a connection takes.
 """
 
 from __future__ import annotations
@@ -87,26 +90,78 @@ def _canonical_codes() -> dict[int, tuple[int, int]]:
 
 
 CODES = _canonical_codes()
-_SYMBOLS = {(length, code): symbol for symbol, (code, length) in CODES.items()}
+
+
+def _tree() -> tuple[list[list[int]], list[bool]]:
+    """The code's tree: each inner node's two children (an inner node's index, or
+    ``~symbol`` for a leaf), and whether each inner node may end a string (reached by at
+    most 7 one-bits: RFC 7541 5.2's padding)."""
+    children: list[list[int]] = [[0, 0]]
+    pad: list[bool] = [True]
+    depth: list[int] = [0]
+    for symbol, (code, length) in CODES.items():
+        node = 0
+        for shift in range(length - 1, -1, -1):
+            bit = code >> shift & 1
+            if not shift:
+                children[node][bit] = ~symbol
+                break
+            if not children[node][bit]:
+                children[node][bit] = len(children)
+                children.append([0, 0])
+                depth.append(depth[node] + 1)
+                pad.append(pad[node] and bit == 1 and depth[-1] <= 7)
+            node = children[node][bit]
+    return children, pad
+
+
+def _nibbles() -> tuple[list[int], list[bytes], list[bool]]:
+    """For each inner node and nibble: the inner node reached (:data:`_BAD` past EOS) and
+    the symbols passed on the way."""
+    children, pad = _tree()
+    reached: list[int] = []
+    passed: list[bytes] = []
+    for node in range(len(children)):
+        for nibble in range(16):
+            at, out = node, bytearray()
+            for shift in (3, 2, 1, 0):
+                at = children[at][nibble >> shift & 1]
+                if at < 0:
+                    if ~at == EOS:
+                        at = _BAD
+                        break
+                    out.append(~at)
+                    at = 0
+            reached.append(at)
+            passed.append(bytes(out))
+    return reached, passed, pad
+
+
+_BAD = -1
+_NEXT, _EMIT, _PADDING = _nibbles()
 
 
 def huffman_decode(data: bytes) -> bytes:
-    """A Huffman-coded string (RFC 7541 5.2: padded with at most 7 one-bits)."""
+    """A Huffman-coded string (RFC 7541 5.2: padded with at most 7 one-bits).
+
+    Raises:
+        HpackError: EOS inside the string, or padding that is not EOS's first bits.
+    """
     out = bytearray()
-    code = length = 0
+    node = 0
+    reached, passed = _NEXT, _EMIT
     for byte in data:
-        for shift in range(7, -1, -1):
-            code = code << 1 | (byte >> shift) & 1
-            length += 1
-            symbol = _SYMBOLS.get((length, code))
-            if symbol is not None:
-                if symbol == EOS:
-                    raise HpackError("EOS in a Huffman-coded string")
-                out.append(symbol)
-                code = length = 0
-            elif length > 30:
-                raise HpackError("an invalid Huffman code")
-    if length > 7 or code != (1 << length) - 1:
+        index = node << 4 | byte >> 4
+        node = reached[index]
+        if node < 0:
+            raise HpackError("EOS in a Huffman-coded string")
+        out += passed[index]
+        index = node << 4 | byte & 15
+        node = reached[index]
+        if node < 0:
+            raise HpackError("EOS in a Huffman-coded string")
+        out += passed[index]
+    if not _PADDING[node]:
         raise HpackError("invalid padding of a Huffman-coded string")
     return bytes(out)
 
@@ -165,25 +220,32 @@ class Decoder:
             raise HpackError(f"header index {index} out of range")
         return self._table[dynamic]
 
-    def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+    def decode(self, block: bytes, limit: int | None = None) -> list[tuple[bytes, bytes]]:
         """The headers of one whole header block, in order.
 
+        Args:
+            block: The block.
+            limit: The most the headers may add up to (names, values and 32 octets a
+                header); ``None``: no limit.
+
         Raises:
-            HpackError: The block is not valid HPACK.
+            HpackError: The block is not valid HPACK, or its headers go over ``limit``.
         """
         headers: list[tuple[bytes, bytes]] = []
+        room = float("inf") if limit is None else limit
         pos, end = 0, len(block)
         while pos < end:
             byte = block[pos]
             if byte & 0x80:  # indexed field
                 index, pos = _read_integer(block, pos, 7)
-                headers.append(self._entry(index))
+                header = self._entry(index)
             elif byte & 0xE0 == 0x20:  # dynamic table size update
                 size, pos = _read_integer(block, pos, 5)
                 if size > self._limit:
                     raise HpackError(f"table size {size} above the {self._limit} allowed")
                 self._max = size
                 self._evict()
+                continue
             else:  # literal: with incremental indexing (01), without (0000), never (0001)
                 indexing = bool(byte & 0x40)
                 index, pos = _read_integer(block, pos, 6 if indexing else 4)
@@ -192,9 +254,13 @@ class Decoder:
                 else:
                     name, pos = _read_string(block, pos)
                 value, pos = _read_string(block, pos)
-                headers.append((name, value))
+                header = (name, value)
                 if indexing:
                     self._add(name, value)
+            room -= len(header[0]) + len(header[1]) + 32
+            if room < 0:
+                raise HpackError(f"a header list of more than {limit} bytes")
+            headers.append(header)
         return headers
 
 

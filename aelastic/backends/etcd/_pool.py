@@ -7,8 +7,12 @@ several calls: one after the other (each started once the one before was answere
 node's first join needs (its lease granted before the join that uses it: etcd carries
 each call of a connection out on its own, in any order, and renews a lease only once its
 grant was applied); or all in one write, when their order does not matter. A connection
-that failed or that etcd ended is dropped for the next call; a call that times out or is
-cancelled is reset, the connection stays.
+that failed, that etcd ended or that broke the protocol (:mod:`._limits`) is dropped for
+the next call; a call that times out or is cancelled is reset, and the connection stays,
+unless the member left this side's writes unread meanwhile (a member that reads nothing
+holds nothing more of this side's). A member that takes a connection and says nothing at
+all (:data:`SILENT`) is given up, and the call tried again. A streamed call's answers wait
+for their reader within :data:`~._limits.MAX_UNREAD` bytes.
 """
 
 from __future__ import annotations
@@ -21,11 +25,19 @@ from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
 from ...core.race import wait_within
-from ._answers import Hangup, NotEtcd, Transient, etcd_error, tls_failure
+from ._answers import Hangup, Misbehaved, NotEtcd, Transient, etcd_error, tls_failure
 from ._h2 import Call, Connection, Metadata
+from ._limits import MAX_UNREAD
 from ._proto import Method, ProtoError, Schema, decode
 
-__all__ = ["Answer", "Pool", "answers"]
+__all__ = ["SILENT", "Answer", "Arrived", "Pool", "answers"]
+
+#: A member that took the connection and said nothing for this long (not even HTTP/2's
+#: settings) is given up, and the call tried again: an attempt at the only member would
+#: otherwise wait out the whole read timeout (60 s) in silence, and say nothing meanwhile.
+#: An etcd member sends its settings as its server takes the connection, before it reads
+#: any request: a member that is only slow to answer requests still says that much.
+SILENT = 10.0
 
 
 class Answer(NamedTuple):
@@ -146,11 +158,14 @@ class Pool:
                         connection = await self.connection(host, port, min(connect, timeout))
                     started.append(connection.call(method, request, metadata))
                 call = started[index]
+                await _spoken(connection, call, deadline)
                 try:
                     code, text = await wait_within(
                         asyncio.shield(call.done), deadline - loop.time()
                     )
                 except TimeoutError:
+                    if connection.writing_paused:
+                        connection.close()  # the member reads nothing: it holds no more
                     raise Transient(f"no answer within {timeout:g} s") from None
                 answers.append(Answer(code, text, call.messages))
             return answers
@@ -181,20 +196,14 @@ class Pool:
             EtcdError: etcd ended the call with an error.
         """
         connection = await self.connection(host, port, connect)
-        arrived: deque[bytes] = deque()
-        woken = asyncio.Event()
-
-        def on_message(message: bytes) -> None:
-            arrived.append(message)
-            woken.set()
-
+        arrived = Arrived()
         first, *more = requests
-        call = connection.call(method.path, first, metadata, False, on_message)
+        call = connection.call(method.path, first, metadata, False, arrived.append)
         try:
             for request in more:
                 call.send(request)
-            call.done.add_done_callback(lambda _: woken.set())
-            yield answers(call, arrived, woken, method.answer, deadline)
+            call.done.add_done_callback(lambda _: arrived.woken.set())
+            yield answers(call, arrived, method.answer, deadline)
         finally:
             call.cancel()
 
@@ -218,16 +227,64 @@ class Pool:
         self._open.clear()
 
 
-async def answers(
-    call: Call,
-    arrived: deque[bytes],
-    woken: asyncio.Event,
-    schema: Schema,
-    deadline: float | None,
-) -> AsyncIterator[dict[str, Any]]:
-    """A streamed call's answers (``arrived`` as ``woken`` says), until it ends (etcd's
-    refusal raised) or ``deadline``."""
+class Arrived:
+    """A streamed call's messages that arrived and were not read yet (at most
+    :data:`~._limits.MAX_UNREAD` bytes), and the event that wakes their reader."""
+
+    def __init__(self) -> None:
+        self._messages: deque[bytes] = deque()
+        self._unread = 0
+        self.woken = asyncio.Event()
+
+    def append(self, message: bytes) -> None:
+        """Keep one more message (the call's callback).
+
+        Raises:
+            Misbehaved: Over :data:`~._limits.MAX_UNREAD` bytes wait for the reader.
+        """
+        self._unread += len(message)
+        if self._unread > MAX_UNREAD:
+            raise Misbehaved(
+                f"it streamed answers faster than they were read (over {MAX_UNREAD} bytes waiting)"
+            )
+        self._messages.append(message)
+        self.woken.set()
+
+    def __bool__(self) -> bool:
+        return bool(self._messages)
+
+    def popleft(self) -> bytes:
+        """The oldest message."""
+        message = self._messages.popleft()
+        self._unread -= len(message)
+        return message
+
+
+async def _spoken(connection: Connection, call: Call, deadline: float) -> None:
+    """Wait until the member said anything on ``connection`` (its HTTP/2 settings, which
+    an etcd member sends as it takes a connection), for :data:`SILENT` s at most.
+
+    Raises:
+        Transient: It said nothing for that long (the connection is closed).
+    """
+    if connection.heard.done():
+        return
     loop = asyncio.get_running_loop()
+    within = min(SILENT, deadline - loop.time())
+    waits: set[asyncio.Future[Any]] = {connection.heard, call.done}
+    await asyncio.wait(waits, timeout=max(within, 0.0), return_when=asyncio.FIRST_COMPLETED)
+    if not connection.heard.done() and not call.done.done() and within >= SILENT:
+        connection.close()
+        raise Transient(f"it took the connection and said nothing for {SILENT:g} s")
+
+
+async def answers(
+    call: Call, arrived: Arrived, schema: Schema, deadline: float | None
+) -> AsyncIterator[dict[str, Any]]:
+    """A streamed call's answers (as they arrive), until it ends (etcd's refusal raised)
+    or ``deadline``."""
+    loop = asyncio.get_running_loop()
+    woken = arrived.woken
     while True:
         while arrived:
             try:
