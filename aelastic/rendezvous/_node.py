@@ -391,7 +391,7 @@ class NodeRequests:
             index, reply = await first_of(join, lambda: self._clock.sleep(within))
             if index == 0:
                 return reply  # type: ignore[no-any-return]
-        await self._leave_quietly(_UNANSWERED)
+        await self._leave_quietly(_UNANSWERED / 2)  # a store that said nothing: a short try
         raise join_unanswered(
             self._settings, self._node, self._backend_name, self._backend.endpoint
         )

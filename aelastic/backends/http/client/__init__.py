@@ -197,9 +197,14 @@ class HttpBackend(HttpStore):
             base, self._beat = self._last, request
         doc: dict[str, Any] | list[Any] | None = None
         if self._channel:
+            tried = asyncio.get_running_loop().time()
             doc = await conn.channel.send(
                 self._run_id, body, hold, seen, beat_key(base), read_timeout=self._read_timeout
             )
+            if doc is None and asyncio.get_running_loop().time() - tried > hold + 1.0:
+                # The channel waited on a server that said nothing: its time counts in the
+                # request's read timeout over HTTP (an outage since then).
+                conn.failing_since = conn.failing_since or tried
         if doc is None:
             answer = await conn.call(
                 "POST", self._path + "/rendezvous", self._read_timeout,

@@ -12,9 +12,10 @@ server has no channel: an older ``aelastic serve``, or a proxy refusing WebSocke
 socket closes or fails; a 5xx answer) makes :meth:`Channel.send` return ``None``: the
 caller then sends that request over HTTP, which has the retries and the error messages
 (rendezvous requests are idempotent). A server that takes the connection but answers
-neither the opening handshake nor a message within the call's ``read_timeout`` (beyond the
-message's hold) is not reachable: that raises at once, as HTTP would after its own wait
-(so a call never takes two read timeouts, nor a fixed ten seconds). After a failed
+neither the opening handshake nor a message within ten seconds (beyond the message's hold)
+sends the request over HTTP too; within the call's ``read_timeout``, when that is shorter,
+it is not reachable: that raises at once, as HTTP would after its own wait (so a call with
+a short read timeout never takes two of them, nor ten seconds). After a failed
 open the channel is tried again after a backoff (1 s doubling to 30 s; no channel there,
 an older server or a proxy that does not pass WebSockets on: 10 minutes). A 4xx answer
 raises, as over HTTP.
@@ -125,7 +126,9 @@ class Channel:
         except TimeoutError:  # a server that does not answer: a new socket next time
             with contextlib.suppress(aiohttp.ClientError, ConnectionError):
                 await socket.ws.close()
-            raise self._unanswered(f"a message within {margin:g} s beyond its hold") from None
+            if margin < _ANSWER_MARGIN:  # the whole read timeout went by
+                raise self._unanswered(f"a message within {margin:g} s beyond its hold") from None
+            return None
         except asyncio.CancelledError:
             # (Cancelling this task cancels the future it awaits.) No answer yet: withdraw
             # the request, a held join must not be applied again.
@@ -183,7 +186,9 @@ class Channel:
                     ws = await self._session.ws_connect(self._url, autoping=True)
             except TimeoutError:
                 self._failed(None)
-                raise self._unanswered(f"the channel's opening within {limit:g} s") from None
+                if limit < _OPEN_TIMEOUT:  # the whole read timeout went by
+                    raise self._unanswered(f"the channel's opening within {limit:g} s") from None
+                return None
             except aiohttp.WSServerHandshakeError as exc:
                 # No channel there: an older server (404, 405), or a proxy on the way that
                 # does not pass WebSockets on (the server sees a plain GET: 400).
