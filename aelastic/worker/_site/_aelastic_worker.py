@@ -15,7 +15,9 @@ The bootstrap (``sitecustomize.py`` beside this file) loads this module under th
 hook that registers the optimizer hook as soon as ``torch.optim.optimizer`` is imported)
 and :func:`install_excepthook` (an uncaught exception is written to
 ``TORCHELASTIC_ERROR_FILE`` in torch's ``@record`` format when the script's own ``@record``
-did not). Standard library only, and cheap to import: it runs in every worker.
+did not), and :func:`install_exit_hook` (a gloo process group left alive is destroyed at
+exit, before the interpreter's finalization would abort the process). Standard library
+only, and cheap to import: it runs in every worker.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ __all__ = [
     "attached",
     "forked_worker",
     "install_excepthook",
+    "install_exit_hook",
     "install_torch_hook",
     "pause",
     "progress",
@@ -251,6 +254,49 @@ def install_torch_hook() -> None:
         _register(module)
     elif not any(isinstance(f, _TorchWatch) for f in sys.meta_path):
         sys.meta_path.insert(0, _TorchWatch())
+
+
+# -- a gloo group at exit -----------------------------------------------------------------
+
+#: Longest wait at exit for a gloo group's destruction (its threads may wait on a peer).
+_DESTROY_BOUND = 10.0
+
+
+def install_exit_hook() -> None:
+    """Destroy a gloo default process group still alive when the interpreter exits.
+
+    A script that leaves it alive (no ``destroy_process_group()``, an uncaught exception, a
+    collective that broke because a peer died) has gloo's C++ threads torn down during the
+    interpreter's finalization, which aborts the process ("terminate called without an
+    active exception", SIGABRT) about one exit in four: the agent would see a crash where
+    the script exited. Destroyed here, before finalization (after the script's own
+    ``atexit`` handlers), in a thread waited for at most :data:`_DESTROY_BOUND` seconds.
+    NCCL and other backends are left to the script, as under torchrun.
+    """
+    atexit.register(_destroy_gloo_group)
+
+
+def _destroy_gloo_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if str(dist.get_backend()) != "gloo":
+            return
+    except Exception:
+        return
+
+    def destroy() -> None:
+        try:  # noqa: SIM105 - contextlib is not worth importing in every worker
+            dist.destroy_process_group()
+        except Exception:  # a broken group may fail to: the exit goes on
+            pass
+
+    thread = threading.Thread(target=destroy, name="aelastic-destroy-group", daemon=True)
+    thread.start()
+    thread.join(_DESTROY_BOUND)
 
 
 # -- uncaught exceptions ------------------------------------------------------------------
