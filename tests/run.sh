@@ -76,14 +76,14 @@ if [ "$MODE" = locked ] && [ "$(python_of "$PY")" != "$locked_python" ]; then
 fi
 mkdir -p "$(dirname "$VENV")"
 # One run makes an environment at a time (another waits for it, then reuses it).
-exec 9>"$VENV.lock"
+exec 9>"$(dirname "$VENV")/.$(basename "$VENV").lock"
 flock 9
 if [ ! -f "$VENV/.ready" ]; then
     echo "tests/run.sh: making the $MODE test environment $VENV" >&2
     rm -rf "$VENV"
     # Environments of this mode made for an older lock, pyproject.toml, script or day.
-    for old in "$(dirname "$VENV")/$MODE"-*; do
-        [ "$old" = "$VENV" ] || [ "$old" = "$VENV.lock" ] || rm -rf "$old"
+    for old in "$(dirname "$VENV")/$MODE"-* "$(dirname "$VENV")/.$MODE"-*.lock; do
+        case "$old" in "$VENV" | */".$(basename "$VENV").lock") ;; *) rm -rf "$old" ;; esac
     done
     "$PY" -m venv "$VENV"
     # The lock first (torch's CPU build included), exactly, nothing resolved here; then the
