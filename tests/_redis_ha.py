@@ -69,13 +69,32 @@ class Sentinel:
         self._dir = tempfile.TemporaryDirectory(prefix="aelastic-sentinel-")
         self.log_path = Path(self._dir.name) / "sentinel.log"
         self.conf = Path(self._dir.name) / "sentinel.conf"
-        head = [f"port {self.port}", "bind 127.0.0.1", f"dir {self._dir.name}"]
-        self.conf.write_text("\n".join(head + lines) + "\n")
+        self._lines = lines
+        self._started = False
+        self._write_conf()
         self.process: subprocess.Popen[bytes] | None = None
         self._drainer: threading.Thread | None = None
 
+    def _write_conf(self) -> None:
+        head = [f"port {self.port}", "bind 127.0.0.1", f"dir {self._dir.name}"]
+        self.conf.write_text("\n".join(head + self._lines) + "\n")
+
     def start(self) -> None:
-        """Start it; returns once it monitors the primary."""
+        """Start it; returns once it monitors the primary. Another program that took its
+        port meanwhile (another test run on the machine) makes it take another one."""
+        for _ in range(5):
+            try:
+                self._start()
+                self._started = True  # a restart keeps its port
+                return
+            except RuntimeError as exc:
+                if self._started or "Address already in use" not in str(exc):
+                    raise
+                self.port = free_port()
+                self._write_conf()
+        raise RuntimeError(f"redis-sentinel did not start: {self.log()[-2000:]}")
+
+    def _start(self) -> None:
         ready = threading.Event()
         self.process = subprocess.Popen(
             [self.binary, str(self.conf)],

@@ -46,6 +46,8 @@ from tests._ports import free_port
 
 __all__ = ["RedisServer", "free_port", "redis_server_fixture"]
 
+#: Ports tried by a first start whose port another program took meanwhile.
+_PORT_TRIES = 5
 _START_TIMEOUT = 20.0
 
 
@@ -77,6 +79,8 @@ class RedisServer:
         self.password = password
         self.host = host
         self.port = port or free_port()
+        #: Whether another port may be taken when this one turns out to be in use.
+        self._may_move = port is None
         self.extra_args = extra_args
         self.process: subprocess.Popen[bytes] | None = None
         self._drainer: threading.Thread | None = None
@@ -119,7 +123,26 @@ class RedisServer:
         """
         if self.running:
             return self
-        args = [self.binary, "--bind", self.host]
+        for _ in range(_PORT_TRIES):
+            if self._spawn():
+                break
+            # Another program took the port between its pick and the bind (another test
+            # run on the machine): the first start takes another one.
+            self.port = free_port()
+        else:
+            raise RuntimeError(f"redis-server did not start: {self._log_tail()}")
+        self._may_move = False  # started: a restart keeps its port
+        # (RESP2: a server may be started without HELLO, as before Redis 6)
+        client = self.client(socket_timeout=5.0, socket_connect_timeout=5.0, protocol=2)
+        try:
+            client.ping()
+        finally:
+            client.close()
+        return self
+
+    def _spawn(self) -> bool:
+        """Start the process; ``False`` if its port was in use and another may be taken."""
+        args = [self.binary, "--bind", "127.0.0.1"]
         if self.tls:
             args += ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no"]
             args += ["--tls-cert-file", str(self.ca_file), "--tls-key-file", str(self._key_file)]
@@ -140,14 +163,10 @@ class RedisServer:
         self._drainer.start()
         if not ready.wait(_START_TIMEOUT) or process.poll() is not None:
             self.kill()
+            if self._may_move and "Address already in use" in self._log_tail():
+                return False
             raise RuntimeError(f"redis-server did not start: {self._log_tail()}")
-        # (RESP2: a server may be started without HELLO, as before Redis 6)
-        client = self.client(socket_timeout=5.0, socket_connect_timeout=5.0, protocol=2)
-        try:
-            client.ping()
-        finally:
-            client.close()
-        return self
+        return True
 
     def _drain(self, process: subprocess.Popen[bytes], ready: threading.Event) -> None:
         """Copy the server's output to the log file; flag the "ready" line (or the exit)."""

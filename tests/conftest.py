@@ -58,18 +58,30 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _session_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Temporary files of the tests and of every process they start go under pytest's own
-    base temp (pruned by pytest), not /tmp: agents and servers killed with SIGKILL on
-    purpose cannot clean up after themselves."""
-    saved = os.environ.get("TMPDIR")
+def _session_environment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What the tests and every process they start depend on is set here, not inherited:
+
+    * temporary files go under pytest's own base temp (pruned by pytest), not /tmp: agents
+      and servers killed with SIGKILL on purpose cannot clean up after themselves;
+    * the umask is 022 (files made without a mode are readable as the tests expect);
+    * the locale of the processes started is C.UTF-8 (their output is read as UTF-8).
+
+    (The stop signals' dispositions are set per child: ``tests/cli/_proc.py``.)
+    """
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", "LC_ALL", "LANG", "LANGUAGE")}
     os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    os.environ["LC_ALL"] = "C.UTF-8"
+    for name in ("LANG", "LANGUAGE"):
+        os.environ.pop(name, None)
     tempfile.tempdir = None  # forget the cached default
+    umask = os.umask(0o022)
     yield
-    if saved is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = saved
+    os.umask(umask)
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     tempfile.tempdir = None
 
 

@@ -45,7 +45,7 @@ fi
 # The environment: keyed on what decides its contents (and, for --newest, the day).
 key_of() {
     {
-        cat "$LOCK" pyproject.toml "$0"
+        cat "$LOCK" pyproject.toml tests/run.sh
         "$PY" --version
         echo "$MODE"
         [ "$MODE" != newest ] || date -u +%F
@@ -61,47 +61,62 @@ pip_in() {
     "$venv/bin/python" -m pip --quiet --disable-pip-version-check "$@" \
         2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
+same_freeze() {
+    # What is installed is the lock, no more, no less (checked at every run: an environment
+    # someone installed into since is not the lock any more).
+    diff <(grep -v -E '^(#|$)' "$LOCK" | LC_ALL=C sort -f) \
+        <("${pip[@]}" freeze --all --exclude-editable | grep -v -i '^pip==' | LC_ALL=C sort -f)
+}
+python_of() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])'; }
+locked_python=$(sed -n 's/^# Python \([0-9]*\.[0-9]*\).*/\1/p' "$LOCK")
+if [ "$MODE" = locked ] && [ "$(python_of "$PY")" != "$locked_python" ]; then
+    echo "tests/run.sh: the lock was made on Python $locked_python, this is Python" \
+        "$(python_of "$PY"); some of its wheels may not exist here (PYTHON= picks another" \
+        "interpreter; \`bash tests/lock.sh\` makes a lock for this one)" >&2
+fi
+mkdir -p "$(dirname "$VENV")"
+# One run makes an environment at a time (another waits for it, then reuses it).
+exec 9>"$(dirname "$VENV")/.$(basename "$VENV").lock"
+flock 9
 if [ ! -f "$VENV/.ready" ]; then
     echo "tests/run.sh: making the $MODE test environment $VENV" >&2
     rm -rf "$VENV"
+    # Environments of this mode made for an older lock, pyproject.toml, script or day.
+    for old in "$(dirname "$VENV")/$MODE"-* "$(dirname "$VENV")/.$MODE"-*.lock; do
+        case "$old" in "$VENV" | */".$(basename "$VENV").lock") ;; *) rm -rf "$old" ;; esac
+    done
     "$PY" -m venv "$VENV"
+    # The lock first (torch's CPU build included), exactly, nothing resolved here; then the
+    # runtime ranges: the newest releases of redis, aiohttp and anyio the registry serves, or
+    # the oldest pyproject.toml admits, with what they need resolved against the lock.
+    runtime=""
     case "$MODE" in
-    locked)
-        # Exactly the lock (torch's CPU build included), nothing resolved here.
-        "${pip[@]}" install --no-deps -r "$LOCK"
-        ;;
-    newest)
-        # The lock's tools, then the newest runtime releases the registry serves.
-        "${pip[@]}" install -r "$LOCK"
-        "${pip[@]}" install --upgrade "torch==2.13.0" redis aiohttp anyio
-        ;;
+    newest) runtime="redis aiohttp anyio" ;;
     oldest)
-        # The lock's tools, then the oldest runtime releases pyproject.toml admits.
-        oldest=$(sed -n 's/^dependencies = \["anyio>=\([^"]*\)"\]/anyio==\1/p;
+        runtime=$(sed -n 's/^dependencies = \["anyio>=\([^"]*\)"\]/anyio==\1/p;
             s/^redis = \["redis>=\([^"]*\)"\]/redis==\1/p;
             s/^http = \["aiohttp>=\([^"]*\)"\]/aiohttp==\1/p' pyproject.toml)
-        [ "$(echo "$oldest" | wc -l)" -eq 3 ] || {
+        [ "$(echo "$runtime" | wc -l)" -eq 3 ] || {
             echo "tests/run.sh: cannot read the lower bounds of anyio, redis, aiohttp" >&2
             exit 1
         }
-        grep -v -E '^(anyio|redis|aiohttp)==' "$LOCK" >"$VENV/tools.txt"
-        # shellcheck disable=SC2086
-        "${pip[@]}" install -r "$VENV/tools.txt" $oldest
         ;;
     esac
+    "${pip[@]}" install --no-deps -r "$LOCK"
+    # shellcheck disable=SC2086
+    [ -z "$runtime" ] || "${pip[@]}" install --upgrade $runtime
     "${pip[@]}" install --no-deps --no-build-isolation -e . 2>/dev/null \
         || "${pip[@]}" install --no-deps -e .
-    if [ "$MODE" = locked ]; then
-        # What is installed is the lock, no more, no less.
-        if ! diff <(grep -v '^#' "$LOCK" | LC_ALL=C sort -f) \
-            <("${pip[@]}" freeze --all --exclude-editable | grep -v -i '^pip==' \
-                | LC_ALL=C sort -f); then
-            echo "tests/run.sh: the environment differs from $LOCK (above)" >&2
-            exit 1
-        fi
-        "${pip[@]}" check
-    fi
+    # The lock holds together; a range run may not (the frameworks' own requirements, which
+    # the range's tests do not import: said, not fatal).
+    "${pip[@]}" check || [ "$MODE" != locked ]
     touch "$VENV/.ready"
+fi
+exec 9>&-
+if [ "$MODE" = locked ] && ! same_freeze; then
+    echo "tests/run.sh: $VENV differs from $LOCK (above: < the lock, > installed);" \
+        "remove it to make it again" >&2
+    exit 1
 fi
 PYV="$VENV/bin/python"
 echo "tests/run.sh: $MODE toolchain: $("$PYV" -m pip freeze 2>/dev/null \

@@ -6,9 +6,10 @@ member done, closes the rendezvous: the job is over. :func:`shutdown` runs after
 ended ``run()`` (a return, an error, a cancellation; the caller shields it): standbys and
 the in-place channel closed, workers stopped (SIGTERM, grace, SIGKILL) and reaped, the
 agent's beat page removed, the master port released, the rendezvous left (closed first after
-a failure when ``close_on_failure``), the fork server closed, the run's scratch and
-disposable log directories removed, ``Finished`` published. Both act on the agent's own
-state, as its methods would; they live here so that :mod:`.agent` keeps to its loop.
+a failure when ``close_on_failure``), the fork server closed, the guardian helper ended when
+no other run of the process has workers, the run's scratch and disposable log directories
+removed, ``Finished`` published. Both act on the agent's own state, as its methods would;
+they live here so that :mod:`.agent` keeps to its loop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ._unkillable import WorkersUnkillable
 from .api import RunResult, WorkerState
 from .errors import logs_disposable
 from .events import Finished
+from .process import retire_guardian
 
 if TYPE_CHECKING:
     from .agent import ElasticAgent
@@ -89,6 +91,7 @@ async def shutdown(
         forks, agent._forks = agent._forks, None
         if forks is not None:
             await forks.aclose()
+        await retire_guardian()  # no helper process outlives the run
         for path in (agent._scratch, logs_disposable(agent._spec) and agent._own_log_root):
             if path:
                 shutil.rmtree(path, ignore_errors=True)

@@ -35,6 +35,18 @@ log = logging.getLogger("aelastic.agent")
 
 #: Longest line a worker may send (bytes).
 _LINE_LIMIT = 1 << 16
+#: Longest path a Unix socket may have (``sun_path`` holds 108 bytes with its NUL).
+_SOCKET_PATH_MAX = 107
+
+
+def _socket_dir() -> str:
+    """A new private directory for the socket: in the temporary directory, or in /tmp when
+    that one's path is too long for a socket (a long ``TMPDIR``, as a scheduler may set)."""
+    made = tempfile.mkdtemp(prefix="aelastic-inplace-")
+    if len(os.fsencode(os.path.join(made, "s"))) <= _SOCKET_PATH_MAX:
+        return made
+    os.rmdir(made)
+    return tempfile.mkdtemp(prefix="aelastic-inplace-", dir="/tmp")
 
 
 class _Worker:
@@ -70,7 +82,7 @@ class InPlaceChannel:
         if self._server is not None:
             return
         try:
-            self._dir = tempfile.mkdtemp(prefix="aelastic-inplace-")
+            self._dir = _socket_dir()
             self._server = await asyncio.start_unix_server(
                 self._accept, os.path.join(self._dir, "s"), limit=_LINE_LIMIT
             )

@@ -3,7 +3,10 @@
 See :mod:`aelastic.agent.process` for how the two fit together; this module holds their
 machinery: :func:`child_setup` (the ``preexec_fn`` that arms ``PR_SET_PDEATHSIG`` through
 ctypes and binds CPUs) and :data:`GUARDIAN`, this process's link to its guardian helper
-(:mod:`aelastic.agent._guard`), to which every worker's group is announced.
+(:mod:`aelastic.agent._guard`), to which every worker's group is announced. The guardian
+lives while an agent of this process has workers: the end of a run retires it once no group
+is announced (:meth:`_Guardian.retire`), so a program that embeds the agent is left with no
+process of aelastic's.
 """
 
 from __future__ import annotations
@@ -102,6 +105,18 @@ class _Guardian:
         with self._lock:
             if self._groups.pop(pgid, None) is not None:
                 self._send(f"- {pgid}\n".encode())
+
+    def retire(self) -> int | None:
+        """End the guardian if no group is announced (every agent of this process is done):
+        its pipe is closed, so it exits; its pid, for the caller to await and reap. The next
+        :meth:`ensure` starts another one."""
+        with self._lock:
+            if self._groups or self._fd is None:
+                return None
+            pid, self._pid = self._pid, None
+            fd, self._fd = self._fd, None
+            os.close(fd)
+            return pid
 
     def _send(self, line: bytes) -> None:
         if self._fd is not None:

@@ -22,7 +22,8 @@ No worker outlives its agent either, even one killed by SIGKILL. Two mechanisms:
   is left the agent's own stop: SIGTERM to each group, the grace period, SIGKILL. The
   kernel's signal reaches only the worker; the guardian reaches the worker's children in its
   group too (a worker may so see SIGTERM twice). An agent killed in the instant between a
-  spawn and its announcement leaves that worker to the kernel's signal alone.
+  spawn and its announcement leaves that worker to the kernel's signal alone. The end of
+  a run retires the guardian once no group is announced (:func:`retire_guardian`).
 A worker in uninterruptible sleep survives SIGKILL: the wait after it is bounded
 (:mod:`aelastic.agent._unkillable`); :func:`stop_processes` names the survivors.
 
@@ -47,7 +48,7 @@ from ._guard import group_members
 from ._orphans import GUARDIAN, child_setup
 from ._unkillable import Unkillable, inspect, keep, reap_kept, unkillable_bound
 
-__all__ = ["WorkerProcess", "child_setup", "stop_processes"]
+__all__ = ["WorkerProcess", "child_setup", "retire_guardian", "stop_processes"]
 
 log = logging.getLogger("aelastic.agent")
 
@@ -255,6 +256,30 @@ async def stop_processes(
     for proc in survivors:
         proc.abandon()
     return [inspect(p.pid, p.local_rank) for p in survivors]
+
+
+async def retire_guardian() -> None:
+    """End the guardian when no worker group is announced (the end of a run): its exit is
+    awaited and reaped, so no helper outlives the run (SIGKILL after
+    :data:`_STRAGGLER_TIMEOUT`, should it not have exited at the pipe's end)."""
+    pid = GUARDIAN.retire()
+    if pid is None:
+        return
+    for sig in (None, signal.SIGKILL):  # it exits at the pipe's end; if not, it is killed
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        await _await_deaths([pid], _STRAGGLER_TIMEOUT)
+        if _reap_now(pid):
+            return
+
+
+def _reap_now(pid: int) -> bool:
+    """Reap child ``pid`` if it exited (never waits); whether it is gone."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:
+        return True
 
 
 #: Longest wait for SIGKILLed descendants to die (they are not ours to reap).

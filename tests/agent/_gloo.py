@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 
 def all_reduce() -> dict[str, float | int]:
@@ -22,3 +23,31 @@ def all_reduce() -> dict[str, float | int]:
         }
     finally:
         dist.destroy_process_group()
+
+
+def main() -> None:
+    """``python _gloo.py``: an all-reduce in a group made by ``aelastic.worker.InPlace``,
+    then the end of the script with the group still alive (no ``destroy_process_group``)."""
+    import aelastic.worker
+
+    def train(round: aelastic.worker.Round) -> float:
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([1.0])
+        dist.all_reduce(value)
+        return float(value.item())
+
+    total = aelastic.worker.InPlace(None, backend="gloo", timeout=60).run(train)
+    print(f"sum {total:g}", flush=True)
+    if "--run-exit-handlers" in sys.argv:  # what the interpreter's exit does first
+        import atexit
+
+        import torch.distributed as dist
+
+        atexit._run_exitfuncs()
+        print(f"group alive after the exit handlers: {dist.is_initialized()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -144,6 +144,22 @@ def not_running(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+def children() -> dict[int, str]:
+    """This process's children, zombies included: pid to command line."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+            found[int(entry.name)] = cmdline.strip()
+    return found
+
+
 def own_dir(root: Path | str, run_id: str) -> Path:
     """The one log directory an agent made for ``run_id`` under ``root``: torch's layout,
     ``<root>/<run_id>_<random>``."""

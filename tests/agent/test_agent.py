@@ -17,6 +17,7 @@ from aelastic.agent.errors import NOT_KEPT, error_details, format_failures
 
 from .helpers import (
     WorkerHub,
+    children,
     make_handler,
     not_running,
     own_dir,
@@ -225,6 +226,7 @@ async def test_cancelling_run_leaves_nothing_running(run_id: str) -> None:
     handler = make_handler(run_id, min_nodes=1, max_nodes=2)
     events: list[Any] = []
     async with WorkerHub() as hub:
+        before = children()
         agent = ElasticAgent(worker_spec(handler, hub, "grandchild", 2))
         agent.add_listener(events.append)
         ready = asyncio.Event()
@@ -232,9 +234,14 @@ async def test_cancelling_run_leaves_nothing_running(run_id: str) -> None:
         async with running(agent) as task:
             hellos = await hub.gather(2)
             await asyncio.wait_for(ready.wait(), 30)
+            during = children()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            after = children()
+    # Workers, standbys and the guardian helper were this process's children; none is left.
+    assert [c for c in during.values() if c.endswith("_guard.py")], during
+    assert after.items() <= before.items(), after
     for hello in hellos:
         assert reaped(hello["pid"]), hello
         assert not_running(hello["grandchild"]), hello

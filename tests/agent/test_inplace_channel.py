@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import stat
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,6 +57,31 @@ async def until(check: Any) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("never")
+
+
+def _made(socket: Path) -> tuple[bool, int]:
+    """Whether ``socket`` is one, and its directory's mode (0: none)."""
+    if not socket.parent.exists():
+        return False, 0
+    return socket.is_socket(), stat.S_IMODE(socket.parent.stat().st_mode)
+
+
+async def test_the_socket_is_made_where_its_path_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    long = tmp_path / ("t" * 100)  # a TMPDIR a scheduler may set: too long for a socket
+    long.mkdir()
+    monkeypatch.setenv("TMPDIR", str(long))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    channel = InPlaceChannel()
+    await channel.start()
+    try:
+        path = Path(channel.env()[ENV_SOCKET])
+        assert len(str(path)) <= 107
+        assert _made(path) == (True, 0o700)  # a socket, in a directory of the agent's own
+    finally:
+        await channel.aclose()
+    assert _made(path) == (False, 0)
 
 
 async def test_only_workers_that_made_their_current_group_are_kept() -> None:

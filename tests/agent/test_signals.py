@@ -14,7 +14,7 @@ import pytest
 
 from aelastic.agent import ElasticAgent
 
-from ..cli._proc import cli_env
+from ..cli._proc import cli_env, signals_as
 from .helpers import WORKER, WorkerHub, make_handler, running, worker_spec
 
 pytestmark = pytest.mark.timeout(120)
@@ -77,6 +77,7 @@ async def _run_sync_stopped_by(
             hub.env["AELASTIC_TEST_HUB"],
             stdout=subprocess.PIPE,
             env=cli_env(env),
+            preexec_fn=signals_as(),  # the stop signals at their default, whatever ours are
         )
         assert proc.stdout is not None
         try:

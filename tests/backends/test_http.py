@@ -46,6 +46,7 @@ from aelastic.core.wire import (
 from aelastic.rendezvous import DynamicRendezvousHandler, create_handler
 from tests._http_server import HttpServer, free_port, serve_in_loop
 from tests._rendezvous_helpers import PROMPT, SECRET, assert_one_group, handler_group, join_all
+from tests.cli._proc import signals_as
 
 pytestmark = pytest.mark.anyio
 
@@ -1170,6 +1171,7 @@ def test_cli_picks_a_free_port_and_stops_on_sigint() -> None:
         text=True,
         env=env,
         cwd=ROOT,
+        preexec_fn=signals_as(),  # SIGINT at its default, whatever ours is
     )
     try:
         assert proc.stdout is not None

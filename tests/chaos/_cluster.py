@@ -33,7 +33,7 @@ from aelastic.backends.registry import create_backend
 from aelastic.core.params import RendezvousParameters
 from aelastic.core.protocol import RendezvousBackend
 from aelastic.core.state import Snapshot
-from tests.cli._proc import alive, cli_env
+from tests.cli._proc import alive, cli_env, signals_as
 
 __all__ = ["Agent", "ChaosConfig", "Cluster", "Formed"]
 
@@ -196,6 +196,7 @@ class Cluster:
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=signals_as(),  # the stop signals at their default, whatever ours are
         )
         agent = Agent(index, proc, events, Path(log.name))
         self.agents.append(agent)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,19 +23,48 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def sigint_as(disposition: str | None) -> Callable[[], None] | None:
+#: The signals a child's behaviour on a stop depends on. A test's child starts with each at
+#: its default, never with what this process inherited (``nohup`` ignores SIGHUP, a
+#: background job of a shell script SIGINT and SIGQUIT), unless the test says otherwise.
+STOP_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM)
+
+
+def signals_as(ignored: Collection[signal.Signals] = ()) -> Callable[[], None]:
+    """A ``preexec_fn`` starting a child with the :data:`STOP_SIGNALS` at their default,
+    but ``ignored`` (as ``nohup`` or a shell's background job would start it)."""
+
+    def setup() -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+
+    return setup
+
+
+def sigint_as(disposition: str | None) -> Callable[[], None]:
     """A ``preexec_fn`` starting a child with SIGINT ``"default"`` or ``"ignored"`` (as a
-    background job of a shell script inherits it); ``None``: whatever this process has."""
-    if disposition is None:
-        return None
-    handler = {"default": signal.SIG_DFL, "ignored": signal.SIG_IGN}[disposition]
-    return lambda: signal.signal(signal.SIGINT, handler)
+    background job of a shell script inherits it), the other stop signals at their
+    default; ``None``: ``"default"``."""
+    ignored = {"default": (), None: (), "ignored": (signal.SIGINT,)}[disposition]
+    return signals_as(ignored)
+
+
+def _then(first: Callable[[], None], second: Callable[[], None] | None) -> Callable[[], None]:
+    if second is None:
+        return first
+
+    def both() -> None:
+        first()
+        second()
+
+    return both
 
 
 class Cli:
     """``python -m aelastic <args>`` with stdout and stderr merged, read by a thread.
 
-    ``sigint`` starts it with SIGINT ``"default"`` or ``"ignored"`` (see :func:`sigint_as`).
+    It starts with the stop signals at their default (:data:`STOP_SIGNALS`); ``sigint``
+    ``"ignored"`` starts it with SIGINT ignored (see :func:`sigint_as`), ``preexec`` with
+    what that ``preexec_fn`` sets (run after the defaults are set).
     ``session`` starts it in a session (and process group) of its own, so that
     ``os.killpg(cli.proc.pid, ...)`` reaches it and nothing else.
     """
@@ -52,7 +81,7 @@ class Cli:
     ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aelastic", *args],
-            preexec_fn=preexec or sigint_as(sigint),
+            preexec_fn=_then(sigint_as(sigint), preexec),
             start_new_session=session,
             cwd=cwd,
             env=cli_env(env),

@@ -11,7 +11,7 @@ import pytest
 
 from aelastic.cli.options import UsageError, parse_config
 
-from ._proc import Cli, run_cli
+from ._proc import Cli, run_cli, signals_as
 
 # Waits for the file "go" (the test makes it after the SIGHUP), then finishes.
 PATIENT = """
@@ -26,14 +26,11 @@ def _has(text: str):  # type: ignore[no-untyped-def]
     return lambda lines: any(text in line for line in lines)
 
 
-def _hangup_ignored() -> None:
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts its command
-
-
 @pytest.mark.parametrize("nohup", [True, False])
 def test_sighup_ignored_at_start_stays_ignored(tmp_path: Path, nohup: bool) -> None:
     (tmp_path / "train.py").write_text(textwrap.dedent(PATIENT))
-    preexec = _hangup_ignored if nohup else None
+    # SIGHUP ignored as nohup starts its command, or at its default (whatever ours is).
+    preexec = signals_as([signal.SIGHUP] if nohup else [])
     with Cli(["run", "--standalone", "train.py"], tmp_path, preexec=preexec) as cli:
         cli.wait_for(_has("started 1 worker"))
         cli.signal(signal.SIGHUP)

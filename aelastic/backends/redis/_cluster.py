@@ -11,18 +11,16 @@ One piece is our own, for a measured reason: redis-py reads the server's whole c
 (``COMMAND``, some hundred kilobytes to parse) each time a client initializes, and again at
 each re-initialization after a failover. With one client per rendezvous node, 256 nodes in a
 few processes spent most of a 6 s formation, and most of a 12 s re-formation after a
-failover, doing that (``benchmarks/redis_ha.py``). :class:`_CommandTable` reads it once per
-process and cluster: 1.0 s and 5.5-6.8 s then.
+failover, doing that (``benchmarks/redis_ha.py``). :mod:`._internals` (the one module that
+touches redis-py's internals) reads it once per process and cluster: 1.0 s and 5.5-6.8 s
+then.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import weakref
 from typing import Any
 
-from redis._parsers import AsyncCommandsParser
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
     ClusterDownError,
@@ -33,6 +31,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ._internals import close_every_node, share_command_table
 from ._options import accepted, connection_kwargs
 from ._servers import Batch, Standalone, acked
 
@@ -57,7 +56,7 @@ class Cluster(Standalone):
             max_connections=max_connections,
             **kwargs,
         )
-        cluster.commands_parser = _CommandTable(self.endpoint.hosts)
+        share_command_table(cluster, self.endpoint.hosts)
         return cluster
 
     def send_now(self, batch: Batch, done: Any) -> bool:
@@ -153,11 +152,7 @@ class Cluster(Standalone):
 
     async def aclose(self) -> None:
         await self.redis.aclose()
-        # redis-py's aclose() closes nothing once an error has marked the client for
-        # re-initialization: every node's connections are closed here.
-        manager = self.redis.nodes_manager
-        await manager.aclose()
-        await manager.aclose("startup_nodes")
+        await close_every_node(self.redis)
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -173,34 +168,3 @@ def _unreachable(exc: BaseException) -> bool:
 
 def _cluster_options() -> set[str]:
     return accepted(RedisCluster) - {"host", "port", "startup_nodes", "db", "self"}
-
-
-#: Command tables read from each cluster (by its startup nodes), shared by its clients.
-_TABLES: dict[Any, dict[str, Any]] = {}
-#: Per event loop, a lock per cluster: one client of the loop reads, the others wait.
-_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, asyncio.Lock]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-class _CommandTable(AsyncCommandsParser):
-    """redis-py's command parser, with the command table read once per process and cluster
-    (see the module docstring)."""
-
-    def __init__(self, hosts: Any) -> None:
-        super().__init__()
-        self._hosts = hosts
-
-    async def initialize(self, node: ClusterNode | None = None) -> None:
-        if node:
-            self.node = node
-        table = _TABLES.get(self._hosts)
-        if table is None:
-            locks = _LOCKS.setdefault(asyncio.get_running_loop(), {})
-            async with locks.setdefault(self._hosts, asyncio.Lock()):
-                table = _TABLES.get(self._hosts)
-                if table is None:
-                    commands = await self.node.execute_command("COMMAND")
-                    table = {name.lower(): info for name, info in commands.items()}
-                    _TABLES[self._hosts] = table
-        self.commands = table

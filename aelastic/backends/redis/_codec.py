@@ -7,8 +7,9 @@ types read as Python values (null ``None``, maps ``dict``, sets ``list``, double
 booleans ``bool``), attributes are skipped, and a push (a pub/sub message on a RESP3
 connection) is a :class:`Push`, so a connection can tell it from a reply. An error reply
 becomes the exception object redis-py's own parser gives (``NoScriptError``,
-``ReadOnlyError``...), through redis-py's ``parse_error``; bytes that are not the protocol
-raise redis-py's ``InvalidResponse``.
+``ReadOnlyError``...: :data:`ERRORS`, redis-py's table of error codes written with its
+public exception classes, held to its parser by ``tests/backends/test_redis_internals.py``);
+bytes that are not the protocol raise redis-py's ``InvalidResponse``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from redis._parsers.base import BaseParser
-from redis.exceptions import InvalidResponse
+from redis import exceptions as _exc
+from redis.exceptions import InvalidResponse, ResponseError
 
-__all__ = ["PING", "Incomplete", "Push", "pack", "parse"]
+__all__ = ["ERRORS", "PING", "Incomplete", "Push", "error", "pack", "parse"]
 
 _CRLF = b"\r\n"
 PING = b"*1\r\n$4\r\nPING\r\n"
@@ -145,8 +146,68 @@ def _resp3(buf: bytearray, pos: int, end: int, kind: int) -> tuple[Any, int]:
 
 
 def _error(said: bytearray) -> Any:
-    text = said.decode("utf-8", "replace")
-    return BaseParser.parse_error(text)  # type: ignore[no-untyped-call]
+    return error(said.decode("utf-8", "replace"))
+
+
+def _newer(name: str, older: type[Exception]) -> type[Exception]:
+    """redis-py's class ``name``, or the one its older releases raise instead."""
+    found = getattr(_exc, name, older)
+    return found if isinstance(found, type) and issubclass(found, Exception) else older
+
+
+_AUTH = _exc.AuthenticationError
+_MODULE = _exc.ModuleError
+_AUTH_ARGS = _exc.AuthenticationWrongNumberOfArgsError
+
+#: An error reply's code (its first word) to redis-py's exception class; for ``ERR``, the
+#: message to the class (any other ``ERR`` is a ``ResponseError``).
+ERRORS: dict[str, type[Exception] | dict[str, type[Exception]]] = {
+    "ERR": {
+        "max number of clients reached": _newer("MaxClientsReachedError", _exc.ConnectionError),
+        "Client sent AUTH, but no password is set": _AUTH,
+        "invalid password": _AUTH,
+        "AUTH <password> called without any password configured for the default user. "
+        "Are you sure your configuration is correct?": _AUTH,
+        "wrong number of arguments for 'auth' command": _AUTH_ARGS,
+        "wrong number of arguments for 'AUTH' command": _AUTH_ARGS,
+        "Error loading the extension. Please check the server logs.": _MODULE,
+        "Error unloading module: no such module with that name": _MODULE,
+        "Error unloading module: operation not possible.": _MODULE,
+        "Error unloading module: the module exports one or more module-side data types, "
+        "can't unload": _MODULE,
+        "problem with LDAP service": _newer("ExternalAuthProviderError", ResponseError),
+        "no such fieldset": _newer("NoSuchFieldsetError", ResponseError),
+    },
+    "OOM": _exc.OutOfMemoryError,
+    "WRONGPASS": _AUTH,
+    "EXECABORT": _exc.ExecAbortError,
+    "LOADING": _exc.BusyLoadingError,
+    "NOSCRIPT": _exc.NoScriptError,
+    "READONLY": _exc.ReadOnlyError,
+    "NOAUTH": _AUTH,
+    "NOPERM": _exc.NoPermissionError,
+    "ASK": _exc.AskError,
+    "TRYAGAIN": _exc.TryAgainError,
+    "MOVED": _exc.MovedError,
+    "CLUSTERDOWN": _exc.ClusterDownError,
+    "CROSSSLOT": _exc.ClusterCrossSlotError,
+    "MASTERDOWN": _exc.MasterDownError,
+}
+
+
+def error(text: str) -> Exception:
+    """The exception redis-py's parser makes of an error reply's text (without the ``-``)."""
+    code = text.split(" ")[0]
+    kind = ERRORS.get(code)
+    if kind is None:
+        return ResponseError(text)
+    message = text[len(code) + 1 :]
+    if isinstance(kind, dict):
+        kind = kind.get(message, ResponseError)
+    try:
+        return kind(message)
+    except (ValueError, IndexError):  # a MOVED or ASK whose slot and address do not parse
+        return ResponseError(text)
 
 
 def _int(buf: bytearray, pos: int, end: int) -> int:

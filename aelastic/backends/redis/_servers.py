@@ -376,7 +376,9 @@ class SentinelPrimary(Standalone):
 
     async def aclose(self) -> None:
         await super().aclose()
-        await self.sentinel.aclose()
+        # Each sentinel's client (redis-py's Sentinel has its own aclose() from 8.1 on only).
+        for client in self.sentinel.sentinels:
+            await client.aclose()
 
 
 def acked(reply: Any) -> int:

@@ -20,7 +20,9 @@ did not), and calls :func:`watch_agent`: when the agent names its beat page
 keeps pushing forward there; a deadline that passes means the agent did not run for as long
 as its node's peers wait before they drop the node (it is frozen, or gone): the thread then
 says so (stderr, the error file) and SIGKILLs the worker's process group, itself included,
-so that no rank of the old group runs beside the rank that replaces it. Standard library
+so that no rank of the old group runs beside the rank that replaces it; and
+:func:`install_exit_hook` (a gloo process group left alive is destroyed at exit, before
+the interpreter's finalization would abort the process). Standard library
 only, and cheap to import: it runs in every worker.
 """
 
@@ -59,6 +61,7 @@ __all__ = [
     "attached",
     "forked_worker",
     "install_excepthook",
+    "install_exit_hook",
     "install_torch_hook",
     "pause",
     "progress",
@@ -357,6 +360,49 @@ def _say(text: str) -> None:
             os.write(2, text.encode(errors="replace"))
     except (OSError, ValueError):
         pass
+
+
+# -- a gloo group at exit -----------------------------------------------------------------
+
+#: Longest wait at exit for a gloo group's destruction (its threads may wait on a peer).
+_DESTROY_BOUND = 10.0
+
+
+def install_exit_hook() -> None:
+    """Destroy a gloo default process group still alive when the interpreter exits.
+
+    A script that leaves it alive (no ``destroy_process_group()``, an uncaught exception, a
+    collective that broke because a peer died) has gloo's C++ threads torn down during the
+    interpreter's finalization, which aborts the process ("terminate called without an
+    active exception", SIGABRT) about one exit in four: the agent would see a crash where
+    the script exited. Destroyed here, before finalization (after the script's own
+    ``atexit`` handlers), in a thread waited for at most :data:`_DESTROY_BOUND` seconds.
+    NCCL and other backends are left to the script, as under torchrun.
+    """
+    atexit.register(_destroy_gloo_group)
+
+
+def _destroy_gloo_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if str(dist.get_backend()) != "gloo":
+            return
+    except Exception:
+        return
+
+    def destroy() -> None:
+        try:  # noqa: SIM105 - contextlib is not worth importing in every worker
+            dist.destroy_process_group()
+        except Exception:  # a broken group may fail to: the exit goes on
+            pass
+
+    thread = threading.Thread(target=destroy, name="aelastic-destroy-group", daemon=True)
+    thread.start()
+    thread.join(_DESTROY_BOUND)
 
 
 # -- uncaught exceptions ------------------------------------------------------------------

@@ -5,8 +5,9 @@ so Python imports this ``sitecustomize`` at startup, before the user's script, w
 command (``python script.py``, ``python -m``, a warm standby, a callable's interpreter, a
 shell wrapper that starts Python): the script's argv, ``sys.path[0]`` and ``ps`` stay as a
 plain start leaves them. It loads the progress runtime (``_aelastic_worker.py``, standard
-library only), installs torch's optimizer hook and the error-file hook, starts watching the
-worker's agent (a worker whose agent froze stops by itself), then removes its
+library only), installs torch's optimizer hook, the error-file hook and the exit hook (a
+gloo group left alive is destroyed before the interpreter's finalization), starts watching
+the worker's agent (a worker whose agent froze stops by itself), then removes its
 directory from ``sys.path`` and ``PYTHONPATH`` (the worker's own subprocesses start plain)
 and runs the ``sitecustomize`` it shadowed, if there is one. It never raises: a worker
 starts even if the bootstrap cannot.
@@ -35,6 +36,7 @@ def _bootstrap() -> None:
             runtime.install_torch_hook()
             runtime.install_excepthook()
             runtime.watch_agent()
+            runtime.install_exit_hook()
     except Exception:
         sys.modules.pop("_aelastic_worker", None)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
