@@ -50,11 +50,6 @@ ASYNC_ONLY = pytest.mark.facades("async")
 SERVED = [name for name in BACKENDS if name != "memory"]
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "facades(*names): the facades a torch scenario runs through")
-    config.addinivalue_line("markers", "backends(*names): the backends a torch scenario runs on")
-
-
 @pytest.hookimpl(tryfirst=True)  # before the fixtures' own parameters (deployment's)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """``deployment``: the plain deployment of each backend (this suite narrows the
