@@ -14,10 +14,11 @@ Ported (14 scenarios): ``WorkerStateTest`` (1), ``WorkerGroupTest`` (1),
 ``master_addr`` variants (3), ``test_initialize_workers``, ``test_restart_workers``,
 ``test_run_happy_path``, ``test_run_initialization_failure``,
 ``test_run_max_retries_exceeded``, ``test_run_membership_change``,
-``test_assign_worker_ranks`` (through :func:`aelastic.agent.ranks.assign_ranks`, the
-agents' pure rank rule, with torch's table), ``test_agent_process_handler_graceful_exception``.
-Not ported: ``RoleInstanceInfoTest`` (torch's private record and its serialization;
-aelastic's records are versioned JSON, ``tests/agent/test_ranks.py``),
+``test_assign_worker_ranks`` (the rendezvous's placements from the members' joins, turned
+into workers by :func:`aelastic.agent.ranks.workers_of`, with torch's table),
+``test_agent_process_handler_graceful_exception``. Not ported: ``RoleInstanceInfoTest``
+(torch's private record and its serialization: aelastic's members say their role and size in
+their joins, ``tests/agent/test_ranks.py``),
 ``test_record_flakiness_metric*``, ``test_record_metrics_*``, ``test_invoke_run``,
 ``test_get_event``, ``test_get_worker_status_event`` (torch's ``put_metric`` and
 ``events.record``: aelastic's metrics and events differ, docs/torch-api.md "Events, metrics"),
@@ -35,7 +36,10 @@ import anyio
 import pytest
 
 from aelastic.agent import ElasticAgent, WorkerGroup, WorkerSpec, WorkerState
-from aelastic.agent.ranks import AgentRecord, assign_ranks
+from aelastic.agent.ranks import workers_of
+from aelastic.core.machine import step
+from aelastic.core.params import Rules
+from aelastic.core.state import Op, Request, RunState
 from aelastic.rendezvous import NodeDesc
 
 from ._agents import attempts, command_spec, worker_envs, written
@@ -189,15 +193,23 @@ def test_assign_worker_ranks() -> None:
     and world sizes."""
     roles = [("parameter_server", 4), ("trainer", 1), ("trainer", 2), ("trainer", 3)]
     roles.append(("parameter_server", 5))
-    records = [
-        AgentRecord(role, size, NodeDesc(f"host{i}", 1, 0)) for i, (role, size) in enumerate(roles)
-    ]
+    state, rules = RunState("e"), Rules(len(roles), len(roles), 1, 60_000)
+    placements = {}
+    for i, (role, size) in enumerate(roles):  # host0 ... host4: ranks 0 ... 4
+        node, secret = NodeDesc(f"host{i}", 1, 0), f"{i:032d}"
+        join = Request(Op.JOIN, node, rules, secret=secret, role=role, local_world_size=size)
+        step(state, join, 1_000)
+    for i in range(len(roles)):
+        node, secret = NodeDesc(f"host{i}", 1, 0), f"{i:032d}"
+        reply = step(state, Request(Op.JOIN, node, rules, secret=secret), 1_001)
+        assert reply.rank == i and reply.placement is not None
+        placements[i] = reply.placement
     out = [
         [
             (w.local_rank, w.role_rank, w.global_rank, w.world_size, w.role_world_size)
-            for w in assign_ranks(records, group_rank)
+            for w in workers_of(placements[group_rank], roles[group_rank][1])
         ]
-        for group_rank in range(len(records))
+        for group_rank in range(len(roles))
     ]
     assert out == [
         [(0, 0, 0, 15, 9), (1, 1, 1, 15, 9), (2, 2, 2, 15, 9), (3, 3, 3, 15, 9)],
