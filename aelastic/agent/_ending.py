@@ -73,6 +73,7 @@ async def shutdown(
     agent's own (``close_on_failure``), leave it, release what the run made."""
     try:
         await agent._standbys.aclose()
+        await agent._peer.aclose()
         await agent._peer.channel.aclose()
         with suppress(WorkersUnkillable):  # told already; leave all the same
             await agent._stop_workers(WorkerState.STOPPED)

@@ -8,7 +8,7 @@ called before the loop and its threads start (``run_sync``, the launcher) or fir
 holds the caller's memory as it was (the function, its arguments, lambdas, closures, a
 notebook's ``__main__``), runs no loop and no thread, and forks each worker on request,
 again through multiprocessing's ``fork`` context (so ``mp.Queue`` and friends are reset in
-the child as multiprocessing does). A worker starts its own session, asks for SIGTERM when
+the child as multiprocessing does). A worker starts its own session, asks for SIGKILL when
 the server dies (the server asks the same of the agent), takes its stdout/stderr, its
 environment and its CPUs, and runs :func:`aelastic.agent._call.call`.
 
@@ -18,7 +18,7 @@ a ``fork``, as long as ``subprocess.Popen`` blocks) and exits (the server reaps 
 workers and sends ``{"pid", "code"}``, read on the agent's loop). The agent adopts each
 worker (:meth:`WorkerProcess.adopted`): the guardian watches its process group, and the
 stop (SIGTERM, grace, SIGKILL) is the same as for any worker. End-of-file on the requests
-ends the server; the server's death ends its workers (SIGTERM).
+ends the server; the server's death ends its workers (SIGKILL).
 """
 
 from __future__ import annotations
@@ -108,7 +108,6 @@ class ForkServer:
         streams: Sequence[int | None],
         *,
         affinity: frozenset[int] | None = None,
-        grace: float = 30.0,
     ) -> WorkerProcess:
         """Fork the worker of ``local_rank`` (call on the agent's event loop).
 
@@ -118,7 +117,6 @@ class ForkServer:
             result: Where its return value is written.
             streams: Descriptors for its stdout and stderr (``None``: the agent's).
             affinity: The CPUs it binds itself to.
-            grace: Its grace period, should the guardian have to stop it.
 
         Raises:
             OSError: The server is gone or could not fork.
@@ -142,7 +140,7 @@ class ForkServer:
         answer = json.loads(self._requests.recv(_MAX_MESSAGE) or b"{}")
         if "pid" not in answer:
             raise OSError(answer.get("error", "the fork server is gone"))
-        proc = WorkerProcess.adopted(int(answer["pid"]), local_rank, grace)
+        proc = WorkerProcess.adopted(int(answer["pid"]), local_rank)
         self._workers[proc.pid] = proc
         return proc
 
@@ -152,10 +150,10 @@ class ForkServer:
             data = self._exits.recv(_MAX_MESSAGE)
         except OSError:
             data = b""
-        if not data:  # the server is gone: its workers got SIGTERM from the kernel
+        if not data:  # the server is gone: its workers got SIGKILL from the kernel
             self._detach()
             for proc in self._workers.values():
-                proc.exited(-signal.SIGTERM)
+                proc.exited(-signal.SIGKILL)
             self._workers.clear()
             return
         message = json.loads(data)
@@ -219,7 +217,7 @@ def _serve(
 ) -> None:
     """The server's loop (in the forked server)."""
     if setup is not None:
-        setup()  # SIGTERM when the agent dies
+        setup()  # SIGKILL when the agent dies
     os.setsid()  # terminal signals are the agent's business
     for sock in ours:
         sock.close()
@@ -275,7 +273,7 @@ def _worker(
     """A worker, in the child the server forked."""
     os.setsid()
     if setup is not None:
-        setup()  # SIGTERM when the server dies; the worker's CPUs
+        setup()  # SIGKILL when the server dies; the worker's CPUs
     for sock in sockets:
         sock.close()
     for target, fd in zip(job["dup"], fds, strict=False):

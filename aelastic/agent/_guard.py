@@ -1,16 +1,22 @@
-"""The guardian: stops an agent's workers when the agent dies without stopping them.
+"""The guardian: ends an agent's workers at once when the agent dies without stopping them.
 
 How it works: the first worker (or warm standby) an agent process starts also starts this
 helper as a script, ``python -I -S .../aelastic/agent/_guard.py``, in a session of its own
 (a signal to the agent's terminal or process group does not reach it). Its stdin is a pipe
 whose only writer is the agent process. The agent announces every worker process group it
-starts (``+ <pgid> <start time> <grace>``) and withdraws it once the group is stopped and
-swept (``- <pgid>``). The pipe ends when the agent process is gone, however it died
-(SIGKILL, a crash, a signal it does not handle) or when it exits normally. The guardian then
-does what the agent's own stop does to every group still announced: SIGTERM to the group,
-up to its grace period for the group to empty, SIGKILL to what is left. A group whose
-leader's pid now belongs to a process started at another time (the pid was reused) is left
-alone.
+starts (``+ <pgid> <start time>``) and withdraws it once the group is stopped and swept
+(``- <pgid>``). The pipe ends when the agent process is gone, however it died (SIGKILL, a
+crash, a signal it does not handle) or when it exits normally. The guardian then SIGKILLs
+every group still announced and waits for each to empty. A group whose leader's pid now
+belongs to a process started at another time (the pid was reused) is left alone.
+
+Why SIGKILL and no grace: an agent stops its workers itself (SIGTERM, the grace, SIGKILL)
+whenever it can, a signal it was sent included; a group still announced when it is gone
+belongs to a node that nobody runs any more. Its peers drop the node and go on without it,
+so its workers have nothing left to do, and a worker that traps SIGTERM (PyTorch Lightning
+does: its handler even runs a collective) would go on training with the peers' workers,
+holding their collectives, until the grace ended. Killed at once, its sockets close and
+the peers' collectives break at once: the quickest sign of the loss they can get.
 
 This complements the kernel's parent-death signal (see :mod:`aelastic.agent.process`),
 which reaches only a worker itself, not the processes it started in its group. It imports
@@ -30,8 +36,10 @@ from collections.abc import Iterable
 
 __all__ = ["group_members", "main", "start_time"]
 
-#: Seconds between two looks at the groups while they get their grace period.
+#: Seconds between two looks at the groups while they empty.
 _POLL = 0.05
+#: Longest wait for SIGKILLed groups to empty (a process in uninterruptible sleep).
+_EMPTY_WITHIN = 5.0
 
 
 def _stat(pid: int) -> list[bytes] | None:
@@ -82,34 +90,29 @@ def _signal(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def _stop(groups: dict[int, tuple[int, float]]) -> None:
-    """SIGTERM every group, wait for each to empty within its grace, SIGKILL the rest."""
-    now = time.monotonic()
-    deadlines = {}
-    for pgid, (started, grace) in groups.items():
-        if _still_ours(pgid, started):
-            _signal(pgid, signal.SIGTERM)
-            deadlines[pgid] = now + grace
-    while deadlines:
-        now = time.monotonic()
-        for pgid, deadline in list(deadlines.items()):
-            if not group_members(pgid):
-                del deadlines[pgid]
-            elif now >= deadline:
-                _signal(pgid, signal.SIGKILL)
-                del deadlines[pgid]
-        if deadlines:
-            time.sleep(_POLL)
+def _stop(groups: dict[int, int]) -> None:
+    """SIGKILL every group still ours until it is empty (a little while at most: a
+    process in uninterruptible sleep outlives SIGKILL)."""
+    ours = [pgid for pgid, started in groups.items() if _still_ours(pgid, started)]
+    deadline = time.monotonic() + _EMPTY_WITHIN
+    while ours:
+        for pgid in ours:
+            _signal(pgid, signal.SIGKILL)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(_POLL)
+        ours = [p for p in ours if group_members(p) and _still_ours(p, groups[p])]
 
 
-def _read_announcements(stream: Iterable[bytes]) -> dict[int, tuple[int, float]]:
-    """Read the agent's announcements until end-of-file; the groups still announced."""
-    groups: dict[int, tuple[int, float]] = {}
+def _read_announcements(stream: Iterable[bytes]) -> dict[int, int]:
+    """Read the agent's announcements until end-of-file; the groups still announced, with
+    their leaders' start times."""
+    groups: dict[int, int] = {}
     for raw in stream:
         parts = raw.split()
         try:
-            if len(parts) == 4 and parts[0] == b"+":
-                groups[int(parts[1])] = (int(parts[2]), float(parts[3]))
+            if len(parts) == 3 and parts[0] == b"+":
+                groups[int(parts[1])] = int(parts[2])
             elif len(parts) == 2 and parts[0] == b"-":
                 groups.pop(int(parts[1]), None)
         except ValueError:

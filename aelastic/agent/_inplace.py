@@ -11,6 +11,14 @@ process group is made and the state handed over. A worker whose collective broke
 ``broken`` and waits: the agent waits for the group change that explains it, or tells it
 ``fail`` (its own error is raised again and it exits as it would have). Messages are JSON
 lines; the socket is read on the agent's loop (no thread).
+
+Every worker uses the socket once more, opted in or not, when it fails: the bootstrap's
+exception hook (``aelastic.worker._site``) says ``failing`` with the traceback's end as
+soon as an uncaught exception reaches the top, and ``exiting`` from its last exit handler,
+once its Python code is over. The first is the earliest sign of a collective broken by a
+peer's loss (the agent asks the rendezvous at once whether a member is gone, seconds
+before the process has torn its interpreter down); the second lets the agent's stop end
+the worker without waiting for that teardown (:class:`Ending`).
 """
 
 from __future__ import annotations
@@ -22,14 +30,16 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..core.race import Signal, wait_within
 from ..worker._inplace import ENV_SOCKET, ROUND_KEYS
+from .errors import raised_in_collective
 from .process import WorkerProcess
 
-__all__ = ["ENV_SOCKET", "InPlaceChannel"]
+__all__ = ["ENV_SOCKET", "Ending", "InPlaceChannel"]
 
 log = logging.getLogger("aelastic.agent")
 
@@ -60,6 +70,26 @@ class _Worker:
         self.broken: str | None = None
 
 
+class Ending:
+    """A worker that said it is failing (an uncaught exception reached the top).
+
+    Args:
+        error: The end of its traceback.
+    """
+
+    __slots__ = ("at", "error")
+
+    def __init__(self, error: str) -> None:
+        #: When the agent heard it (monotonic).
+        self.at = time.monotonic()
+        self.error = error
+
+    @property
+    def in_collective(self) -> bool:
+        """Whether it broke inside a collective (a peer's loss, most likely)."""
+        return raised_in_collective(self.error)
+
+
 class InPlaceChannel:
     """The socket the workers of one agent talk to (see the module docstring)."""
 
@@ -76,6 +106,11 @@ class InPlaceChannel:
         #: Workers that waited for a group change were told to fail (their failures are
         #: their own: no more waiting for a peer's loss).
         self.told_fail = False
+        #: Set when a worker says it is failing (see :meth:`ending`).
+        self.failing = Signal()
+        self._ending: dict[int, Ending] = {}
+        self._python_done: dict[int, asyncio.Event] = {}
+        self._broken_at: float | None = None  # when a worker first said its collective broke
 
     async def start(self) -> None:
         """Listen (once); a failure leaves in-place recovery off for this agent."""
@@ -103,12 +138,15 @@ class InPlaceChannel:
                 if pid is None:
                     continue
                 op = message.get("op")
-                if op == "hello":
+                if op in ("failing", "exiting"):
+                    self._failing(pid, op, message)
+                elif op == "hello":
                     self._workers[pid] = _Worker(writer)
                 elif (worker := self._workers.get(pid)) is None:
                     continue
                 elif op == "broken" and int(message.get("gen", self.gen)) >= self.gen:
                     worker.broken = str(message.get("error", ""))  # else: a round came since
+                    self._broken_at = self._broken_at or time.monotonic()
                     self.broken.set()
                 elif op == "joined":
                     worker.joined = int(message.get("gen", 0))
@@ -121,7 +159,30 @@ class InPlaceChannel:
                 del self._workers[pid]
             writer.close()
 
+    def _failing(self, pid: int, op: str, message: Mapping[str, Any]) -> None:
+        if op == "failing" and pid not in self._ending:
+            self._ending[pid] = Ending(str(message.get("error", "")))
+            self.failing.set()
+        elif op == "exiting" and pid in self._ending:
+            self.python_done(pid).set()
+
     # -- what the agent asks --------------------------------------------------------------
+
+    def ending(self, processes: Iterable[WorkerProcess]) -> dict[int, Ending]:
+        """The workers of ``processes`` that said they are failing, by pid."""
+        return {p.pid: e for p in processes if (e := self._ending.get(p.pid)) is not None}
+
+    def python_done(self, pid: int) -> asyncio.Event:
+        """An event set once the failing worker ``pid`` says its Python code is over."""
+        return self._python_done.setdefault(pid, asyncio.Event())
+
+    def interrupted_at(self, processes: Iterable[WorkerProcess]) -> float | None:
+        """When a worker of ``processes`` first gave a sign of trouble on this channel (it
+        said it is failing, or that its collective broke): monotonic, or ``None``."""
+        times = [e.at for e in self.ending(processes).values()]
+        if self._broken_at is not None:
+            times.append(self._broken_at)
+        return min(times, default=None)
 
     def opted_in(self, processes: Sequence[WorkerProcess]) -> bool:
         """Whether every worker of ``processes`` is alive and recovers in place."""
@@ -153,6 +214,7 @@ class InPlaceChannel:
         self.gen += 1
         self.told_fail = False
         self.broken.clear()
+        self._broken_at = None
         for pid, env in envs.items():
             if (worker := self._workers.get(pid)) is not None:
                 worker.broken = None  # the new round explains why its group broke
@@ -178,6 +240,10 @@ class InPlaceChannel:
         self.gen = 0
         self.told_fail = False
         self.broken.clear()
+        self._broken_at = None
+        self._ending.clear()
+        self._python_done.clear()
+        self.failing.clear()
 
     def _send(self, pid: int, **message: Any) -> None:
         worker = self._workers.get(pid)

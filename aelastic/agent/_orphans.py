@@ -3,10 +3,12 @@
 See :mod:`aelastic.agent.process` for how the two fit together; this module holds their
 machinery: :func:`child_setup` (the ``preexec_fn`` that arms ``PR_SET_PDEATHSIG`` through
 ctypes and binds CPUs) and :data:`GUARDIAN`, this process's link to its guardian helper
-(:mod:`aelastic.agent._guard`), to which every worker's group is announced. The guardian
-lives while an agent of this process has workers: the end of a run retires it once no group
-is announced (:meth:`_Guardian.retire`), so a program that embeds the agent is left with no
-process of aelastic's.
+(:mod:`aelastic.agent._guard`), to which every worker's group is announced. Both end a
+dead agent's workers with SIGKILL, at once: nobody runs their node any more (the
+guardian's module docstring says why no grace). The guardian lives while an agent of this
+process has workers: the end of a run retires it once no group is announced
+(:meth:`_Guardian.retire`), so a program that embeds the agent is left with no process of
+aelastic's.
 """
 
 from __future__ import annotations
@@ -49,13 +51,13 @@ def _libc_prctl() -> Callable[..., int] | None:
 
 
 def child_setup(affinity: frozenset[int] | None) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that arms SIGTERM on the parent's death (Linux) and binds the child
+    """A ``preexec_fn`` that arms SIGKILL on the parent's death (Linux) and binds the child
     to ``affinity`` (``None``: nothing to do). Make it in the parent; call it in the child."""
     prctl = _libc_prctl()
     if prctl is None and affinity is None:
         return None
     parent = os.getpid()
-    sig = int(signal.SIGTERM)
+    sig = int(signal.SIGKILL)
 
     def setup() -> None:
         # Runs in the child between fork and exec: nothing here takes a lock that another
@@ -93,9 +95,9 @@ class _Guardian:
             if self._fd is None:
                 self._start()
 
-    def watch(self, pgid: int, grace: float) -> None:
-        """Announce group ``pgid``: stop it (``grace`` s) should this process die."""
-        line = f"+ {pgid} {start_time(pgid)} {grace!r}\n".encode()
+    def watch(self, pgid: int) -> None:
+        """Announce group ``pgid``: SIGKILL it should this process die."""
+        line = f"+ {pgid} {start_time(pgid)}\n".encode()
         with self._lock:
             self._groups[pgid] = line
             self._send(line)

@@ -13,12 +13,14 @@ workers again the old way.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from ..rendezvous.handler import DynamicRendezvousHandler
+from ._aio import cancel_and_wait, quietly
 from ._inplace import InPlaceChannel
 from ._publish import AgentPublisher
 from .api import ProcessFailure, WorkerGroup, WorkerState
@@ -42,6 +44,22 @@ class PeerLoss:
         self.channel = InPlaceChannel()
         #: The workers are kept through the coming re-rendezvous.
         self.held = False
+        self._checking: asyncio.Task[None] | None = None
+
+    def check_departures(self, round_group: RoundGroup) -> None:
+        """Start asking the backend which members' connections ended (unless a check
+        runs): a worker says it is failing in a collective. A task of its own, so that the
+        attempt ending first (the worker's exit) does not cut the check short."""
+        if self._checking is not None and not self._checking.done():
+            return
+        check = quietly(round_group.report_departures(), "check the members' connections")
+        self._checking = asyncio.ensure_future(check)
+
+    async def aclose(self) -> None:
+        """Stop a check still running (the agent ends)."""
+        task, self._checking = self._checking, None
+        if task is not None:
+            await cancel_and_wait(task)
 
     @property
     def grace(self) -> float:
@@ -63,6 +81,17 @@ class PeerLoss:
         if explained is not None:
             log.info("workers broke in a collective as a peer was lost: no restart")
         return explained
+
+    def interrupted_at(self, workers: WorkerSet) -> float:
+        """When the attempt of ``workers`` was interrupted, by its earliest sign (monotonic):
+        a worker saying it is failing or that its collective broke, a worker's failed exit,
+        else now (a change of the group: this node learns of it now)."""
+        signs = [time.monotonic()]
+        if (said := self.channel.interrupted_at(workers.processes)) is not None:
+            signs.append(said)
+        failed = [p for p in workers.processes if p.returncode not in (None, 0)]
+        signs += [p.exited_monotonic for p in failed if p.exited_monotonic is not None]
+        return min(signs)
 
     def hold(self, decision: Decision, workers: WorkerSet | None) -> bool:
         """Whether the workers are kept through this rescale (all alive, opted in, and in
@@ -86,7 +115,7 @@ class PeerLoss:
         workers: WorkerSet,
         events: AgentPublisher,
         restart_count: int,
-        stopped_at: float | None,
+        interrupted_at: float | None,
         before_send: Callable[[], object],
     ) -> bool:
         """Send the held workers the ranks of the new round (``before_send()`` first: the
@@ -109,6 +138,6 @@ class PeerLoss:
         events.publish(
             WorkersRecovered,
             pids=MappingProxyType({p.local_rank: p.pid for p in procs}),
-            recovery=None if stopped_at is None else time.monotonic() - stopped_at,
+            recovery=None if interrupted_at is None else time.monotonic() - interrupted_at,
         )
         return True

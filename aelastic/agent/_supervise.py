@@ -11,7 +11,10 @@ place (:mod:`._inplace`) add two: a worker that says its collective broke waits 
 group change that explains it (``grace``: the heartbeat window and a little more), else it
 is told to fail (its exit is then a failure like any other); and workers resumed in a new
 group must say they joined it within ``recovery_timeout``, else they are restarted the old
-way. Workers killed while the agent was frozen past the deadline they watch
+way. Any worker that says it is failing in a collective (the bootstrap's exception hook,
+seconds before its process is gone) makes the agent ask the backend at once which members'
+connections ended (a peer's loss is then known, and the group changes, before the worker
+has exited). Workers killed while the agent was frozen past the deadline they watch
 (:mod:`._beat`: they stopped themselves) end the attempt as a lapse, not a failure. The
 attempt's outcome is what the policy needs next: an observation and the failures.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from functools import partial
 
 import anyio
@@ -56,8 +60,10 @@ async def supervise(
     grace: float = 0.0,
     recovery_timeout: float = 60.0,
     beat: AgentBeat | None = None,
+    check_departures: Callable[[], object] = lambda: None,
 ) -> Outcome:
-    """Wait for the first thing that calls for action in the attempt of ``workers``.
+    """Wait for the first thing that calls for action in the attempt of ``workers``;
+    ``check_departures()`` when a worker says it is failing in a collective.
 
     Returns:
         What happened (for :func:`~aelastic.agent.policy.decide`) and who failed.
@@ -127,6 +133,20 @@ async def supervise(
             inplace.told_fail = True
             inplace.broken.clear()
 
+    async def failing() -> Outcome:
+        if inplace is None:
+            await anyio.sleep_forever()
+        assert inplace is not None
+        while True:
+            await inplace.failing.wait()
+            inplace.failing.clear()
+            ending = inplace.ending(workers.processes).values()
+            if any(e.in_collective for e in ending):
+                break
+        check_departures()  # a task of its own: the group change ends the attempt
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def recovery() -> Outcome:
         if inplace is None or inplace.gen == 0:
             await anyio.sleep_forever()
@@ -136,7 +156,7 @@ async def supervise(
             await anyio.sleep_forever()
         return Observation(Trigger.RECOVERY_TIMED_OUT), {}
 
-    _, outcome = await first_of(exits, group_change, stalls, broken, recovery)
+    _, outcome = await first_of(exits, group_change, stalls, broken, failing, recovery)
     result: Outcome = outcome
     return result
 

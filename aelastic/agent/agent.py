@@ -30,6 +30,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from types import MappingProxyType
 
 from ..core.errors import (
@@ -221,7 +222,7 @@ class ElasticAgent:
             self._handler.get_run_id(),
         )
         failures: dict[int, ProcessFailure] = {}
-        stopped_at: float | None = None
+        interrupted_at: float | None = None  # the earliest sign of what ended an attempt
         await self._peer.channel.start()
         self._beat.start()
         self._standbys.schedule()  # a spare's workers are warm before it has a rank
@@ -237,9 +238,9 @@ class ElasticAgent:
                     return self._failed(failures, f"no restart ({typed(exc)})")
                 raise
             failures = {}
-            if not (self._peer.held and self._resume(stopped_at)):
+            if not (self._peer.held and self._resume(interrupted_at)):
                 await self._stop_workers(WorkerState.STOPPED)  # held ones that cannot resume
-                await self._start_workers(stopped_at)
+                await self._start_workers(interrupted_at)
             assert self._round is not None and self._workers is not None
             observation, failures = await supervise(
                 self._workers,
@@ -251,12 +252,13 @@ class ElasticAgent:
                 self._peer.grace,
                 self._spec.recovery_timeout,
                 self._beat,
+                partial(self._peer.check_departures, self._round),
             )
+            interrupted_at = self._peer.interrupted_at(self._workers)
             if (explained := await self._peer.explain(failures, self._round)) is not None:
                 observation, failures = explained, {}  # a peer's loss broke our collective
             observation = await self._heal.observe(observation, failures, self._group)
             decision = decide(observation, self._restarts_left)
-            stopped_at = time.monotonic()
             action = decision.action
             if action is Action.FINISH:
                 return await finish(self)
@@ -296,14 +298,14 @@ class ElasticAgent:
             Restart, reason=decision.reason, spent=False, restarts_left=self._restarts_left
         )
 
-    def _resume(self, stopped_at: float | None) -> bool:
+    def _resume(self, interrupted_at: float | None) -> bool:
         assert self._workers is not None
         return self._peer.resume(
             self._group,
             self._workers,
             self._events,
             self.restart_count,
-            stopped_at,
+            interrupted_at,
             before_send=self._port.release,  # group rank 0's workers bind it now
         )
 
@@ -329,7 +331,7 @@ class ElasticAgent:
 
     # -- workers --------------------------------------------------------------------------
 
-    async def _start_workers(self, stopped_at: float | None) -> None:
+    async def _start_workers(self, interrupted_at: float | None) -> None:
         self._attempt += 1
         self._events.attempt = self._attempt
         workers = self._workers = WorkerSet(
@@ -357,7 +359,7 @@ class ElasticAgent:
             WorkersStarted,
             pids=MappingProxyType({p.local_rank: p.pid for p in workers.processes}),
             duration=now - started,
-            recovery=None if stopped_at is None else now - stopped_at,
+            recovery=None if interrupted_at is None else now - interrupted_at,
         )
 
     async def _stop_workers(self, state: WorkerState) -> None:
@@ -365,9 +367,15 @@ class ElasticAgent:
         if workers is None:
             return
         running = any(p.returncode is None for p in workers.processes)
+        channel = self._peer.channel
+        pids = [p.pid for p in workers.processes]
+        failing = channel.ending(workers.processes)  # ending by themselves: not signalled
+        done = {pid: channel.python_done(pid) for pid in pids}
+        grace, sig = self._spec.stop_grace_period, self._stop_signal
         # Shielded: a cancellation waits for the stop to finish, then goes on.
         try:
-            await uncancellable(workers.stop(self._spec.stop_grace_period, self._stop_signal))
+            stop = workers.stop(grace, sig, failing=failing.keys(), python_done=done)
+            await uncancellable(stop)
         except WorkersUnkillable as exc:  # leave the job to the others, end this node
             self._events.unkillable(exc)
             raise

@@ -82,7 +82,9 @@ class RendezvousCompleted(AgentEvent):
 @dataclass(frozen=True, kw_only=True)
 class WorkersStarted(AgentEvent):
     """The workers of an attempt run: ``pids`` by local rank, ``duration`` to spawn them,
-    ``recovery`` seconds since the event that stopped the previous attempt (``None`` first)."""
+    ``recovery`` seconds since the earliest sign of what ended the previous attempt (a
+    worker failing or saying its collective broke, else this node learning that the group
+    changed; ``None`` first)."""
 
     kind: ClassVar[EventKind] = EventKind.WORKERS_STARTED
 
@@ -94,8 +96,8 @@ class WorkersStarted(AgentEvent):
 @dataclass(frozen=True, kw_only=True)
 class WorkersRecovered(AgentEvent):
     """The workers were kept and sent the ranks of a new group (in-place recovery, no
-    restart): ``pids`` by local rank (unchanged), ``recovery`` seconds since the event that
-    interrupted them."""
+    restart): ``pids`` by local rank (unchanged), ``recovery`` seconds since the earliest
+    sign of what interrupted them."""
 
     kind: ClassVar[EventKind] = EventKind.WORKERS_RECOVERED
 

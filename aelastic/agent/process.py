@@ -6,11 +6,15 @@ not polled: a pidfd registered with the event loop becomes readable when the pro
 exits (a waiter thread blocked in ``waitpid`` where pidfds are missing), and the exit is
 reaped at once. :func:`stop_processes` sends SIGTERM to every group, waits up to the grace
 period, SIGKILLs what is left, reaps every worker and sweeps the groups with SIGKILL so no
-descendant outlives the stop.
+descendant outlives the stop. A worker already ending by itself (its uncaught exception
+reached the top, and it said so: :mod:`aelastic.agent._inplace`) gets no SIGTERM, which
+could only cut its exit handlers short; once a failing worker's Python code is over (its
+last exit handler said so) it is SIGKILLed instead of waited for through the interpreter's
+teardown (seconds with torch loaded, on a busy machine).
 
 No worker outlives its agent either, even one killed by SIGKILL. Two mechanisms:
 
-* the kernel's parent-death signal. Between fork and exec the child asks for SIGTERM when
+* the kernel's parent-death signal. Between fork and exec the child asks for SIGKILL when
   its parent dies (``prctl(PR_SET_PDEATHSIG)``, through ctypes, in ``preexec_fn``: a ctypes
   call, ``os.getppid()`` and ``os._exit`` only), then exits at once if the agent died before
   that (``os.getppid()`` is no longer the agent). The kernel sends it when the *thread* that
@@ -18,12 +22,14 @@ No worker outlives its agent either, even one killed by SIGKILL. Two mechanisms:
   thread, which lives as long as the agent does (an embedding program must keep it so);
 * the guardian (:mod:`aelastic.agent._guard`), a small helper process in its own session,
   started before the first worker. Every worker's group is announced to it right after the
-  spawn (one write) and withdrawn once stopped; when the agent process is gone it gives what
-  is left the agent's own stop: SIGTERM to each group, the grace period, SIGKILL. The
-  kernel's signal reaches only the worker; the guardian reaches the worker's children in its
-  group too (a worker may so see SIGTERM twice). An agent killed in the instant between a
-  spawn and its announcement leaves that worker to the kernel's signal alone. The end of
-  a run retires the guardian once no group is announced (:func:`retire_guardian`).
+  spawn (one write) and withdrawn once stopped; when the agent process is gone it SIGKILLs
+  each group still announced. The kernel's signal reaches only the worker; the guardian
+  reaches the worker's children in its group too. An agent killed in the instant between a
+  spawn and its announcement leaves that worker to the kernel's signal alone. The end of a
+  run retires the guardian once no group is announced (:func:`retire_guardian`).
+Both kill at once, without the grace period of the agent's own stop: a node whose agent is
+gone is dropped by its peers, its workers have nothing left to do, and a worker that traps
+SIGTERM would hold its peers' collectives until the grace ended (:mod:`aelastic.agent._guard`).
 A worker in uninterruptible sleep survives SIGKILL: the wait after it is bounded
 (:mod:`aelastic.agent._unkillable`); :func:`stop_processes` names the survivors.
 
@@ -41,7 +47,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import IO, Any
 
 from ._guard import group_members
@@ -53,9 +59,6 @@ __all__ = ["WorkerProcess", "child_setup", "retire_guardian", "stop_processes"]
 log = logging.getLogger("aelastic.agent")
 
 _Stream = int | IO[Any] | None
-
-#: Grace period the guardian gives a group when the caller names none (torch's default).
-DEFAULT_GRACE = 30.0
 
 
 class WorkerProcess:
@@ -72,6 +75,8 @@ class WorkerProcess:
         self.started_at = time.monotonic()
         #: Wall-clock time the exit was seen (``None`` while running).
         self.exited_at: float | None = None
+        #: The same on the monotonic clock.
+        self.exited_monotonic: float | None = None
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._exit: asyncio.Future[int] = loop.create_future()
@@ -90,14 +95,13 @@ class WorkerProcess:
         stderr: _Stream = None,
         cwd: str | None = None,
         pass_fds: Sequence[int] = (),
-        grace: float = DEFAULT_GRACE,
         affinity: frozenset[int] | None = None,
     ) -> WorkerProcess:
         """Start ``argv`` in a new session (call on the event loop that will await it).
 
-        The process gets SIGTERM if this thread ends (the agent died), and its group is
-        announced to the guardian, which stops it (``grace`` s between SIGTERM and SIGKILL)
-        if the agent process dies before :func:`stop_processes` did. ``affinity``: the CPUs
+        The process gets SIGKILL if this thread ends (the agent died), and its group is
+        announced to the guardian, which SIGKILLs it if the agent process dies before
+        :func:`stop_processes` did. ``affinity``: the CPUs
         the child binds itself to before ``exec`` (NUMA binding without ``numactl``).
 
         Raises:
@@ -117,7 +121,7 @@ class WorkerProcess:
             close_fds=True,
             preexec_fn=child_setup(affinity),
         )
-        GUARDIAN.watch(popen.pid, grace)
+        GUARDIAN.watch(popen.pid)
         return cls(popen, local_rank)
 
     @staticmethod
@@ -126,11 +130,11 @@ class WorkerProcess:
         GUARDIAN.ensure()
 
     @classmethod
-    def adopted(cls, pid: int, local_rank: int, grace: float = DEFAULT_GRACE) -> WorkerProcess:
+    def adopted(cls, pid: int, local_rank: int) -> WorkerProcess:
         """A worker another process started in its own session and reaps (a fork server),
         announced to the guardian like :meth:`start`'s: whoever learns its exit status
         reports it with :meth:`exited` (call on the event loop that awaits it)."""
-        GUARDIAN.watch(pid, grace)
+        GUARDIAN.watch(pid)
         return cls(None, local_rank, pid)
 
     def exited(self, code: int) -> None:
@@ -182,6 +186,7 @@ class WorkerProcess:
     def _set_exit(self, code: int) -> None:
         if not self._exit.done():
             self.exited_at = time.time()
+            self.exited_monotonic = time.monotonic()
             self._exit.set_result(code)
 
     @property
@@ -220,10 +225,20 @@ class WorkerProcess:
 
 
 async def stop_processes(
-    processes: Iterable[WorkerProcess], grace: float, sig: int = signal.SIGTERM
+    processes: Iterable[WorkerProcess],
+    grace: float,
+    sig: int = signal.SIGTERM,
+    *,
+    failing: Collection[int] = (),
+    python_done: Mapping[int, asyncio.Event] | None = None,
 ) -> list[Unkillable]:
     """Stop ``processes``: ``sig`` (SIGTERM) to their groups, wait ``grace`` s, SIGKILL,
     reap all.
+
+    ``failing``: pids of workers ending by themselves (an uncaught exception): they get no
+    ``sig``. ``python_done``: by pid, an event set once a worker's Python code is over (its
+    last exit handler ran): that worker is SIGKILLed then, not waited for through the
+    interpreter's teardown.
 
     Safe to call on processes that already exited. Returns once every worker is reaped and
     whatever else was left in the workers' groups got SIGKILL and died, or once the bound
@@ -231,12 +246,19 @@ async def stop_processes(
     the workers still alive, as ``/proc`` describes them (empty when all died).
     """
     procs = list(processes)
+    python_done = python_done or {}
     running = [p for p in procs if p.returncode is None]
     for proc in procs:
         # Also the groups of workers that exited: their children may still run.
-        proc.signal_group(sig)
+        if proc.returncode is not None or proc.pid not in failing:
+            proc.signal_group(sig)
     if running:
-        await asyncio.wait([asyncio.ensure_future(p.wait()) for p in running], timeout=grace)
+        waits = [asyncio.ensure_future(_ended(p, python_done.get(p.pid))) for p in running]
+        try:
+            await asyncio.wait(waits, timeout=grace)
+        finally:
+            for wait in waits:
+                wait.cancel()
     for proc in procs:
         proc.signal_group(signal.SIGKILL)
     left = [p for p in running if p.returncode is None]
@@ -280,6 +302,22 @@ def _reap_now(pid: int) -> bool:
         return os.waitpid(pid, os.WNOHANG)[0] != 0
     except ChildProcessError:
         return True
+
+
+async def _ended(proc: WorkerProcess, python_done: asyncio.Event | None) -> None:
+    """Until ``proc`` exited; SIGKILLed first once ``python_done`` is set (its Python code
+    is over: only the interpreter's teardown is left)."""
+    if python_done is not None:
+        exited = asyncio.ensure_future(proc.wait())
+        done = asyncio.ensure_future(python_done.wait())
+        try:
+            await asyncio.wait([exited, done], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+            done.cancel()
+        if proc.returncode is None:
+            proc.signal_group(signal.SIGKILL)
+    await proc.wait()
 
 
 #: Longest wait for SIGKILLed descendants to die (they are not ours to reap).

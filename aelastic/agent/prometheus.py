@@ -103,7 +103,7 @@ class AgentCollector:
         )
         self._recovery = pc.Histogram(
             "aelastic_recovery_seconds",
-            "Seconds from the event that stopped an attempt to the next attempt's start",
+            "Seconds from the earliest sign of what ended an attempt to the next attempt's start",
             buckets=_BUCKETS,
             registry=registry,
         )

@@ -15,7 +15,7 @@ standby (``python [flags] .../aelastic/agent/_standby.py FD``, see
 A standby is used only when that is indistinguishable for the worker: the environment
 apart from the per-attempt variables is unchanged since it started, and it is alive.
 Otherwise the worker is started cold. Standbys die with the agent (they exit when the
-socket closes, and are started like workers: SIGTERM on the agent's death, watched by the
+socket closes, and are started like workers: SIGKILL on the agent's death, watched by the
 guardian) and are stopped with the workers.
 """
 
@@ -37,7 +37,7 @@ from ._progress import with_bootstrap, without_bootstrap
 from .api import WorkerSpec
 from .env import ATTEMPT_KEYS, inherited_env
 from .numa import Binding, NumaBindingError, worker_binding
-from .process import DEFAULT_GRACE, WorkerProcess, stop_processes
+from .process import WorkerProcess, stop_processes
 
 __all__ = ["STANDBY_DELAY", "Launch", "Standby", "StandbyPool", "launch_of", "standby_env"]
 
@@ -99,7 +99,6 @@ class Standby:
         launch: The worker's Python launch.
         base_env: The environment to start it with (the worker's, minus per-attempt keys).
         local_rank: The local rank it will serve.
-        grace: The workers' grace period (the guardian's, should the agent die).
         binding: The CPUs of the local rank's worker (``numa_binding``), applied at start.
         preload: Modules it imports before it waits (``WorkerSpec.standby_preload``).
     """
@@ -109,7 +108,6 @@ class Standby:
         launch: Launch,
         base_env: Mapping[str, str],
         local_rank: int,
-        grace: float = DEFAULT_GRACE,
         binding: Binding | None = None,
         preload: tuple[str, ...] = (),
     ) -> None:
@@ -126,7 +124,6 @@ class Standby:
                 self.base_env,
                 local_rank,
                 pass_fds=[theirs.fileno()],
-                grace=grace,
                 affinity=None if binding is None else binding.affinity,
             )
         except BaseException:
@@ -212,10 +209,9 @@ class StandbyPool:
         env = standby_env(self._spec)
         for rank in range(self._spec.local_world_size):
             try:
-                grace = self._spec.stop_grace_period
                 binding = worker_binding(self._spec, rank)
                 preload = self._spec.standby_preload
-                self._ready[rank] = Standby(launch, env, rank, grace, binding, preload)
+                self._ready[rank] = Standby(launch, env, rank, binding, preload)
             except (OSError, NumaBindingError) as exc:
                 log.warning("could not start a warm standby: %s", reason(exc))
                 return

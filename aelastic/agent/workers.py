@@ -17,12 +17,13 @@ attempt ends; a worker that outlives SIGKILL past the bound raises
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from ..core.errors import reason
@@ -149,7 +150,6 @@ class WorkerSet:
                             stdout=stdout,
                             stderr=stderr,
                             pass_fds=fds,
-                            grace=self._group.spec.stop_grace_period,
                             affinity=None if binding is None else binding.affinity,
                         )
                 except BaseException:
@@ -202,7 +202,6 @@ class WorkerSet:
             self._scratch_path(local_rank) + ".out",
             fds,
             affinity=None if binding is None else binding.cpus,
-            grace=self._group.spec.stop_grace_period,
         )
 
     def _owns(self, pid: int) -> bool:
@@ -284,9 +283,17 @@ class WorkerSet:
             return ""
         return path
 
-    async def stop(self, grace: float, sig: int = signal.SIGTERM) -> None:
+    async def stop(
+        self,
+        grace: float,
+        sig: int = signal.SIGTERM,
+        *,
+        failing: Collection[int] = (),
+        python_done: Mapping[int, asyncio.Event] | None = None,
+    ) -> None:
         """Stop and reap every worker (``sig``, ``grace`` s, SIGKILL), close the watchdog,
-        then drain the logs.
+        then drain the logs. ``failing``, ``python_done``: workers ending by themselves
+        (:func:`~aelastic.agent.process.stop_processes`).
 
         Raises:
             WorkersUnkillable: Workers outlived SIGKILL past the bound (the rest is done).
@@ -294,7 +301,10 @@ class WorkerSet:
         procs, self.processes = self.processes + self.discarded, []
         self.discarded = []
         procs = [p for p in procs if p.pid not in self._abandoned]
-        survivors = await stop_processes(procs, grace, sig) if procs else []
+        survivors: list[Unkillable] = []
+        if procs:
+            stop = stop_processes(procs, grace, sig, failing=failing, python_done=python_done)
+            survivors = await stop
         if self._watchdog is not None:
             self._watchdog.close()
         if self.progress is not None:

@@ -97,7 +97,7 @@ async def test_waiter_thread_without_pidfd(monkeypatch: pytest.MonkeyPatch) -> N
     assert reaped(proc.pid)
 
 
-async def test_workers_are_armed_with_sigterm_on_the_agents_death() -> None:
+async def test_workers_are_armed_with_sigkill_on_the_agents_death() -> None:
     # PR_GET_PDEATHSIG (2): the signal the kernel sends this process when its parent dies.
     code = (
         "import ctypes\n"
@@ -106,8 +106,54 @@ async def test_workers_are_armed_with_sigterm_on_the_agents_death() -> None:
         "os.write(int(os.environ['READY_FD']), str(sig.value).encode())\n"
     )
     proc, fd = start(code)
-    assert int(await ready(fd)) == signal.SIGTERM
+    assert int(await ready(fd)) == signal.SIGKILL
     await stop_processes([proc], grace=30)
+
+
+# A worker that traps SIGTERM (PyTorch Lightning's handler) and counts the signals it got.
+TRAPS_SIGTERM = (
+    "got = []\n"
+    "signal.signal(signal.SIGTERM, lambda *a: got.append(1))\n"
+    + SIGNAL_READY % "ok"
+    + "time.sleep(600)"
+)
+
+
+async def test_a_failing_worker_gets_no_sigterm_and_is_killed_once_its_python_is_done() -> None:
+    proc, fd = start(TRAPS_SIGTERM)
+    await ready(fd)
+    python_done = asyncio.Event()
+    started = time.monotonic()
+    stop = asyncio.ensure_future(
+        stop_processes([proc], grace=30, failing={proc.pid}, python_done={proc.pid: python_done})
+    )
+    await asyncio.sleep(0.3)
+    assert not stop.done() and proc.returncode is None  # no SIGTERM: it ends by itself
+    python_done.set()  # its last exit handler ran: only the interpreter's teardown is left
+    await asyncio.wait_for(stop, 20)
+    assert proc.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 20
+    assert reaped(proc.pid)
+
+
+async def test_a_failing_worker_that_never_says_its_python_is_done_gets_the_grace() -> None:
+    proc, fd = start(TRAPS_SIGTERM)
+    await ready(fd)
+    started = time.monotonic()
+    await stop_processes([proc], grace=0.5, failing={proc.pid}, python_done={})
+    assert time.monotonic() - started >= 0.5
+    assert proc.returncode == -signal.SIGKILL
+
+
+async def test_a_worker_that_traps_sigterm_keeps_the_whole_grace_in_a_real_stop() -> None:
+    """torch's stop for everyone else: SIGTERM, the grace (the handler's time), SIGKILL;
+    the event of a worker that did not say it is failing changes nothing until it is set."""
+    proc, fd = start(TRAPS_SIGTERM)
+    await ready(fd)
+    started = time.monotonic()
+    await stop_processes([proc], grace=0.5, python_done={proc.pid: asyncio.Event()})
+    assert time.monotonic() - started >= 0.5
+    assert proc.returncode == -signal.SIGKILL
 
 
 def test_a_child_whose_agent_died_before_it_was_armed_exits(

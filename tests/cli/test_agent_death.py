@@ -1,7 +1,8 @@
 """A launcher killed with SIGKILL leaves nothing running: workers, their children, standbys.
 
-The kernel's parent-death signal gives each worker and warm standby SIGTERM; the guardian
-stops what is left of each worker's process group (SIGTERM, the grace, SIGKILL), then exits.
+The kernel's parent-death signal gives each worker and warm standby SIGKILL; the guardian
+SIGKILLs what is left of each worker's process group, then exits. No grace: nobody runs the
+node any more, and a worker that traps SIGTERM would keep its peers' collectives open.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from ._proc import Cli, alive
 
 # A worker with a child in its process group; ``--ignore-term`` makes the worker deaf to
-# SIGTERM (only the guardian's SIGKILL after the grace ends it).
+# SIGTERM (as a worker whose handler goes on training).
 FAMILY = """
 import os, signal, subprocess, sys, time
 if "--ignore-term" in sys.argv:
@@ -108,18 +109,19 @@ def test_sigkilled_launcher_leaves_no_worker_child_or_standby(tmp_path: Path) ->
             _kill_all(everything)
 
 
-def test_a_worker_ignoring_sigterm_gets_sigkill_after_the_grace(tmp_path: Path) -> None:
+def test_a_worker_ignoring_sigterm_is_killed_at_once_not_after_the_grace(
+    tmp_path: Path,
+) -> None:
     (tmp_path / "family.py").write_text(textwrap.dedent(FAMILY))
-    args = ["run", "--shutdown-timeout", "1", "--no-warm-standby", "family.py", "--ignore-term"]
+    args = ["run", "--shutdown-timeout", "120", "--no-warm-standby", "family.py", "--ignore-term"]
     with Cli(args, tmp_path) as cli:
         workers, children = _family(cli, 1)
         try:
             killed = time.monotonic()
             os.kill(cli.proc.pid, signal.SIGKILL)
             cli.wait(BOUND)
-            _wait_until(_gone(children), "gone: the worker's child (SIGTERM)")
-            _wait_until(_gone(workers), "gone: the worker (SIGKILL after the grace)")
-            assert time.monotonic() - killed >= 1.0  # not before the grace period
+            _wait_until(_gone([*workers, *children]), "gone: the worker and its child")
+            assert time.monotonic() - killed < 30  # far from the grace period (120 s)
         finally:
             _kill_all([*workers, *children])
 

@@ -15,7 +15,9 @@ The bootstrap (``sitecustomize.py`` beside this file) loads this module under th
 hook that registers the optimizer hook as soon as ``torch.optim.optimizer`` is imported)
 and :func:`install_excepthook` (an uncaught exception is written to
 ``TORCHELASTIC_ERROR_FILE`` in torch's ``@record`` format when the script's own ``@record``
-did not), and calls :func:`watch_agent`: when the agent names its beat page
+did not, and the agent is told at once that the worker is failing, with the traceback,
+then again once its Python code is over: its last exit handler; see
+``aelastic.agent._inplace``), and calls :func:`watch_agent`: when the agent names its beat page
 (``AELASTIC_AGENT_BEAT``), a daemon thread sleeps until the deadline the agent's event loop
 keeps pushing forward there; a deadline that passes means the agent did not run for as long
 as its node's peers wait before they drop the node (it is frozen, or gone): the thread then
@@ -50,6 +52,7 @@ __all__ = [
     "BEAT_WINDOW",
     "ENV_BEAT",
     "ENV_PAGE",
+    "ENV_WORKERS_SOCKET",
     "MAGIC",
     "PAGE_SIZE",
     "SLOT_MAIN",
@@ -407,10 +410,25 @@ def _destroy_gloo_group() -> None:
 
 # -- uncaught exceptions ------------------------------------------------------------------
 
+#: The worker's variable naming its agent's socket (``aelastic.worker._inplace.ENV_SOCKET``).
+ENV_WORKERS_SOCKET = "AELASTIC_INPLACE_SOCKET"
+#: Characters of the traceback's end told to the agent (where it broke, and why).
+_NOTICE_TEXT = 8192
+
+_failing: Any = None  # the socket that told the agent this worker is failing
+
 
 def install_excepthook() -> None:
     """Write an uncaught exception to ``TORCHELASTIC_ERROR_FILE`` (torch's ``@record``
-    format) unless something wrote it already; then print it as before."""
+    format) unless something wrote it already, tell the agent the worker is failing; then
+    print it as before.
+
+    Also registers the exit handler that tells the agent when a failing worker's Python
+    code is over. Registered here, before the user's code, it runs last: after the user's
+    exit handlers, and after Python joined the user's threads; what is left is the
+    interpreter's own teardown (seconds with torch loaded, on a busy machine), which the
+    agent need not wait for when it stops the worker.
+    """
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
@@ -418,9 +436,52 @@ def install_excepthook() -> None:
             _write_error_file(kind, value, tb)
         except Exception:  # never hide the user's exception behind ours
             pass
+        try:  # noqa: SIM105
+            _tell_failing(kind, value, tb)
+        except Exception:
+            pass
         previous(kind, value, tb)
 
     sys.excepthook = hook
+    atexit.register(_tell_exiting)
+
+
+def _tell_failing(
+    kind: type[BaseException], value: BaseException, tb: TracebackType | None
+) -> None:
+    """Tell the agent (its socket, when the environment names one) that this worker is
+    failing with an uncaught exception: the earliest sign of a collective broken by a
+    peer's loss, seconds before the process is gone."""
+    global _failing
+    path = os.environ.get(ENV_WORKERS_SOCKET)
+    if not path or _failing is not None or issubclass(kind, (SystemExit, KeyboardInterrupt)):
+        return
+    import socket
+
+    text = "".join(traceback.format_exception(kind, value, tb))[-_NOTICE_TEXT:]
+    line = json.dumps({"op": "failing", "pid": os.getpid(), "error": text}) + "\n"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(_SAY_WAIT)  # never hold the exit for an agent that does not read
+        sock.connect(path)
+        sock.sendall(line.encode(errors="replace"))
+    except OSError:
+        sock.close()
+        return
+    _failing = sock
+
+
+def _tell_exiting() -> None:
+    """The last exit handler: tell the agent that this failing worker's Python code is over."""
+    global _failing
+    sock, _failing = _failing, None
+    if sock is None:
+        return
+    try:  # noqa: SIM105 - contextlib is not worth importing in every worker
+        sock.sendall(json.dumps({"op": "exiting", "pid": os.getpid()}).encode() + b"\n")
+    except OSError:
+        pass
+    sock.close()
 
 
 def _write_error_file(
