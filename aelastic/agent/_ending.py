@@ -60,9 +60,9 @@ def _own_error(error: BaseException | None) -> bool:
     """Whether the run ended on an error of this agent's own (its workers could not be
     started, ...): torch's ``launch_agent`` then shuts the rendezvous down, as after a
     failure. Not a rendezvous error (the rendezvous itself failed or closed), a quarantine
-    (this node leaves on purpose) or a signal."""
+    or unkillable workers (this node leaves, the others go on without it) or a signal."""
     return isinstance(error, Exception) and not isinstance(
-        error, RendezvousError | NodeQuarantined | SignalException
+        error, RendezvousError | NodeQuarantined | WorkersUnkillable | SignalException
     )
 
 

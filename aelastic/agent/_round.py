@@ -32,7 +32,7 @@ def prepare_join(handler: DynamicRendezvousHandler, spec: WorkerSpec, port: Rese
     """Have the next join say this node's worker role and count, and offer a port for the
     workers' bootstrap (``spec.master_port``, or one kept bound until the round is known)."""
     offered = spec.master_port or port.reserve()
-    handler.set_profile(spec.role, spec.local_world_size, offered)
+    handler.set_profile(spec.role, spec.local_world_size, offered, spec.local_addr)
 
 
 async def form_round(

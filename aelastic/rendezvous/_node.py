@@ -269,14 +269,24 @@ class NodeRequests:
         if old is None or old.signature() != status.signature():
             self._news.set()
 
-    def set_profile(self, role: str, local_world_size: int, port: int | None = None) -> None:
+    def set_profile(
+        self,
+        role: str,
+        local_world_size: int,
+        port: int | None = None,
+        addr: str | None = None,
+    ) -> None:
         """What this node's next joins say: its workers' role and how many there are (the
-        round's worker ranks are fixed from every member's), and the port offered for the
-        workers' bootstrap should it become rank 0 (``None``: a free one at each join)."""
+        round's worker ranks are fixed from every member's), the port offered for the
+        workers' bootstrap should it become rank 0 (``None``: a free one at each join), and
+        the address its workers are reached at (torch's agent ``local_addr``: the node takes
+        it as its address if it never joined yet, so that it is rank 0's MASTER_ADDR)."""
         if local_world_size < 1:
             raise ValueError(f"local_world_size must be at least 1, not {local_world_size}")
         self._profile = (role, local_world_size)
         self._port = port
+        if addr and addr != self._node.addr and not self._took_part:
+            self._node = NodeDesc(addr, self._node.pid, self._node.local_id)
 
     async def _join(self, deadline: float) -> Reply:
         """Ask to join until the round completes; ``deadline`` is on the monotonic clock."""
