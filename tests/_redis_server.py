@@ -142,7 +142,7 @@ class RedisServer:
 
     def _spawn(self) -> bool:
         """Start the process; ``False`` if its port was in use and another may be taken."""
-        args = [self.binary, "--bind", "127.0.0.1"]
+        args = [self.binary, "--bind", self.host]
         if self.tls:
             args += ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no"]
             args += ["--tls-cert-file", str(self.ca_file), "--tls-key-file", str(self._key_file)]
