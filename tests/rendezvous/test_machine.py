@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from aelastic.core.health import FailureReport, NodeReport
 from aelastic.core.machine import (
     beat_due_ms,
     confirmable,
@@ -14,7 +15,6 @@ from aelastic.core.machine import (
     status_of,
     step,
 )
-from aelastic.core.health import FailureReport, NodeReport
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Outcome, Reply, Request, RunState, Transition
 from aelastic.core.token import NO_STATE
