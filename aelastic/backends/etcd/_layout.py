@@ -29,12 +29,15 @@ percent-encoded, so a ``/`` in it stays inside the run's folder):
   incident's ``failed`` is their count);
 * ``c``: written once when a round completes: its revision is the round's **cut**, the
   revision at which ``p/`` holds exactly the round's members (ranks are read there);
-* ``f``: written with a header created by a first join, on its creator's lease, deleted by
-  the header's next write: while it is there, the run is round 0 forming, with no last call,
-  and not empty (its creator is in it), and a first join needs no read
-  (:meth:`._apply.RunPort.first_join`); its value is the run's rules and profile
-  (:func:`fresh_tag`), so a first join with other rules or another profile falls back to a
-  full request (refused there, naming both; or joining with its profile's mark);
+* ``b``: written with a header created by a first join, deleted by the header's next write,
+  and written again by every first join that joins the run so (outside every watched
+  range: nobody hears of it), on that joiner's lease: while it is there, the run is round 0
+  forming, with no last call, and not empty (the node whose lease holds it joined last,
+  and a node that left has its lease gone long before an empty run is free again), and a
+  first join needs no read (:meth:`._apply.RunPort.first_join`); its value is the run's
+  rules and profile (:func:`fresh_tag`), so a first join with other rules or another
+  profile falls back to a full request (refused there, naming both; or joining with its
+  profile's mark);
 * ``kv/<key>``: the members' key-value store; ``op/<id>``: the result of an ``add``, kept a
   while so that a retried add never counts twice.
 
@@ -123,7 +126,7 @@ def rules_tag(rules: Rules) -> str:
 
 
 def fresh_tag(rules: Rules, profile: Profile) -> str:
-    """The ``f`` key's value: the run's rules and profile (compared by a first join)."""
+    """The ``b`` key's value: the run's rules and profile (compared by a first join)."""
     return f"{rules_tag(rules)};{profile[1]}:{profile[0]}"
 
 
@@ -166,7 +169,7 @@ class RunKeys:
         self.base = f"{prefix}/{quote(run_id, safe='')}/"
         self.header = self.base + "h"
         self.cut = self.base + "c"
-        self.fresh = self.base + "f"
+        self.fresh = self.base + "b"
         self.participants = self.base + "p/"
         self.done = self.base + "pd/"
         self.profiles = self.base + "pm/"

@@ -111,7 +111,7 @@ def _health_ops(k: RunKeys, plan: Plan, node: NodeDesc) -> list[dict[str, Any]]:
 
 def first_join_txn(k: RunKeys, request: Request, fresh: Header, lease: str) -> dict[str, Any]:
     """The transaction of ``request``, a node's first join, on ``lease``: it creates the run
-    (the header ``fresh`` and ``f``) if there is none, or else joins round 0 while the run
+    (the header ``fresh`` and ``b``) if there is none, or else joins round 0 while the run
     is as its creator left it (see :meth:`~._apply.RunPort.first_join`); its ranges read
     the header and count the lists (the participants only when it creates the run)."""
     node, rules = request.node, request.rules
@@ -128,6 +128,8 @@ def first_join_txn(k: RunKeys, request: Request, fresh: Header, lease: str) -> d
     value = member_value(request.port, request.secret)
     mine = {"key": b64(k.member("p", node)), "value": b64(value)}
     me = {"request_put": {**mine, "lease": lease}}
+    # The run's "begun" key, on this joiner's lease: the run is not empty while it lives.
+    begun = {"request_put": {"key": b64(k.fresh), "value": b64(tag), "lease": lease}}
     counts = [
         range_op(p, prefix_end(p), count_only=True)
         for p in (k.participants, k.waiting, k.redundant, k.finished)
@@ -139,8 +141,7 @@ def first_join_txn(k: RunKeys, request: Request, fresh: Header, lease: str) -> d
         ],
         "success": [
             {"request_put": {"key": b64(k.header), "value": b64(encode_header(fresh))}},
-            {"request_put": {"key": b64(k.fresh), "value": b64(tag), "lease": lease}},
-            me, range_op(k.header), *counts,
+            begun, me, range_op(k.header), *counts,
         ],
         "failure": [{"request_txn": {
             "compare": [
@@ -150,7 +151,7 @@ def first_join_txn(k: RunKeys, request: Request, fresh: Header, lease: str) -> d
                  "version": 1},
                 *absent,
             ],
-            "success": [me, range_op(k.header), *counts[1:]],
+            "success": [me, begun, range_op(k.header), *counts[1:]],
         }}],
     }  # fmt: skip
     return body
