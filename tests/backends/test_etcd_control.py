@@ -13,10 +13,15 @@ from collections.abc import Iterator
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aelastic.backends.etcd import EtcdBackend
+from aelastic.backends.etcd._control import Seat, placement_of
+from aelastic.backends.etcd._layout import sort_key
+from aelastic.core import machine
 from aelastic.core.health import FailureReport, NodeReport
-from aelastic.core.state import Placement
+from aelastic.core.state import NodeDesc, Placement
 from aelastic.rendezvous import DynamicRendezvousHandler
 from tests._etcd_server import EtcdServer, b64
 from tests._rendezvous_helpers import (
@@ -210,3 +215,26 @@ async def test_a_waiting_node_sets_its_own_host_aside(server: EtcdServer) -> Non
         await asyncio.gather(late, return_exceptions=True)
     async with handler_group("etcd", server.endpoint, "no-such-run", 1, 1, 1) as (nobody,):
         assert await nobody.health() is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["default", "trainer", "eval"]), st.integers(1, 8)),
+             min_size=1, max_size=12),
+    st.tuples(st.sampled_from(["default", "trainer", "eval"]), st.integers(1, 8)),
+)  # fmt: skip
+def test_a_placement_from_the_marks_is_the_machines(
+    profiles: list[tuple[str, int]], run_profile: tuple[str, int]
+) -> None:
+    """Whatever the run's profile and the members', a member's placement worked out from
+    its rank and the marks of the members of another profile is the machine's."""
+    order = [NodeDesc("10.0.0.1", pid, 0) for pid in range(len(profiles))]  # rank order
+    expected = machine._placements(order, dict(zip(order, profiles, strict=True)))
+    marks = tuple(
+        (sort_key(node), profile)
+        for node, profile in zip(order, profiles, strict=True)
+        if profile != run_profile
+    )
+    for rank, node in enumerate(order):
+        seat = Seat(rank, marks)
+        assert placement_of(seat, sort_key(node), len(order), run_profile) == expected[node]
