@@ -30,8 +30,8 @@ percent-encoded, so a ``/`` in it stays inside the run's folder):
 * ``c``: written once when a round completes: its revision is the round's **cut**, the
   revision at which ``p/`` holds exactly the round's members (ranks are read there);
 * ``b``: written with a header created by a first join, deleted by the header's next write,
-  and written again by every first join that joins the run so (outside every watched
-  range: nobody hears of it), on that joiner's lease: while it is there, the run is round 0
+  and written again by every join to the run until then (outside every watched range:
+  nobody hears of it), on that joiner's lease: while it is there, the run is round 0
   forming, with no last call, and not empty (the node whose lease holds it joined last,
   and a node that left has its lease gone long before an empty run is free again), and a
   first join needs no read (:meth:`._apply.RunPort.first_join`); its value is the run's

@@ -37,11 +37,12 @@ class View:
     Attributes:
         revision: The revision read at.
         header: The header (``None``: the run has no state).
-        header_mod: Its mod revision (0 when absent).
+        header_mod: Its mod revision (0 when absent); ``header_create`` its create revision
+            (the same: the header was never rewritten).
         own: This node's keys by list (``p``, ``w``, ``r``; ``pd`` its done mark), ``None``
             where it is not.
         participants, waiting, redundant, finished, done: The counts of ``p/``, ``w/``,
-            ``r/``, ``q/``, ``pd/``.
+            ``r/``, ``q/`` (members done or gone finished), ``pd/`` (members done).
         first: The first participant (rank 0 when the round completes) and its port.
         cut: The revision of the last completion (the ``c`` key), 0 if none.
         extras: When more than ``max_nodes`` joined a forming round at once (their joins
@@ -55,6 +56,7 @@ class View:
     header: Header | None
     header_mod: int
     own: dict[str, Member | None]
+    header_create: int = 0
     participants: int = 0
     waiting: int = 0
     redundant: int = 0

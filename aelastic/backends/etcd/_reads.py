@@ -144,6 +144,7 @@ class RunReads:
             revision=revision,
             header=header,
             header_mod=headers[0].mod if headers else 0,
+            header_create=headers[0].create if headers else 0,
             own=own,
             participants=counts[0],
             waiting=counts[1],

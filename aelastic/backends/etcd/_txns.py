@@ -68,6 +68,13 @@ def write_txn(
         if where != "q":
             put = {"key": b64(k.member(where, node)), "value": b64(value), "lease": lease}
             ops.append({"request_put": put})
+    h = view.header
+    untouched = h is not None and view.header_mod == view.header_create  # round 0 forming
+    if "p" in plan.put and plan.header is None and untouched and h and h.rules:
+        # The run's "begun" key on this joiner's lease (see first_join_txn): a join through
+        # a read keeps the first joins' fast path open.
+        tag = b64(fresh_tag(h.rules, h.profile))
+        ops.append({"request_put": {"key": b64(k.fresh), "value": tag, "lease": lease}})
     if plan.header is not None:
         header = plan.header.evolve(accounted=view.revision)
         ops.append({"request_put": {"key": b64(k.header), "value": b64(encode_header(header))}})
