@@ -275,3 +275,20 @@ def test_the_control_state_agrees_through_reports_done_and_losses(
     ]
     loop.run_until_complete(run_both(client, Rules(2, 4, last_call_ms=5, window_ms=2_000),
                                      steps))  # fmt: skip
+
+
+def test_a_member_that_left_finished_is_never_named_among_the_lost(
+    client: EtcdClient, loop: asyncio.AbstractEventLoop
+) -> None:
+    """A second finished leave writes no header (the flag is set already); a member etcd
+    drops afterwards is named lost, the finished one is not (its deletion is in the same
+    history the names are read from)."""
+    steps = [Step(i, Op.JOIN, 1) for i in range(5)] + [
+        Step(1, Op.LEAVE, 5, finished=True),  # the finished flag: a header write
+        Step(2, Op.LEAVE, 5, finished=True),  # no header write
+        Step(0, Op.KEEP_ALIVE, 1_000),
+        Step(3, Op.KEEP_ALIVE, 0),
+        Step(0, Op.STATUS, 1_500),  # 4 dropped: lost, named, its host counted
+    ]
+    loop.run_until_complete(run_both(client, Rules(2, 5, last_call_ms=5, window_ms=2_000),
+                                     steps))  # fmt: skip

@@ -2,18 +2,21 @@
 
 How it works: when a node's lease expires etcd deletes its keys and tells nobody why; the
 counts show how many members a round lost, not who. :func:`lost_names` reads the history of
-the node lists (``p/`` to ``q/``: one watch from the revision the run's header accounted
-for, up to the revision a request read) and names each participant whose key was deleted
-there, but those of the header's own write (accounted already), the members that left having
-finished (their ``q/`` key written at that revision) and those that were done (their
-``pd/`` key deleted with it). Events are taken a revision at a time (etcd sends a revision's
-events together): a lease's keys are deleted in key order, ``p/`` before ``pd/``. Best
-effort: history compacted away, or a member that does not answer, leaves names out (the
-lost sample and the hosts counted in the job's health miss them; the counts stay exact).
+the deletions of the node lists (``p/`` to ``q/``: one watch without puts, from the revision
+the run's header accounted for, up to the revision a request read) and names each
+participant whose key was deleted there, but those of the header's own write (accounted
+already), those that were done (their ``pd/`` key deleted at the same revision: etcd sends a
+revision's events together) and those that left having finished (their ``q/`` key there at
+the read revision, one small read of those keys: rare). Without puts, the history holds no
+join: a round whose joins churned costs what its losses do. Best effort: history compacted
+away, or a member that does not answer, leaves names out (the lost sample and the hosts
+counted in the job's health miss them; the counts stay exact).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from ...core.errors import RendezvousConnectionError
@@ -21,12 +24,17 @@ from ...core.race import wait_within
 from ._client import EtcdClient, EtcdError, b64, unb64
 from ._layout import RunKeys, prefix_end
 from ._plan import View
+from ._ranges import range_of, range_op
 
 __all__ = ["lost_names"]
 
+_MISSED = (ConnectionError, EtcdError, RendezvousConnectionError, TimeoutError)
+#: Keys checked in one read (etcd refuses a transaction of more than 128 operations).
+_CHECKED = 64
+
 
 async def lost_names(
-    client: EtcdClient, keys: RunKeys, view: View, count: int, name_of: Any
+    client: EtcdClient, keys: RunKeys, view: View, count: int, name_of: Callable[[str], str]
 ) -> list[str]:
     """Up to ``count`` members etcd removed from the complete round of ``view`` since its
     header's last write, in order (see the module docstring); ``name_of(key)`` is the node's
@@ -39,22 +47,26 @@ async def lost_names(
             "key": b64(k.participants),
             "range_end": b64(prefix_end(k.finished)),
             "start_revision": header.accounted + 1,
+            "filters": ["NOPUT"],
         }
     }
     names: list[str] = []
-    batch: list[tuple[str, bool]] = []  # the events of one revision: key, deleted
+    found: list[str] = []  # p/ keys deleted, not yet checked for a finished leave
+    batch: list[str] = []  # the keys deleted at one revision
 
-    def settle() -> bool:
-        """Take the losses of the revision in ``batch``; whether ``count`` are found."""
-        spared = {key[len(k.finished) :] for key, deleted in batch
-                  if not deleted and key.startswith(k.finished)}  # fmt: skip
-        spared.update(key[len(k.done) :] for key, deleted in batch
-                      if deleted and key.startswith(k.done))  # fmt: skip
-        for key, deleted in batch:
-            member = deleted and key.startswith(k.participants)
-            if member and key[len(k.participants) :] not in spared:
-                names.append(name_of(key))
+    def settle() -> None:
+        done = {key[len(k.done) :] for key in batch if key.startswith(k.done)}
+        for key in batch:
+            if key.startswith(k.participants) and key[len(k.participants) :] not in done:
+                found.append(key)
         batch.clear()
+
+    async def enough() -> bool:
+        """Whether ``count`` names are found, once those found are checked."""
+        settle()
+        if len(names) + len(found) >= count:
+            names.extend(await _not_finished(client, k, found, view.revision))
+            found.clear()
         return len(names) >= count
 
     at = 0
@@ -64,20 +76,39 @@ async def lost_names(
                 if message.get("compact_revision") or message.get("canceled"):
                     break
                 for event in message.get("events", []):
-                    kv = event.get("kv", {})
-                    revision = int(kv.get("mod_revision", 0))
-                    if revision != at and (settle() or revision > view.revision):
-                        return names[:count]
-                    at = revision
+                    revision = int(event.get("kv", {}).get("mod_revision", 0))
+                    if revision > view.revision:
+                        await enough()
+                        return [name_of(key) for key in names[:count]]
+                    if revision != at:
+                        settle()
+                        at = revision
                     if revision != view.header_mod:
-                        key = unb64(kv.get("key")).decode(errors="replace")
-                        batch.append((key, event.get("type") == "DELETE"))
-                if settle():  # a revision's events come in one message
-                    return names[:count]
-    except (ConnectionError, EtcdError, RendezvousConnectionError, TimeoutError):
+                        batch.append(unb64(event.get("kv", {}).get("key")).decode(errors="replace"))
+                if await enough():  # a revision's events come in one message
+                    return [name_of(key) for key in names[:count]]
+    except _MISSED:
         pass  # the names are for the sample and the health only: the counts stay exact
     settle()
-    return names[:count]
+    with contextlib.suppress(*_MISSED):
+        names.extend(await _not_finished(client, k, found, view.revision))
+    return [name_of(key) for key in names[:count]]
+
+
+async def _not_finished(
+    client: EtcdClient, k: RunKeys, found: list[str], revision: int
+) -> list[str]:
+    """The ``p/`` keys of ``found`` whose node has no ``q/`` key at ``revision`` (it did not
+    leave having finished)."""
+    kept: list[str] = []
+    for start in range(0, len(found), _CHECKED):
+        chunk = found[start : start + _CHECKED]
+        marks = [k.finished + key[len(k.participants) :] for key in chunk]
+        body = {"success": [range_op(m, count_only=True, revision=revision) for m in marks]}
+        answer = await client.call("/v3/kv/txn", body, "lost names")
+        counts = [int(range_of(r).get("count", 0)) for r in answer.get("responses", [])]
+        kept.extend(key for key, n in zip(chunk, counts, strict=False) if not n)
+    return kept
 
 
 async def _until(messages: Any, idle: float) -> Any:
