@@ -20,16 +20,20 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from ...core.errors import RendezvousConnectionError
 from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Status, Transition
 from ...core.token import new_epoch
 from ._client import Compacted, EtcdError, LeaseNotFound
+from ._control import Seat, placement_of
 from ._decide import decide
-from ._layout import Header, decode_header, member_parts
-from ._port import Plan, View, needs_names, status_of
-from ._reads import RunReads, members_of, range_of, range_op
+from ._layout import Header, decode_header, member_parts, sort_key
+from ._plan import Plan, View
+from ._port import needs_names, status_of
+from ._ranges import members_of, range_of, range_op, seat_of, seat_ops
+from ._reads import RunReads
 from ._txns import first_join_txn, write_txn
 
 __all__ = ["RunPort"]
@@ -69,11 +73,12 @@ class RunPort(RunReads):
 
     async def first_join(self, request: Request, now: int, epoch: str) -> Reply | None:
         """A node's first join, in one transaction and no read: it creates the run (header
-        and ``f``) if there is none, or joins round 0 while the run is as its creator left
-        it (``f`` there, the header never rewritten): the case of every node of a new job
-        starting at once. Otherwise (``None``) the join goes on as any request, from a read:
-        so does a join with other rules than the run's (``f`` holds them), or for a name
-        already listed. The read is not in the transaction's failure branch: the read's
+        and ``b``) if there is none, or joins round 0 while the run is as its creator left
+        it (``b`` there: the run is not empty; the header never rewritten), moving ``b``
+        onto its own lease: the case of every node of a new job starting at once. Otherwise
+        (``None``) the join goes on as any request, from a read: so does a join with other
+        rules or another profile than the run's (``b`` holds them), or for a name already
+        listed. The read is not in the transaction's failure branch: the read's
         eleven ranges made the transaction of every node's first join a third larger
         (measured at 1,024 nodes through etcd's JSON gateway, which aelastic spoke before
         gRPC: decoding requests' JSON took a fifth of etcd's CPU during formation). Nor does a
@@ -88,7 +93,7 @@ class RunPort(RunReads):
         fewer a node; the count such a join reports is that bound, exact while only joins
         wrote to etcd since the run began)."""
         k, node, rules = self._keys, request.node, request.rules
-        fresh = Header(epoch=epoch, rules=rules)
+        fresh = Header(epoch=epoch, rules=rules, profile=(request.role, request.local_world_size))
 
         def body_of(lease: str) -> dict[str, Any]:
             return first_join_txn(k, request, fresh, lease)
@@ -128,7 +133,7 @@ class RunPort(RunReads):
             elif reply.outcome is Outcome.FINISH:
                 transition = Transition.MARK_COMPLETE
             return Reply(**{**reply.__dict__, "transition": transition})
-        status = status_of(header, np, nw, nr, nq, now, None)
+        status = status_of(header, np, nw, nr, nq, 0, now, None)
         return Reply(Outcome.WAIT, status, Transition.ADD_TO_PARTICIPANTS, known=True)
 
     async def _grant_and_join(
@@ -181,9 +186,11 @@ class RunPort(RunReads):
 
         def read(serializable: bool) -> dict[str, Any]:
             # At the cut, which the member whose watch told of it has applied (etcd's apply
-            # loop is busy with the completion: see read_applied).
+            # loop is busy with the completion: see read_applied). Its seat (rank and
+            # profile marks: an empty range in a uniform job) and whether it is in it.
             at = {"revision": cut, "count_only": True, "serializable": serializable}
-            return {"success": [range_op(k.participants, mine, **at), range_op(mine, None, **at)]}
+            rank, marks = seat_ops(k, node, cut, serializable=serializable)
+            return {"success": [rank, marks, range_op(mine, None, **at)]}
 
         # The renewal (see ._leases): on the keep-alive stream while the rank is read, or
         # sent with the read (no stream opened yet for this node).
@@ -203,18 +210,20 @@ class RunPort(RunReads):
         alive = await renewal if renewal is not None else self._leases.renewed(node, renewed)
         if not alive:
             return None
-        counts = [int(range_of(r).get("count", 0)) for r in answer.get("responses", [])]
-        if len(counts) != 2 or counts[1] != 1:
+        ranges = [range_of(r) for r in answer.get("responses", [])]
+        if len(ranges) != 3 or int(ranges[2].get("count", 0)) != 1:
             return None
+        seat = seat_of(k, ranges[0], ranges[1])
         master = header.master
         return Reply(
             outcome=Outcome.FINISH,
             status=status,
             transition=Transition.NONE,
-            rank=counts[0],
+            rank=seat.rank,
             master_addr=None if master is None else master[0],
             master_port=None if master is None else master[1],
             known=True,
+            placement=placement_of(seat, sort_key(node), header.world, header.profile),
         )
 
     async def apply(self, request: Request, now: int, epoch: str | None = None) -> Reply:
@@ -238,18 +247,23 @@ class RunPort(RunReads):
     async def _carry_out(self, request: Request, now: int, epoch: str, hint: int | None) -> Reply:
         """:meth:`apply` from a read: read, decide, write (again while the run changed)."""
         node = request.node
-        view, rank = await self.read(node, hint)
+        view, seat = await self.read(node, hint)
         self.revision_of[node] = view.revision
         self._adopt(view, request)
         clock = self._deadlines.end
         for attempt in range(_ATTEMPTS):
             count = needs_names(view)
             names = await self.lost_names(view, count) if count else []
+            view = await self._context(view, request, count > 0, seat if hint == view.cut else None)
             plan = decide(view, request, now, epoch, clock, names)
             if plan.need_extras:
                 view = await self._with_extras(view, node, plan.need_extras)
+                view = await self._context(view, request, count > 0, None)
                 plan = decide(view, request, now, epoch, clock, names)
-            writes = plan.header is not None or plan.put or plan.delete or plan.mark_cut
+            writes = (
+                plan.header is not None or plan.put or plan.delete or plan.mark_cut
+                or plan.health is not None or plan.fail_mark is not None or plan.reset_health
+            )  # fmt: skip
             if not writes:
                 break
             blind = _blind_join(request, plan)
@@ -263,9 +277,11 @@ class RunPort(RunReads):
                     self._deadlines.saw(header.epoch, header.deadline[0], header.deadline[1]
                                         - plan.rules.last_call_ms)  # fmt: skip
                 if plan.rank and plan.mark_cut:
-                    rank = int(range_of(responses[-1]).get("count", 0))
-                    view = View(**{**view.__dict__, "cut": revision})
+                    seat = seat_of(self._keys, range_of(responses[-2]), range_of(responses[-1]))
+                    view = replace(view, cut=revision)
+                    hint = revision
                 await self._follow_up(request, plan, responses, now, epoch)
+                await self._after_marked(request, view, plan, revision, now, epoch)
                 break
             view, _ = self._view(responses, revision)
             self.revision_of[node] = revision
@@ -287,11 +303,43 @@ class RunPort(RunReads):
                 alive = False
             if not alive and request.op is Op.KEEP_ALIVE:
                 plan.known = False
-        if plan.rank and not plan.mark_cut and (rank is None or view.cut != hint):
-            rank = await self._rank(node, view.cut)
+        if plan.rank and (seat is None or view.cut != hint):
+            seat = await self.seat(node, view.cut)
         if plan.outcome is not Outcome.ERROR_FORBIDDEN:  # another client's: not this one's
             self._where_of[node] = plan.where if plan.known else None
-        return self._reply(request, plan, rank)
+        return self._reply(request, plan, seat)
+
+    async def _context(self, view: View, request: Request, losses: bool, seat: Seat | None) -> View:
+        """``view`` with what the request's decision needs beyond the read: the health key
+        (a report, or ``losses`` etcd made to account for) and the node's rank at the cut
+        (a failure report; ``seat``: read at the cut already)."""
+        report = request.report if request.op is Op.REPORT else None
+        listed = view.where() is not None
+        health = await self.health_read() if (report is not None and listed) or losses else None
+        rank = None
+        h = view.header
+        member = h is not None and h.complete and view.own.get("p") is not None
+        if report is not None and report.failure is not None and member:
+            rank = seat.rank if seat is not None else (await self.seat(request.node, view.cut)).rank
+        if health is None and rank is None:
+            return view
+        return replace(view, health=health, rank=rank)
+
+    async def _after_marked(
+        self, request: Request, view: View, plan: Plan, revision: int, now: int, epoch: str
+    ) -> None:
+        """A write that marked a member done or finished (its ``q/`` key) without writing
+        the header may have been the last of the round, its read not counting others done
+        at once: when the revisions since its read leave room for it (each write makes one
+        ``q/`` key at most), count them at its revision (beside etcd's apply loop) and, if
+        every member is done, have the header say so (a status request: its decision
+        writes it)."""
+        if "q" not in plan.put or plan.header is not None or not plan.world:
+            return
+        most = view.finished + 1 + (revision - view.revision - 1)
+        if most < plan.world or await self.count_at(self._keys.finished, revision) < plan.world:
+            return
+        await self.apply(Request(Op.STATUS, request.node, plan.rules), now, epoch)
 
     def _adopt(self, view: View, request: Request) -> None:
         """Renew the lease the node's keys are on, if it is not the one this process
@@ -320,14 +368,19 @@ class RunPort(RunReads):
             status = Request(Op.STATUS, request.node, rules)
             await self.apply(status, now, epoch)
 
-    def _reply(self, request: Request, plan: Plan, rank: int | None) -> Reply:
+    def _reply(self, request: Request, plan: Plan, seat: Seat | None) -> Reply:
         finished_join = request.op is Op.JOIN and plan.outcome is Outcome.FINISH
         master = plan.master if finished_join else None
+        rank, placement = None, None
+        if finished_join and seat is not None:
+            rank = seat.rank
+            own = sort_key(request.node)
+            placement = placement_of(seat, own, plan.world, plan.profile)
         return Reply(
             outcome=plan.outcome,
             status=plan.status,
             transition=plan.transition,
-            rank=rank if finished_join else None,
+            rank=rank,
             master_addr=None if master is None else master[0],
             master_port=None if master is None else master[1],
             wake_at_ms=plan.wake_at_ms,
@@ -335,6 +388,7 @@ class RunPort(RunReads):
             known=plan.known,
             run_rules=plan.run_rules,
             reopen_at_ms=plan.reopen_at_ms,
+            placement=placement,
         )
 
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...core.errors import RendezvousConnectionError
+from ...core.health import JobHealth
 from ...core.race import uncancellable
 from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Snapshot, Status, Transition
 from ...core.token import Token, make
@@ -287,6 +288,12 @@ class EtcdBackend:
         """The run's whole membership, or ``None`` when it has no state."""
         port, _ = await self._bind()
         return await port.snapshot(now_ms())
+
+    async def health(self) -> JobHealth | None:
+        """The job's health as the run keeps it, or ``None`` when it has no state (only
+        the port's requests change it: :mod:`._control`)."""
+        port, _ = await self._bind()
+        return await port.health()
 
     async def close_run(self) -> bool:
         """Close the run as its operator (whoever holds the etcd credentials the nodes use

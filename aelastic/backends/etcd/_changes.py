@@ -62,8 +62,8 @@ def status_from_header(raw: bytes | Header, where: str, deadlines: Deadlines, no
     deadline = None
     if h.deadline is not None and h.rules is not None:
         deadline = deadlines.end(h.epoch, h.deadline[0], h.rules.last_call_ms, now)
-    participants, waiting, redundant, _lost, finished = h.counts
-    return status_of(h, participants, waiting, redundant, finished, now, deadline)
+    participants, waiting, redundant, _lost, finished, done = h.counts
+    return status_of(h, participants, waiting, redundant, finished + done, done, now, deadline)
 
 
 class RunStream:

@@ -1,5 +1,6 @@
-"""The requests of the machine's port onto etcd: what a join, close, leave, keep-alive or
-status decides, pure (the rest of the port, and why it is the machine's rule: :mod:`._port`).
+"""The requests of the machine's port onto etcd: what a join, close, leave, keep-alive, report,
+done or status decides, pure (the rest of the port, and why it is the machine's rule:
+:mod:`._port`).
 
 How it works: :func:`decide` takes one read of the run (a :class:`~._port.View`), does what
 the machine's pruning would have done (:func:`~._port.reconcile`), then the request, each
@@ -11,9 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ...core.health import JobHealth, with_quarantined
 from ...core.state import Op, Outcome, Request, Status, Transition
 from ...core.token import NO_STATE
-from ._port import DeadlineClock, Plan, Run, View, reconcile, status_of
+from ._control import report_failure
+from ._plan import DeadlineClock, Plan, View
+from ._port import Run, reconcile, status_of
 
 __all__ = ["decide"]
 
@@ -23,17 +27,15 @@ def _join(run: Run, req: Request, now: int, deadline_of: Callable[[], int | None
     if run.where is not None and not run.owns:
         plan.outcome = Outcome.ERROR_FORBIDDEN
         return
-    if run.h.closed:
-        reopen = run.reopen_at()
-        if reopen is None or now < reopen:
-            _join_closed(run, now)
-            return
-        # Closed and empty long enough: a new run (the next round, the joiner's rules).
-        run.h = run.h.evolve(closed=False, rules=req.rules, vacated=None)
-        run.rules = req.rules
-        run.open_next_round()
+    reopen = run.reopen_at()
+    if reopen is not None and reopen <= now:
+        run.reopen(req)  # empty for its grace: a new job may take the id
+    elif run.h.closed:
+        _join_closed(run, now)
+        return
     if req.rules != run.rules:
         plan.outcome, plan.run_rules = Outcome.ERROR_RULES, run.rules
+        plan.reopen_at_ms = run.reopen_at()
         return
     rules, h = run.rules, run.h
     expired, restart, transition = req.expired, False, Transition.NONE
@@ -104,27 +106,71 @@ def _join_closed(run: Run, now: int) -> None:
 
 
 def _close(run: Run, req: Request, now: int) -> None:
+    """A run-level act: anyone closes the run; a close of a run no join made makes it,
+    closed (but the operator's: nothing stored)."""
     plan = run.plan
-    if run.h.closed or run.fresh:
-        return  # closed already, or no run to close
-    if not req.operator and not (run.where is not None and run.owns):
-        plan.outcome = Outcome.ERROR_FORBIDDEN  # only a member, or the operator, closes it
-        return
-    run.h = run.h.evolve(closed=True, vacated=None if run.listed else now)
+    if run.h.closed or (run.fresh and req.operator):
+        return  # closed already, or nothing to close
+    h = run.h
+    run.h = h.evolve(closed=True, vacated=h.vacated if run.listed else now)
     plan.transition = Transition.MARK_CLOSED
 
 
+def _report(run: Run, req: Request) -> None:
+    """The machine's ``_report``: the node's own failure in its complete round (its mark,
+    and the health when its root cause is better), or its own host set aside."""
+    plan, report = run.plan, req.report
+    if report is None:
+        return
+    plan.beat = True
+    health = run.health if run.health is not None else JobHealth()
+    if report.quarantine is not None:
+        changed = with_quarantined(health, req.node.addr, report.quarantine)
+        if changed is not None:
+            run.set_health(changed)
+            plan.transition = Transition.REPORT
+        return
+    assert report.failure is not None
+    h = run.h
+    if not h.complete or run.where != "p" or run.rank is None:
+        return  # in no complete round: nothing to report of
+    record = report.failure.record(req.node.addr, req.node.key, run.rank, h.round)
+    stored, drop = report_failure(health, record)
+    if stored is not None:
+        run.set_health(stored)
+        plan.drop_failed = drop
+    plan.fail_mark = h.round
+    plan.transition = Transition.REPORT
+
+
+def _done(run: Run) -> None:
+    """The machine's ``_done``: a member of the complete round says its workers succeeded."""
+    plan = run.plan
+    plan.beat = True
+    if not run.h.complete or run.where != "p" or run.is_done:
+        return
+    plan.put["pd"] = plan.put["q"] = b""
+    run.nd += 1
+    run.nq += 1
+    run.is_done = True
+    plan.transition = Transition.MARK_DONE
+
+
 def _other(run: Run, req: Request, now: int) -> None:
-    """A leave, a keep-alive or a status (or a departure: etcd learns of none, see
-    :mod:`._backend`; one is answered as a status)."""
+    """A leave, a keep-alive, a report, a done or a status (or a departure: etcd learns of
+    none, see :mod:`._backend`; one is answered as a status)."""
     plan = run.plan
     if req.op is Op.STATUS or req.op is Op.DEPART or run.where is None:
         return
     if not run.owns:
-        plan.outcome = Outcome.ERROR_FORBIDDEN  # a leave or a heartbeat for another node
+        plan.outcome = Outcome.ERROR_FORBIDDEN  # a request for another node
     elif req.op is Op.LEAVE:
         run.remove(now, req.finished)
         plan.transition = Transition.REMOVE
+    elif req.op is Op.REPORT:
+        _report(run, req)
+    elif req.op is Op.DONE:
+        _done(run)
     else:
         plan.beat, plan.transition = True, Transition.KEEP_ALIVE
 
@@ -180,8 +226,8 @@ def decide(
     plan.rules = run.rules
     plan.known = run.where is not None and run.owns
     plan.where = run.where
-    if run.fresh and req.op is not Op.JOIN:
-        # A state that no join made is answered and not stored.
+    if run.fresh and req.op is not Op.JOIN and plan.transition is not Transition.MARK_CLOSED:
+        # A state that no join or close made is answered and not stored.
         plan.made = False
         plan.status = Status(token=NO_STATE, now_ms=now)
         return plan
@@ -189,17 +235,19 @@ def decide(
     gen = h.gen + 1 if after != before else h.gen
     if h.deadline is not None and h.deadline[0] < 0:
         h = h.evolve(deadline=(gen, h.deadline[1]))
+    done = run.nd if h.complete else 0
     h = h.evolve(
         gen=gen,
         rules=run.rules,
-        counts=(run.np, run.nw, run.nr, run.lost, run.nq if h.complete else 0),
-        flags=(run.nw > 0, run.lost > 0, h.complete and run.nq > 0),
+        counts=(run.np, run.nw, run.nr, run.lost, run.finished, done),
+        flags=(run.nw > 0, run.lost > 0, run.finished > 0, run.all_done),
     )
     # The counts are recorded when the header is written for a transition, never a reason
     # to write it: a join to a forming round must not rewrite a shared value.
     changed = run.fresh or h.evolve(counts=before_h.counts) != before_h
     plan.header = h if changed else None
     plan.master = h.master
-    plan.status = status_of(h, run.np, run.nw, run.nr, run.nq, now, deadline_of())
+    plan.world, plan.profile = h.world, h.profile
+    plan.status = status_of(h, run.np, run.nw, run.nr, run.nq, run.nd, now, deadline_of())
     run.h = h
     return plan

@@ -13,22 +13,40 @@ percent-encoded, so a ``/`` in it stays inside the run's folder):
   redundant node, attached to the node's **lease** (its heartbeat: when the node is silent
   for the heartbeat window, etcd deletes them); a participant's value holds its bootstrap
   port;
-* ``q/<node>``: the members of the complete round that left after their workers
-  succeeded (no lease; cleared when the next round opens);
+* ``pm/<node>``: a participant whose profile (its join's worker role and local world size)
+  is not the run's (the header's ``profile``, its creator's), on its lease, the profile in
+  its value: a uniform job has none, and a member's workers are placed by arithmetic
+  (:mod:`._control`);
+* ``pd/<node>``: a member of the complete round that said its workers succeeded (``DONE``),
+  on its lease: gone with the member;
+* ``q/<node>``: the members of the complete round that said they were done or left after
+  their workers succeeded (no lease: a done member dropped by etcd stays counted as
+  finished; cleared when the next round opens). So ``done`` is the count of ``pd/``,
+  ``finished`` that of ``q/`` less ``pd/``;
+* ``a``: the job's health (:class:`~aelastic.core.health.JobHealth`'s stored form), outside
+  every watched range (a report wakes nobody); ``x/<round>/<node>``: the members that
+  reported a failure in ``round`` (no lease; only the newest incident's round has them: the
+  incident's ``failed`` is their count);
 * ``c``: written once when a round completes: its revision is the round's **cut**, the
   revision at which ``p/`` holds exactly the round's members (ranks are read there);
-* ``f``: written with a header created by a first join, deleted by the header's next write:
-  while it is there, the run is round 0 forming, with no last call, and a first join needs
-  no read (:meth:`._apply.RunPort.first_join`); its value is the run's rules
-  (:func:`rules_tag`), so a first join with other rules falls back to a full request (and is
-  refused there, naming both);
+* ``b``: written with a header created by a first join, deleted by the header's next write,
+  and written again by every join to the run until then (outside every watched range:
+  nobody hears of it), on that joiner's lease: while it is there, the run is round 0
+  forming, with no last call, and not empty (the node whose lease holds it joined last,
+  and a node that left has its lease gone long before an empty run is free again), and a
+  first join needs no read (:meth:`._apply.RunPort.first_join`); its value is the run's
+  rules and profile (:func:`fresh_tag`), so a first join with other rules or another
+  profile falls back to a full request (refused there, naming both; or joining with its
+  profile's mark);
 * ``kv/<key>``: the members' key-value store; ``op/<id>``: the result of an ``add``, kept a
   while so that a retried add never counts twice.
 
 ``<node>`` is the node's descriptor written so that byte order is the order of sorted
 ``NodeDesc`` tuples (address, then process id, then local id): a node's rank in a complete
 round is the number of ``p/`` keys before its own at the cut, one count-only range, and rank
-0 (the bootstrap host) is the first key. Nothing here does I/O.
+0 (the bootstrap host) is the first key; ``pm/`` keys sort the same way. The node lists
+(``p/``, ``pd/``, ``pm/``, ``q/``) are next to each other: one watch of deletions covers them.
+Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -43,22 +61,30 @@ from ...core.params import Rules
 from ...core.state import FORMAT, FORMAT_VERSION, NodeDesc
 
 __all__ = [
+    "DEFAULT_PROFILE",
     "LAYOUT",
     "Header",
+    "Profile",
     "RunKeys",
     "decode_header",
     "encode_header",
+    "fresh_tag",
     "member_parts",
     "member_value",
     "node_of",
     "prefix_end",
+    "profile_parts",
+    "profile_value",
     "rules_tag",
     "sort_key",
 ]
 
-#: Version of the etcd layout (inside format version 3 of the state). Layout 1 had no node
-#: secrets and no vacancy time.
-LAYOUT = 2
+#: Version of the etcd layout (inside the state's format version). Layout 1 had no node
+#: secrets and no vacancy time; layout 2 (state format 3) no profiles, done marks or health.
+LAYOUT = 3
+#: A profile: a join's worker role and local world size.
+Profile = tuple[str, int]
+DEFAULT_PROFILE: Profile = ("default", 1)
 _SEP = "\x00"  # below every printable character: "a" sorts before "a-b" as it should
 
 
@@ -95,8 +121,26 @@ def member_parts(value: bytes) -> tuple[int, bytes]:
 
 
 def rules_tag(rules: Rules) -> str:
-    """The run's rules as the ``f`` key's value (compared by a first join)."""
+    """The run's rules as text."""
     return f"{rules.min_nodes},{rules.max_nodes},{rules.last_call_ms},{rules.window_ms}"
+
+
+def fresh_tag(rules: Rules, profile: Profile) -> str:
+    """The ``b`` key's value: the run's rules and profile (compared by a first join)."""
+    return f"{rules_tag(rules)};{profile[1]}:{profile[0]}"
+
+
+def profile_value(profile: Profile) -> bytes:
+    """The value of a ``pm/`` key: the node's local world size and role."""
+    return f"{profile[1]}:{profile[0]}".encode()
+
+
+def profile_parts(value: bytes) -> Profile:
+    """The profile in a ``pm/`` key's value (a value aelastic did not write: the default)."""
+    size, sep, role = value.decode(errors="replace").partition(":")
+    if not sep or not size.isdigit() or not role:
+        return DEFAULT_PROFILE
+    return role, int(size)
 
 
 def prefix_end(prefix: str | bytes) -> bytes:
@@ -125,9 +169,13 @@ class RunKeys:
         self.base = f"{prefix}/{quote(run_id, safe='')}/"
         self.header = self.base + "h"
         self.cut = self.base + "c"
-        self.fresh = self.base + "f"
+        self.fresh = self.base + "b"
         self.participants = self.base + "p/"
+        self.done = self.base + "pd/"
+        self.profiles = self.base + "pm/"
         self.finished = self.base + "q/"
+        self.health = self.base + "a"
+        self.failures = self.base + "x/"
         self.redundant = self.base + "r/"
         self.waiting = self.base + "w/"
         self.store = self.base + "kv/"
@@ -145,8 +193,16 @@ class RunKeys:
         return self.ops + op_id
 
     def member(self, where: str, node: NodeDesc) -> str:
-        """``node``'s key in list ``where`` (``p``, ``w``, ``r`` or ``q``)."""
+        """``node``'s key in list ``where`` (``p``, ``w``, ``r``, ``q``, ``pd`` or ``pm``)."""
         return f"{self.base}{where}/{sort_key(node)}"
+
+    def failed(self, round_: int) -> str:
+        """The prefix of the failure marks of round ``round_``."""
+        return f"{self.failures}{round_:020d}/"
+
+    def failure(self, round_: int, node: NodeDesc) -> str:
+        """``node``'s failure mark in round ``round_``."""
+        return self.failed(round_) + sort_key(node)
 
     @staticmethod
     def run_of_header(key: str, prefix: str) -> str | None:
@@ -166,7 +222,13 @@ class Header:
         deadline: ``(id, setter's time)`` of the last call, or ``None``. Its id is the
             generation that set it; readers time the last call from when they first saw
             that id, never from another machine's clock (:mod:`._port`).
-        vacated: When a closed run's last node left (the writer's clock), or ``None``.
+        vacated: When the run's last node left (the writer's clock), or ``None``.
+        entered: Whether a node entered the run since a request made it (a run that no
+            node entered has no vacancy to date: :func:`._port.reconcile`).
+        profile: The run's profile (its creator's): a participant of another has a ``pm/``
+            key.
+        counts: Participants, waiting, redundant, lost, finished, done.
+        flags: Whether nodes wait, members were lost, members finished, all are done.
     """
 
     epoch: str
@@ -182,8 +244,10 @@ class Header:
     master: tuple[str, int] | None = None
     rules: Rules | None = None
     vacated: int | None = None
-    counts: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
-    flags: tuple[bool, bool, bool] = (False, False, False)
+    entered: bool = True
+    profile: Profile = DEFAULT_PROFILE
+    counts: tuple[int, ...] = (0, 0, 0, 0, 0, 0)
+    flags: tuple[bool, ...] = (False, False, False, False)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def evolve(self, **changes: Any) -> Header:
@@ -213,6 +277,8 @@ def encode_header(header: Header) -> str:
         if rules is None
         else [rules.min_nodes, rules.max_nodes, rules.last_call_ms, rules.window_ms],
         "vacated": header.vacated,
+        "entered": header.entered,
+        "profile": [header.profile[0], header.profile[1]],
         "counts": list(header.counts),
         "flags": list(header.flags),
     }
@@ -254,11 +320,11 @@ def decode_header(raw: bytes, where: str) -> Header:
         master = doc["master"]
         rules = doc["rules"]
         vacated = doc["vacated"]
-        c, f = doc["counts"], doc["flags"]
-        if len(c) != 5 or len(f) != 3:
+        c, f, profile = doc["counts"], doc["flags"], doc["profile"]
+        if len(c) != 6 or len(f) != 4 or len(profile) != 2:
             raise ValueError("counts")
-        counts = (int(c[0]), int(c[1]), int(c[2]), int(c[3]), int(c[4]))
-        flags = (bool(f[0]), bool(f[1]), bool(f[2]))
+        counts = tuple(int(n) for n in c)
+        flags = tuple(bool(b) for b in f)
         return Header(
             epoch=str(doc["epoch"]),
             gen=int(doc["gen"]),
@@ -273,6 +339,8 @@ def decode_header(raw: bytes, where: str) -> Header:
             master=None if master is None else (str(master[0]), int(master[1])),
             rules=None if rules is None else Rules(*(int(r) for r in rules)),
             vacated=None if vacated is None else int(vacated),
+            entered=bool(doc["entered"]),
+            profile=(str(profile[0]), int(profile[1])),
             counts=counts,
             flags=flags,
         )

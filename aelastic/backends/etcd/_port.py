@@ -1,9 +1,9 @@
 """The state machine ported onto the etcd layout: what one request decides, pure.
 
 How it works: :func:`._decide.decide` is :func:`aelastic.core.machine.step` written for what one
-read of etcd shows (a :class:`View`: the header, this node's own keys, the counts of the
-lists, the first participant): it returns a :class:`Plan`, the reply and the writes (this
-node's keys, the header when a round transition changed it) that the executor
+read of etcd shows (a :class:`~._plan.View`: the header, this node's own keys, the counts
+of the lists, the first participant): it returns a :class:`~._plan.Plan`, the reply and the
+writes (this node's keys, the header when a round transition changed it) that the executor
 (:mod:`._apply`) sends in one transaction, compared against what was read. Property tests
 run the same random interleavings through this port on a real etcd and through the Python
 machine and require the same replies and states (``tests/backends/test_etcd_machine.py``):
@@ -22,147 +22,52 @@ What etcd does differently, and why it is still the machine's rule:
   waiting flag may fall) follows from the counts; the next request that reads the run
   writes it (:func:`reconcile`), as the machine's next request would prune.
 * **Counts** are read, not stored: a join to a forming round writes only the node's own key
-  (no shared value is rewritten, so a thousand joins do not conflict); the members lost and
-  finished of a complete round are ``world - participants - finished`` and the ``q/``
-  keys. The header records the counts as of its last write, for watchers.
+  (no shared value is rewritten, so a thousand joins do not conflict); of a complete round,
+  the members done are the ``pd/`` keys, those done or finished the ``q/`` keys (a done
+  member etcd dropped stays counted: ``q/`` has no lease), the members lost
+  ``world - participants - finished``. The header records the counts as of its last write,
+  for watchers; a request that finds them moved past a watched flag (all done, say) writes
+  it.
+* **The job's control state** is the machine's too: a join's profile (role, local world
+  size) is a ``pm/`` mark when it is not the run's, and each member places its workers from
+  what it reads at the cut (:mod:`._control`); ``DONE`` writes the member's ``pd/`` and
+  ``q/`` keys; ``REPORT`` and the losses etcd made change the health key, compared against
+  its revision and the node's own keys (still a participant of the complete round).
 * **The last call** is timed by each process from when it first saw the header that started
   it (the setter: from its own request), never from another machine's time: so no process
   ends it early, and a late observer only ends it later.
-* **A closed run's vacancy** (its last node left: the run can be used again two heartbeat
+* **A run's vacancy** (its last node left: the run can be used again two heartbeat
   windows later, :func:`aelastic.core.machine.reuse_grace_ms`) is dated by the request that
   made it empty, in the header (``vacated``). When etcd dropped the last nodes (their leases
   expired), nobody saw when: the first request that finds the run empty dates it then (the
   machine dates it from the last node's expiry, which is earlier: etcd's run is reused no
   sooner). This is the one time written by one machine and read by others: clocks skewed
-  by S move the reuse by S (the grace is two windows; NTP keeps S to milliseconds).
+  by S move the reuse by S (the grace is two windows; NTP keeps S to milliseconds). A run
+  that no node entered since a request made it (an expired join's, a close's) has no
+  vacancy to date, as in the machine (the header's ``entered``).
+* **Losses in the job's health**: the hosts of the members etcd dropped are counted lost
+  by the request that accounts for them (:func:`reconcile`), from the history of the
+  deletions (best effort: a compacted history loses names, never counts).
 * **Trust** is the machine's: the rules the join that made the run stored in the header
   decide everything (a join with other ones is :attr:`~.Outcome.ERROR_RULES`), and a node's
   secret, stored in the value of its key, is compared in constant time with the request's
-  before a join, keep-alive, leave or close acts for it (:attr:`~.Outcome.ERROR_FORBIDDEN`).
+  before a join, keep-alive, leave, report or done acts for it
+  (:attr:`~.Outcome.ERROR_FORBIDDEN`). A close is the run's (anyone's) act.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from ...core.health import JobHealth
 from ...core.machine import reuse_grace_ms
-from ...core.params import Rules
-from ...core.state import MAX_LOST_SAMPLE, NodeDesc, Outcome, Request, Status, Transition
+from ...core.state import MAX_LOST_SAMPLE, Outcome, Request, Status
 from ...core.token import make
-from ._layout import Header, member_parts, member_value
+from ._control import with_losses
+from ._layout import Header, member_parts, member_value, profile_value
+from ._plan import Plan, View
 
-__all__ = [
-    "LISTS",
-    "DeadlineClock",
-    "Member",
-    "Plan",
-    "Run",
-    "View",
-    "needs_names",
-    "reconcile",
-    "status_of",
-]
-
-#: The lists a node can be in: participants, waiting, redundant.
-LISTS = ("p", "w", "r")
-
-
-@dataclass(frozen=True)
-class Member:
-    """One key of the run as read: its revisions, value and lease."""
-
-    key: str
-    mod: int
-    create: int
-    value: bytes = field(default=b"", repr=False)  # a node's key: its port and secret
-    lease: int = 0
-
-
-@dataclass(frozen=True)
-class View:
-    """What one read of the run shows (all at one revision).
-
-    Attributes:
-        revision: The revision read at.
-        header: The header (``None``: the run has no state).
-        header_mod: Its mod revision (0 when absent).
-        own: This node's keys by list (``p``, ``w``, ``r``), ``None`` where it is not.
-        participants, waiting, redundant, finished: The counts of ``p/``, ``w/``, ``r/``,
-            ``q/``.
-        first: The first participant (rank 0 when the round completes) and its port.
-        cut: The revision of the last completion (the ``c`` key), 0 if none.
-        extras: When more than ``max_nodes`` joined a forming round at once (their joins
-            raced its completion): the newest of them, which the completion sends back
-            (they join again, as latecomers), and ``first`` is then the first of the others.
-    """
-
-    revision: int
-    header: Header | None
-    header_mod: int
-    own: dict[str, Member | None]
-    participants: int = 0
-    waiting: int = 0
-    redundant: int = 0
-    finished: int = 0
-    first: tuple[NodeDesc, int] | None = None
-    cut: int = 0
-    extras: tuple[Member, ...] | None = None
-
-    def where(self) -> str | None:
-        """The list this node is in, if any."""
-        return next((w for w in LISTS if self.own.get(w) is not None), None)
-
-
-@dataclass
-class Plan:
-    """What a request decided: the reply's parts and the writes.
-
-    Attributes:
-        header: The header to write (``None``: unchanged).
-        put: This node's keys to write: list -> value (``p`` with its port).
-        delete: This node's keys to delete (lists).
-        clear_finished: Delete the ``q/`` keys (the next round opened).
-        mark_cut: Write the ``c`` key (the round completed in this request).
-        guard: The decision used the participants' count: the write must fail if a
-            participant joined since the read.
-        extras: Other nodes' ``p/`` keys the completion deletes (see :attr:`View.extras`).
-        need_extras: The decision needs a read with the extras (how many).
-        beat: Renew this node's lease.
-        rank: The reply needs this node's rank (a finished join).
-        rules: The run's rules after the request (the requester's for a run no join made).
-        made: Whether a join made the run (a state no join made is not written).
-        run_rules: The run's rules, for a join refused for other ones.
-        reopen_at_ms: When a closed run refusing a join can be used again.
-    """
-
-    outcome: Outcome
-    transition: Transition = Transition.NONE
-    wake_at_ms: int | None = None
-    restart: bool = False
-    header: Header | None = None
-    put: dict[str, bytes] = field(default_factory=dict, repr=False)
-    delete: list[str] = field(default_factory=list)
-    clear_finished: bool = False
-    mark_cut: bool = False
-    guard: bool = False
-    extras: list[str] = field(default_factory=list)
-    need_extras: int = 0
-    beat: bool = False
-    rank: bool = False
-    known: bool = False
-    master: tuple[str, int] | None = None
-    where: str | None = None
-    status: Status = field(default_factory=Status)
-    rules: Rules = field(default_factory=lambda: Rules(1, 1, 1, 1))
-    made: bool = True
-    run_rules: Rules | None = None
-    reopen_at_ms: int | None = None
-
-
-#: A process's lookup of the last call's end: (epoch, deadline id, last call ms, now) -> ms.
-DeadlineClock = Callable[[str, int, int, int], int]
+__all__ = ["Run", "needs_names", "reconcile", "status_of"]
 
 
 class Run:
@@ -170,13 +75,19 @@ class Run:
 
     def __init__(self, view: View, epoch: str, req: Request) -> None:
         h = view.header
-        self.h = h if h is not None else Header(epoch=epoch, rules=req.rules)
+        self.profile = (req.role, req.local_world_size)
+        self.h = (
+            h
+            if h is not None
+            else Header(epoch=epoch, rules=req.rules, entered=False, profile=self.profile)
+        )
         self.fresh = h is None
-        self.np, self.nw, self.nr, self.nq = (
+        self.np, self.nw, self.nr, self.nq, self.nd = (
             view.participants,
             view.waiting,
             view.redundant,
             view.finished,
+            view.done,
         )
         self.where = view.where()
         self.first = view.first
@@ -185,6 +96,12 @@ class Run:
         self.port = req.port
         self.rules = self.h.rules or req.rules
         self.plan = Plan(Outcome.FINISH)
+        #: Whether this node said it was done (its ``pd/`` key).
+        self.is_done = view.own.get("pd") is not None
+        #: The job's health as this request leaves it (``None``: not read).
+        self.health = None if view.health is None else view.health.health
+        self.plan.health_mod = 0 if view.health is None else view.health.mod
+        self.rank = view.rank
         own = view.own.get(self.where) if self.where is not None else None
         stored = None if own is None else member_parts(own.value)[1]
         #: The node is listed under the request's secret (compared in constant time).
@@ -196,22 +113,38 @@ class Run:
         return self.np + self.nw + self.nr
 
     def reopen_at(self) -> int | None:
-        """The machine's ``reopen_at_ms``: when the closed, empty run can be used again."""
+        """The machine's ``reopen_at_ms``: when the empty run can be used again."""
         h = self.h
         if self.listed or h.vacated is None:
             return None
         return h.vacated + reuse_grace_ms(self.rules)
 
     @property
+    def finished(self) -> int:
+        """Members of the complete round gone after their workers succeeded."""
+        return max(self.nq - self.nd, 0) if self.h.complete else 0
+
+    @property
     def lost(self) -> int:
         h = self.h
-        return max(h.world - self.np - self.nq, 0) if h.complete else 0
+        return max(h.world - self.np - self.finished, 0) if h.complete else 0
+
+    @property
+    def all_done(self) -> bool:
+        h = self.h
+        return h.complete and h.world > 0 and self.nq >= h.world
 
     def signature(self, deadline: tuple[int, int] | None) -> tuple[object, ...]:
         h = self.h
-        lost = self.lost > 0
-        fin = self.nq > 0 if h.complete else False
-        return (h.round, h.complete, h.closed, deadline and deadline[0], self.nw > 0, lost, fin)
+        lost, fin = self.lost > 0, self.finished > 0
+        return (
+            h.round, h.complete, h.closed, deadline and deadline[0], self.nw > 0, lost, fin,
+            self.all_done,
+        )  # fmt: skip
+
+    def set_health(self, health: JobHealth) -> None:
+        """The job's health becomes ``health`` (written with the request)."""
+        self.health = self.plan.health = health
 
     # -- changes (the machine's, on this layout) ------------------------------------------
 
@@ -230,13 +163,17 @@ class Run:
             self.plan.clear_finished = True
         self.nq = 0
 
-    def drop_own(self, where: str) -> None:
+    def _drop(self, where: str) -> None:
         plan = self.plan
         if where in plan.put:
             del plan.put[where]
         else:
             plan.delete.append(where)
+
+    def drop_own(self, where: str) -> None:
+        self._drop(where)
         if where == "p":
+            self._drop("pm")
             self.np -= 1
         elif where == "w":
             self.nw -= 1
@@ -244,13 +181,21 @@ class Run:
             self.nr -= 1
         self.where = None
 
-    def add_own(self, where: str) -> None:
+    def _add(self, where: str, value: bytes) -> None:
         plan = self.plan
         if where in plan.delete:
             plan.delete.remove(where)
-        plan.put[where] = member_value(self.port if where == "p" else 0, self.secret)
+        plan.put[where] = value
+
+    def add_own(self, where: str) -> None:
+        """The machine's ``_enter`` of this node into list ``where``."""
+        self._add(where, member_value(self.port if where == "p" else 0, self.secret))
         self.owns = True
+        if not self.h.entered or self.h.vacated is not None:
+            self.h = self.h.evolve(entered=True, vacated=None)
         if where == "p":
+            if self.profile != self.h.profile:
+                self._add("pm", profile_value(self.profile))
             self.np += 1
         elif where == "w":
             self.nw += 1
@@ -259,14 +204,20 @@ class Run:
         self.where = where
 
     def remove(self, now: int, finished: bool = False) -> None:
-        """The machine's ``_remove`` of this node (gone at ``now``)."""
+        """The machine's ``_remove`` of this node (gone at ``now``): a done member is
+        finished (its ``q/`` key stays), another finished or lost."""
         where = self.where
         if where is None:
             return
+        done = where == "p" and self.is_done
         self.drop_own(where)
         self.owns = False
-        if self.h.closed and not self.listed:
+        if not self.listed:
             self.h = self.h.evolve(vacated=now)
+        if done:
+            self._drop("pd")
+            self.nd -= 1
+            self.is_done = False
         if where != "p":
             return
         h = self.h
@@ -275,6 +226,8 @@ class Run:
                 self.h = h.evolve(deadline=None)
         elif self.np == 0:
             self.open_next_round()
+        elif done:
+            pass  # finished: counted by its q/ key
         elif finished:
             self.plan.put["q"] = b""
             self.nq += 1
@@ -296,12 +249,32 @@ class Run:
         self.plan.mark_cut = True
         self.plan.guard = True
 
+    def reopen(self, req: Request) -> None:
+        """The machine's ``_reopen``: the empty run becomes a new one (the next round, the
+        joiner's rules and profile, no health)."""
+        self.h = self.h.evolve(
+            closed=False, rules=req.rules, vacated=None, entered=False, profile=self.profile
+        )
+        self.rules = req.rules
+        self.open_next_round()
+        self.health = JobHealth()
+        self.plan.health = None
+        self.plan.reset_health = True
+
+    def fold_losses(self, names: list[str]) -> None:
+        """The hosts of members etcd dropped (``names``) counted lost in this round."""
+        if names and self.health is not None:
+            changed = with_losses(self.health, names, self.h.round)
+            if changed is not None:
+                self.set_health(changed)
+
 
 def reconcile(run: Run, view: View, lost_names: list[str], now: int) -> None:
     """What the machine's pruning would have done: effects of the nodes etcd removed.
 
     ``lost_names`` are the members of the complete round that etcd removed since the
-    header's last write, in order (for the sample; the count comes from the counts).
+    header's last write, in order (for the sample and the job's health: their hosts are
+    counted lost; the count comes from the counts).
 
     Joins race: a forming round may hold ``min_nodes`` participants without a last call, or
     ``max_nodes`` without being complete, when the joins that reached them ran at once. The
@@ -309,9 +282,10 @@ def reconcile(run: Run, view: View, lost_names: list[str], now: int) -> None:
     the join itself does it).
     """
     h, rules = run.h, run.rules
-    if h.closed and not run.listed and h.vacated is None and not run.fresh:
+    if not run.listed and h.vacated is None and h.entered and not run.fresh:
         run.h = h = h.evolve(vacated=now)  # etcd dropped its last nodes: dated now
     if h.complete and run.np == 0:
+        run.fold_losses(lost_names[: max(run.lost - h.sampled, 0)])
         run.open_next_round()
         return
     if not h.complete:
@@ -337,27 +311,33 @@ def reconcile(run: Run, view: View, lost_names: list[str], now: int) -> None:
         return
     lost = run.lost
     if lost > h.sampled:
+        names = lost_names[: lost - h.sampled]
         sample = list(h.sample)
-        for name in lost_names[: lost - h.sampled]:
+        for name in names:
             if len(sample) < MAX_LOST_SAMPLE:
                 sample.append(name)
         run.h = h.evolve(sample=tuple(sample), sampled=lost)
+        run.fold_losses(names)
 
 
 def needs_names(view: View) -> int:
-    """How many lost members' names a request on ``view`` needs (0: none)."""
+    """How many lost members' names a request on ``view`` needs (0: none): those etcd
+    removed from the complete round since the header accounted for its losses (for the
+    sample and the job's health)."""
     h = view.header
-    if h is None or not h.complete or len(h.sample) >= MAX_LOST_SAMPLE:
+    if h is None or not h.complete:
         return 0
-    lost = h.world - view.participants - view.finished
+    lost = h.world - view.participants - max(view.finished - view.done, 0)
     return max(lost - h.sampled, 0)
 
 
 def status_of(
-    h: Header, participants: int, waiting: int, redundant: int, finished: int, now: int,
-    deadline_ms: int | None,
+    h: Header, participants: int, waiting: int, redundant: int, marked: int, done: int,
+    now: int, deadline_ms: int | None,
 ) -> Status:  # fmt: skip
-    """The status of a run whose header is ``h`` and whose lists hold these counts."""
+    """The status of a run whose header is ``h`` and whose lists hold these counts
+    (``marked``: the ``q/`` keys, members done or finished; ``done``: the ``pd/`` keys)."""
+    finished = max(marked - done, 0)
     lost = max(h.world - participants - finished, 0) if h.complete else 0
     return Status(
         token=make(h.epoch, h.gen),
@@ -373,4 +353,5 @@ def status_of(
         lost=lost,
         finished=finished if h.complete else 0,
         lost_sample=h.sample,
+        done=done if h.complete else 0,
     )

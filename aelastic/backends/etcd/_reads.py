@@ -1,11 +1,13 @@
 """Reading a run on etcd: one node's view of it, the lost members' names, a snapshot.
 
 How it works: :meth:`RunReads.read` is one read transaction of constant size (the header,
-the node's three possible keys, count-only ranges of the lists, the first participant, the
-cut, and the node's rank at the cut when the process knows it), turned into a
-:class:`~._port.View`. The other reads are rarer: the newest participants when more joined
-a forming round than it admits, the history of the participants' deletions (the names of
-members etcd dropped), and the whole membership for operators.
+the node's possible keys, count-only ranges of the lists, the first participant, the cut,
+and the node's seat at the cut when the process knows it: its rank and the profile marks),
+turned into a :class:`~._port.View`. The other reads are rarer: the newest participants
+when more joined a forming round than it admits, the history of the participants'
+deletions (the names of members etcd dropped), the job's health (:meth:`health_read`: for
+the requests that may change it, and :meth:`health`), and the whole membership for
+operators.
 """
 
 from __future__ import annotations
@@ -14,48 +16,28 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from ...core.errors import RendezvousConnectionError, RendezvousStateError
-from ...core.race import wait_within
+from ...core.errors import RendezvousStateError
+from ...core.health import JobHealth
 from ...core.state import MemberEntry, NodeDesc, Snapshot, Status
-from ._client import Compacted, EtcdClient, EtcdError, b64, unb64
-from ._layout import RunKeys, decode_header, member_parts, node_of, prefix_end
+from ._client import Compacted, EtcdClient, EtcdError, b64
+from ._control import HealthRead, Seat
+from ._layout import RunKeys, decode_header, node_of, prefix_end
 from ._leases import Deadlines, Leases
-from ._port import LISTS, Member, View, status_of
+from ._losses import lost_names
+from ._plan import LISTS, Member, View
+from ._port import status_of
+from ._ranges import count_ops, members_of, port_of, range_of, range_op, seat_of, seat_ops
 
-__all__ = ["SHOWN_BEATS", "RunReads", "members_of", "range_of", "range_op"]
+__all__ = ["SHOWN_BEATS", "RunReads"]
+
+#: The ranges of a node's read before its seat (see :meth:`RunReads._view_ops`).
+_VIEW_RANGES = 12
 
 #: A snapshot of at most this many nodes shows when each last renewed its lease.
 SHOWN_BEATS = 64
 
 
-def range_op(key: str | bytes, end: str | bytes | None = None, **options: Any) -> dict[str, Any]:
-    """A range request of a transaction."""
-    body: dict[str, Any] = {"key": b64(key)}
-    if end is not None:
-        body["range_end"] = b64(end)
-    body.update(options)
-    return {"request_range": body}
-
-
 _Call = tuple[str, dict[str, Any]]  # one request: its API path and its body
-
-
-def members_of(kvs: list[dict[str, Any]]) -> list[Member]:
-    return [
-        Member(
-            key=unb64(kv.get("key")).decode(errors="replace"),
-            mod=int(kv.get("mod_revision", 0)),
-            create=int(kv.get("create_revision", 0)),
-            value=unb64(kv.get("value")),
-            lease=int(kv.get("lease", 0)),
-        )
-        for kv in kvs
-    ]
-
-
-def range_of(response: dict[str, Any]) -> dict[str, Any]:
-    result: dict[str, Any] = response.get("response_range", {})
-    return result
 
 
 class RunReads:
@@ -108,9 +90,7 @@ class RunReads:
         """The run's status (header and counts; an empty status, or ``None`` with
         ``missing_ok``, when it has no state)."""
         k = self._keys
-        body = {"success": [range_op(k.header), *(
-            range_op(p, prefix_end(p), count_only=True)
-            for p in (k.participants, k.waiting, k.redundant, k.finished))]}  # fmt: skip
+        body = {"success": [range_op(k.header), *count_ops(k)]}
         try:
             answer = await self._client.call("/v3/kv/txn", body, "status")
             ranges = [range_of(r) for r in answer.get("responses", [])]
@@ -122,60 +102,59 @@ class RunReads:
             if missing_ok:
                 return None
             raise
-        counts = [int(r.get("count", 0)) for r in ranges[1:5]]
+        np, nw, nr, nq, nd = (int(r.get("count", 0)) for r in ranges[1:6])
         deadline = None
         if h.deadline is not None and h.rules is not None:
             deadline = self._deadlines.end(h.epoch, h.deadline[0], h.rules.last_call_ms, now)
-        return status_of(h, counts[0], counts[1], counts[2], counts[3], now, deadline)
+        return status_of(h, np, nw, nr, nq, nd, now, deadline)
 
     # -- reading --------------------------------------------------------------------------
 
-    def _view_ops(self, node: NodeDesc, rank_at: int | None = None) -> list[dict[str, Any]]:
+    def _view_ops(self, node: NodeDesc, seat_at: int | None = None) -> list[dict[str, Any]]:
         k = self._keys
         ops = [
             range_op(k.header),
-            *(range_op(k.member(w, node)) for w in LISTS),
-            *(
-                range_op(p, prefix_end(p), count_only=True)
-                for p in (k.participants, k.waiting, k.redundant, k.finished)
-            ),
+            *(range_op(k.member(w, node)) for w in (*LISTS, "pd")),
+            *count_ops(k),
             range_op(k.participants, prefix_end(k.participants), limit=1),
             range_op(k.cut, keys_only=True),
         ]
-        if rank_at:
-            ops.append(
-                range_op(k.participants, k.member("p", node), count_only=True, revision=rank_at)
-            )
+        if seat_at:
+            ops.extend(seat_ops(k, node, seat_at))
         return ops
 
-    def _view(self, responses: list[dict[str, Any]], revision: int) -> tuple[View, int | None]:
+    def _view(self, responses: list[dict[str, Any]], revision: int) -> tuple[View, Seat | None]:
         ranges = [range_of(r) for r in responses]
         headers = members_of(ranges[0].get("kvs", []))
         header = decode_header(headers[0].value, self.where) if headers else None
         own: dict[str, Member | None] = {}
-        for i, where in enumerate(LISTS, start=1):
+        for i, where in enumerate((*LISTS, "pd"), start=1):
             found = members_of(ranges[i].get("kvs", []))
             own[where] = found[0] if found else None
-        counts = [int(ranges[i].get("count", 0)) for i in range(4, 8)]
+        counts = [int(ranges[i].get("count", 0)) for i in range(5, 10)]
         first = None
-        firsts = members_of(ranges[8].get("kvs", []))
+        firsts = members_of(ranges[10].get("kvs", []))
         if firsts:
-            first = (self._node_of(firsts[0].key, "p/"), _port_of(firsts[0].value))
-        cuts = members_of(ranges[9].get("kvs", []))
-        rank = int(ranges[10].get("count", 0)) if len(ranges) > 10 else None
+            first = (self._node_of(firsts[0].key, "p/"), port_of(firsts[0].value))
+        cuts = members_of(ranges[11].get("kvs", []))
+        seat = None
+        if len(ranges) > _VIEW_RANGES + 1:
+            seat = seat_of(self._keys, ranges[_VIEW_RANGES], ranges[_VIEW_RANGES + 1])
         view = View(
             revision=revision,
             header=header,
             header_mod=headers[0].mod if headers else 0,
+            header_create=headers[0].create if headers else 0,
             own=own,
             participants=counts[0],
             waiting=counts[1],
             redundant=counts[2],
             finished=counts[3],
+            done=counts[4],
             first=first,
             cut=cuts[0].mod if cuts else 0,
         )
-        return view, rank
+        return view, seat
 
     def _node_of(self, key: str, where: str) -> NodeDesc:
         try:
@@ -186,9 +165,9 @@ class RunReads:
                 "left as it is."
             ) from None
 
-    async def read(self, node: NodeDesc, rank_at: int | None = None) -> tuple[View, int | None]:
-        """One read of the run as ``node`` sees it (and its rank at revision ``rank_at``)."""
-        body = {"success": self._view_ops(node, rank_at)}
+    async def read(self, node: NodeDesc, seat_at: int | None = None) -> tuple[View, Seat | None]:
+        """One read of the run as ``node`` sees it (and its seat at revision ``seat_at``)."""
+        body = {"success": self._view_ops(node, seat_at)}
         try:
             answer = await self._client.call("/v3/kv/txn", body, "read")
         except Compacted:
@@ -217,55 +196,62 @@ class RunReads:
         }
         answer = await self._client.call("/v3/kv/txn", body, "read")
         responses = answer.get("responses", [])
-        fresh, _ = self._view(responses[:10], int(answer.get("header", {}).get("revision", 0)))
-        extras = tuple(members_of(range_of(responses[10]).get("kvs", [])))
+        revision = int(answer.get("header", {}).get("revision", 0))
+        fresh, _ = self._view(responses[:_VIEW_RANGES], revision)
+        extras = tuple(members_of(range_of(responses[_VIEW_RANGES]).get("kvs", [])))
         drop = {m.key for m in extras}
         first = None
-        for member in members_of(range_of(responses[11]).get("kvs", [])):
+        for member in members_of(range_of(responses[_VIEW_RANGES + 1]).get("kvs", [])):
             if member.key not in drop:
-                first = (self._node_of(member.key, "p/"), _port_of(member.value))
+                first = (self._node_of(member.key, "p/"), port_of(member.value))
                 break
         return View(**{**fresh.__dict__, "extras": extras, "first": first})
 
     async def lost_names(self, view: View, count: int) -> list[str]:
-        """The members etcd removed from the complete round since the header's last write,
-        in order: deletions of ``p/`` keys after the revision the header accounted for,
-        but those of its own write and of the members that left having finished."""
-        header = view.header
-        assert header is not None
+        """Up to ``count`` members etcd removed from the complete round since the header's
+        last write, in order (:func:`._losses.lost_names`)."""
+        return await lost_names(
+            self._client, self._keys, view, count, lambda key: self._node_of(key, "p/").key
+        )
+
+    async def health_read(self) -> HealthRead:
+        """The health key as it is now (:class:`~._control.HealthRead`).
+
+        Raises:
+            RendezvousStateError: It holds a document aelastic did not write.
+        """
         k = self._keys
-        body = {
-            "create_request": {
-                "key": b64(k.participants),
-                "range_end": b64(prefix_end(k.finished)),
-                "start_revision": header.accounted + 1,
-            }
-        }
-        names: list[str] = []
-        finished: set[tuple[int, str]] = set()
+        body = {"success": [
+            range_op(k.health), range_op(k.failures, prefix_end(k.failures), count_only=True),
+        ]}  # fmt: skip
+        answer = await self._client.call("/v3/kv/txn", body, "health")
+        return self._health_of([range_of(r) for r in answer.get("responses", [])])
+
+    def _health_of(self, ranges: list[dict[str, Any]]) -> HealthRead:
+        found = members_of(ranges[0].get("kvs", []))
+        if not found:
+            return HealthRead(JobHealth(), 0, int(ranges[1].get("count", 0)))
         try:
-            async with self._client.stream("/v3/watch", body, timeout=5.0) as messages:
-                async for message in _until(messages, 2.0):
-                    if message.get("compact_revision") or message.get("canceled"):
-                        break
-                    for event in message.get("events", []):
-                        kv = event.get("kv", {})
-                        revision = int(kv.get("mod_revision", 0))
-                        if revision > view.revision:
-                            return names
-                        key = unb64(kv.get("key")).decode(errors="replace")
-                        name = key[len(k.base) + 2 :]
-                        if key.startswith(k.finished):
-                            finished.add((revision, name))
-                            continue
-                        lost = event.get("type") == "DELETE" and revision != view.header_mod
-                        if lost and (revision, name) not in finished:
-                            names.append(self._node_of(key, "p/").key)
-                            if len(names) >= count:
-                                return names
-        except (ConnectionError, EtcdError, RendezvousConnectionError, TimeoutError):
-            pass  # the names are for the sample only: the counts stay exact
-        return names
+            stored = JobHealth.decode(found[0].value)
+        except ValueError as exc:
+            raise RendezvousStateError(
+                f"{self.where}: the job's health is not a document of this aelastic ({exc}); "
+                "it was left as it is."
+            ) from None
+        return HealthRead(stored, found[0].mod, int(ranges[1].get("count", 0)))
+
+    async def health(self) -> JobHealth | None:
+        """The job's health, or ``None`` when the run has no state."""
+        k = self._keys
+        body = {"success": [
+            range_op(k.header, keys_only=True), range_op(k.health),
+            range_op(k.failures, prefix_end(k.failures), count_only=True),
+        ]}  # fmt: skip
+        answer = await self._client.call("/v3/kv/txn", body, "health")
+        ranges = [range_of(r) for r in answer.get("responses", [])]
+        if not ranges[0].get("kvs"):
+            return None
+        return self._health_of(ranges[1:]).health
 
     async def snapshot(self, now: int) -> Snapshot | None:
         """The whole membership (O(N): for operators), or ``None`` without a state."""
@@ -274,8 +260,8 @@ class RunReads:
             range_op(p, prefix_end(p), keys_only=p != k.participants)
             for p in (k.participants, k.waiting, k.redundant)
         ]
-        finished = range_op(k.finished, prefix_end(k.finished), count_only=True)
-        body = {"success": [range_op(k.header), *every, finished, range_op(k.cut, keys_only=True)]}
+        marked = count_ops(k)[3:]  # done or finished, done
+        body = {"success": [range_op(k.header), *every, *marked, range_op(k.cut, keys_only=True)]}
         answer = await self._client.call("/v3/kv/txn", body, "snapshot")
         ranges = [range_of(r) for r in answer.get("responses", [])]
         headers = members_of(ranges[0].get("kvs", []))
@@ -283,8 +269,8 @@ class RunReads:
             return None
         h = decode_header(headers[0].value, self.where)
         lists = [members_of(ranges[i].get("kvs", [])) for i in (1, 2, 3)]
-        done = int(ranges[4].get("count", 0))
-        cuts = members_of(ranges[5].get("kvs", []))
+        finished, done = int(ranges[4].get("count", 0)), int(ranges[5].get("count", 0))
+        cuts = members_of(ranges[6].get("kvs", []))
         ranks: dict[str, int] = {}
         if h.complete and cuts:
             at = {"revision": cuts[0].mod}
@@ -302,7 +288,9 @@ class RunReads:
         deadline = None
         if h.deadline is not None and h.rules is not None:
             deadline = self._deadlines.end(h.epoch, h.deadline[0], h.rules.last_call_ms, now)
-        status = status_of(h, len(lists[0]), len(lists[1]), len(lists[2]), done, now, deadline)
+        status = status_of(
+            h, len(lists[0]), len(lists[1]), len(lists[2]), finished, done, now, deadline
+        )
 
         beats = await self._beats([m.lease for group in lists for m in group], now)
 
@@ -360,10 +348,13 @@ class RunReads:
         """How many participants the run had at ``revision``: for a join written at it, the
         count that join made. Read beside etcd's apply loop, not in it (see
         :meth:`._apply.RunPort.first_join`; :meth:`read_applied`)."""
-        k = self._keys
+        return await self.count_at(self._keys.participants, revision)
+
+    async def count_at(self, prefix: str, revision: int) -> int:
+        """How many keys under ``prefix`` the run had at ``revision`` (one this client
+        wrote), read beside etcd's apply loop (:meth:`read_applied`)."""
         body: dict[str, Any] = {
-            "key": b64(k.participants), "range_end": b64(prefix_end(k.participants)),
-            "count_only": True,
+            "key": b64(prefix), "range_end": b64(prefix_end(prefix)), "count_only": True,
         }  # fmt: skip
         try:
             answer, _ = await self.read_applied(
@@ -373,10 +364,14 @@ class RunReads:
             answer = await self._client.call("/v3/kv/range", body, "count")
         return int(answer.get("count", 0))
 
-    async def _rank(self, node: NodeDesc, cut: int) -> int:
+    async def seat(self, node: NodeDesc, cut: int) -> Seat:
+        """``node``'s seat at revision ``cut`` (its round's): its rank and the profile marks.
+
+        Raises:
+            RendezvousStateError: That revision was compacted away.
+        """
         k = self._keys
-        at = {"revision": cut}
-        body = {"success": [range_op(k.participants, k.member("p", node), count_only=True, **at)]}
+        body = {"success": seat_ops(k, node, cut)}
         try:
             answer = await self._client.call("/v3/kv/txn", body, "rank")
         except Compacted:
@@ -385,18 +380,5 @@ class RunReads:
                 "before this node read its rank; compact less often (etcd's "
                 "--auto-compaction-retention) or start the job again."
             ) from None
-        return int(range_of(answer.get("responses", [{}])[0]).get("count", 0))
-
-
-async def _until(messages: Any, idle: float) -> Any:
-    """``messages`` until none came for ``idle`` seconds."""
-    iterator = messages.__aiter__()
-    while True:
-        try:
-            yield await wait_within(iterator.__anext__(), idle)
-        except (StopAsyncIteration, TimeoutError):
-            return
-
-
-def _port_of(value: bytes) -> int:
-    return member_parts(value)[0]
+        ranges = [range_of(r) for r in answer.get("responses", [])]
+        return seat_of(k, ranges[0], ranges[1])

@@ -21,7 +21,7 @@ from ...core.errors import RendezvousConnectionError
 from .._engine import add_int64
 from ._client import EtcdClient, LeaseNotFound, b64, unb64
 from ._layout import RunKeys
-from ._reads import range_op
+from ._ranges import range_op
 
 __all__ = ["KeyValue"]
 
