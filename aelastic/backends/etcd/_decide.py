@@ -103,6 +103,7 @@ def _join_closed(run: Run, now: int) -> None:
         plan.transition = Transition.REMOVE
     if plan.outcome is Outcome.ERROR_CLOSED:
         plan.reopen_at_ms = run.reopen_at()
+        plan.run_rules = run.rules  # (with the reopening: when the run emptied)
 
 
 def _close(run: Run, req: Request, now: int) -> None:

@@ -92,7 +92,8 @@ class Plan:
         rank: The reply needs this node's rank (a finished join).
         rules: The run's rules after the request (the requester's for a run no join made).
         made: Whether the run has a state (one no join or close made is not written).
-        run_rules: The run's rules, for a join refused for other ones.
+        run_rules: The run's rules, for a join refused for other ones or because the run
+            closed.
         reopen_at_ms: When a run refusing a join can be used again.
         health: The job's health to store (``None``: unchanged), compared against
             ``health_mod``.
