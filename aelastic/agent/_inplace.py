@@ -9,8 +9,12 @@ local worker of the attempt is alive, said hello and made its current group, the
 new ranks and master (:meth:`resume`, one JSON line); each answers ``joined`` once its new
 process group is made and the state handed over. A worker whose collective broke says
 ``broken`` and waits: the agent waits for the group change that explains it, or tells it
-``fail`` (its own error is raised again and it exits as it would have). Messages are JSON
-lines; the socket is read on the agent's loop (no thread).
+``fail`` (its own error is raised again and it exits as it would have). Any worker, opted in
+or not, says ``raised`` (its pid and traceback, without a hello) when its script ends with
+an uncaught exception, before the interpreter's teardown (the worker bootstrap's excepthook,
+``worker/_site``): one that raised in a collective is the agent's cue to have the peers'
+departures reported while it exits (``_supervise.py``). Messages are JSON lines; the socket
+is read on the agent's loop (no thread).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 
 from ..core.race import Signal, wait_within
 from ..worker._inplace import ENV_SOCKET, ROUND_KEYS
+from .errors import raised_in_collective
 from .process import WorkerProcess
 
 __all__ = ["ENV_SOCKET", "InPlaceChannel"]
@@ -64,6 +69,9 @@ class InPlaceChannel:
         #: Workers that waited for a group change were told to fail (their failures are
         #: their own: no more waiting for a peer's loss).
         self.told_fail = False
+        #: Set when a worker's script says it raised (its process may still be exiting).
+        self.raised = Signal()
+        self._raised: dict[int, str] = {}
 
     async def start(self) -> None:
         """Listen (once); a failure leaves in-place recovery off for this agent."""
@@ -91,7 +99,10 @@ class InPlaceChannel:
                 if pid is None:
                     continue
                 op = message.get("op")
-                if op == "hello":
+                if op == "raised":  # any worker's script, before its teardown
+                    self._raised[pid] = str(message.get("error", ""))
+                    self.raised.set()
+                elif op == "hello":
                     self._workers[pid] = _Worker(writer)
                 elif (worker := self._workers.get(pid)) is None:
                     continue
@@ -131,6 +142,12 @@ class InPlaceChannel:
             p.pid for p in processes if (w := self._workers.get(p.pid)) and w.broken is not None
         ]
 
+    def raised_in_collective(self, processes: Iterable[WorkerProcess]) -> list[int]:
+        """Pids of ``processes`` whose script said it raised inside a collective (a peer may
+        be gone), whether or not they exited yet."""
+        said = self._raised
+        return [p.pid for p in processes if p.pid in said and raised_in_collective(said[p.pid])]
+
     def hold(self, processes: Iterable[WorkerProcess]) -> None:
         """Tell the workers that their group is changing (they leave it at once)."""
         for proc in processes:
@@ -166,6 +183,8 @@ class InPlaceChannel:
         self.gen = 0
         self.told_fail = False
         self.broken.clear()
+        self.raised.clear()
+        self._raised.clear()
 
     def _send(self, pid: int, **message: Any) -> None:
         worker = self._workers.get(pid)

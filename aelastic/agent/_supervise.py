@@ -1,17 +1,21 @@
 """Supervision of one attempt: worker exits raced against changes of the rendezvous group.
 
 How it works: :func:`supervise` races two loops with :func:`~aelastic.core.race.first_of`
-(one anyio task group; the loser is cancelled, and when both end at once the exits are looked
-at first). One awaits the workers' exits (pidfds, nothing polls) until a worker fails or all
-succeeded; the other awaits the changes of the group (the backend wakes the handler) and asks
-the policy what each means, publishing every change, until one calls for action. With a
-stall timeout, a third one watches the workers' progress (:mod:`._stall`): it stops a
-stalled worker, whose exit then ends the attempt as a failure. Workers that recover in
-place (:mod:`._inplace`) add two: a worker that says its collective broke waits for the
-group change that explains it (``grace``: the heartbeat window and a little more), else it
-is told to fail (its exit is then a failure like any other); and workers resumed in a new
-group must say they joined it within ``recovery_timeout``, else they are restarted the old
-way. The attempt's outcome is what the policy needs next: an observation and the failures.
+(one anyio task group; the loser is cancelled, and when both end at once the exits are
+looked at first). One awaits the workers' exits (pidfds, nothing polls) until a worker fails
+or all succeeded; the other awaits the changes of the group (the backend wakes the handler)
+and asks the policy what each means, publishing every change, until one calls for action.
+With a stall timeout, a third one watches the workers' progress (:mod:`._stall`): it stops a
+stalled worker, whose exit then ends the attempt as a failure. Workers that recover in place
+(:mod:`._inplace`) add two: a worker that says its collective broke waits for the group
+change that explains it (``grace``: the heartbeat window and a little more), else it is told
+to fail (its exit is then a failure like any other); and workers resumed in a new group must
+say they joined it within ``recovery_timeout``, else they are restarted the old way. A
+worker whose script raised in a collective says so before its interpreter's teardown (which
+can take seconds): the members whose connections ended are reported then
+(:meth:`RoundGroup.report_departures`), not once it exited, so that the peer's loss that
+broke the collective ends the attempt (a rescale) without waiting for the heartbeat window.
+The attempt's outcome is what the policy needs next: an observation and the failures.
 """
 
 from __future__ import annotations
@@ -117,6 +121,22 @@ async def supervise(
             inplace.told_fail = True
             inplace.broken.clear()
 
+    async def raised() -> Outcome:
+        if inplace is None:
+            await anyio.sleep_forever()
+        assert inplace is not None
+        while True:
+            inplace.raised.clear()
+            if pids := inplace.raised_in_collective(workers.processes):
+                break
+            await inplace.raised.wait()
+        # Its process may take seconds to exit (the interpreter's teardown): the peers whose
+        # loss broke the collective are reported now; their loss ends the attempt.
+        log.info("worker(s) %s raised in a collective: reporting departed members", pids)
+        await round_group.report_departures()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def recovery() -> Outcome:
         if inplace is None or inplace.gen == 0:
             await anyio.sleep_forever()
@@ -126,7 +146,7 @@ async def supervise(
             await anyio.sleep_forever()
         return Observation(Trigger.RECOVERY_TIMED_OUT), {}
 
-    _, outcome = await first_of(exits, group_change, stalls, broken, recovery)
+    _, outcome = await first_of(exits, group_change, stalls, broken, raised, recovery)
     result: Outcome = outcome
     return result
 

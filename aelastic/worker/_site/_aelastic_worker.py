@@ -15,7 +15,8 @@ The bootstrap (``sitecustomize.py`` beside this file) loads this module under th
 hook that registers the optimizer hook as soon as ``torch.optim.optimizer`` is imported)
 and :func:`install_excepthook` (an uncaught exception is written to
 ``TORCHELASTIC_ERROR_FILE`` in torch's ``@record`` format when the script's own ``@record``
-did not). Standard library only, and cheap to import: it runs in every worker.
+did not, and told to the agent at once on its socket, before the interpreter's teardown).
+Standard library only, and cheap to import: it runs in every worker.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from types import ModuleType, TracebackType
 from typing import IO, Any
 
 __all__ = [
+    "ENV_AGENT_SOCKET",
     "ENV_PAGE",
     "MAGIC",
     "PAGE_SIZE",
+    "RAISED_LIMIT",
     "SLOT_MAIN",
     "SLOT_PAUSED",
     "SLOT_PID",
@@ -258,12 +261,16 @@ def install_torch_hook() -> None:
 
 def install_excepthook() -> None:
     """Write an uncaught exception to ``TORCHELASTIC_ERROR_FILE`` (torch's ``@record``
-    format) unless something wrote it already; then print it as before."""
+    format) unless something wrote it already, and tell the agent that the script raised
+    (:func:`_tell_agent`); then print it as before."""
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        try:  # noqa: SIM105 - contextlib is not worth importing in every worker
-            _write_error_file(kind, value, tb)
+        try:
+            if not issubclass(kind, (SystemExit, KeyboardInterrupt)):
+                text = "".join(traceback.format_exception(kind, value, tb))
+                _write_error_file(kind, value, text)
+                _tell_agent(text)
         except Exception:  # never hide the user's exception behind ours
             pass
         previous(kind, value, tb)
@@ -271,15 +278,41 @@ def install_excepthook() -> None:
     sys.excepthook = hook
 
 
-def _write_error_file(
-    kind: type[BaseException], value: BaseException, tb: TracebackType | None
-) -> None:
+#: The agent's socket for its workers (``aelastic.worker._inplace.ENV_SOCKET``).
+ENV_AGENT_SOCKET = "AELASTIC_INPLACE_SOCKET"
+#: The end of a traceback sent to the agent, at most (characters): the innermost frames
+#: and the message.
+RAISED_LIMIT = 8192
+#: Seconds the worker gives the agent's socket to take the news (it is local).
+_TELL_TIMEOUT = 1.0
+
+
+def _tell_agent(text: str) -> None:
+    """Say ``{"op": "raised", "pid", "error"}`` on the agent's socket, if it gave one.
+
+    Why: after an uncaught exception the interpreter's teardown can take seconds (measured:
+    1.5 to 2.5 s of garbage collection once torch and its compiler stack are imported, on a
+    loaded machine), and the agent learns of the failure only when the process exits. A
+    collective that raised because a peer died is the agent's cue to have the rendezvous
+    report the peer's departure (``agent/_supervise.py``): told now, it does not wait for
+    the exit.
+    """
+    path = os.environ.get(ENV_AGENT_SOCKET)
+    if not path:
+        return
+    import socket  # (here: not every worker raises)
+
+    line = json.dumps({"op": "raised", "pid": os.getpid(), "error": text[-RAISED_LIMIT:]})
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(_TELL_TIMEOUT)
+        sock.connect(path)
+        sock.sendall(line.encode() + b"\n")
+
+
+def _write_error_file(kind: type[BaseException], value: BaseException, text: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or path == os.devnull or os.path.exists(path):
         return
-    if issubclass(kind, (SystemExit, KeyboardInterrupt)):
-        return
-    text = "".join(traceback.format_exception(kind, value, tb))
     message = "".join(traceback.format_exception_only(kind, value)).strip()
     doc = {
         "message": {
