@@ -230,9 +230,10 @@ async def measure(
             return result
         survivors = [key for key in everyone if key[0] != victim.index]
         load = os.getloadavg()
+        victim.killed = True  # (its CPU is not the survivors')
+        nodes_cpu = job.cpu()
         signalled = time.time()
         os.kill(victim.process.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-        victim.killed = True
         recovered = await job.until(
             lambda: (
                 job.settled_round(survivors, after=signalled) is not None
@@ -242,6 +243,7 @@ async def measure(
             recovery_timeout,
         )
         spent = server.snapshot() - at_kill
+        nodes_cpu = job.cpu() - nodes_cpu
         result["load_average_at_loss"] = load
         new_round = job.settled_round(survivors, after=signalled)
         if not recovered or new_round is None:
@@ -266,6 +268,7 @@ async def measure(
             "rounds_taken": new_round - round_,
             **_new_round(job, survivors, new_round),
             **_cost(spent, len(survivors)),
+            "nodes_cpu_s": nodes_cpu,
         }
         return result
     finally:

@@ -24,6 +24,7 @@ _COLUMNS = (
     ("req/surv", 8),
     ("KB/surv", 7),
     ("CPU ms/surv", 11),
+    ("nodes CPU s", 11),
     ("load", 5),
 )
 
@@ -64,6 +65,7 @@ def _row(case: dict[str, Any]) -> str:
         _num(recovery.get("requests_per_survivor"), ".1f"),
         _num(None if kb is None else kb / 1024, ".2f"),
         _num(recovery.get("server_cpu_ms_per_survivor"), ".2f"),
+        _num(recovery.get("nodes_cpu_s"), ".2f"),
         f"{load:.1f}",
     ]
     return " | ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, _COLUMNS, strict=True))
@@ -109,7 +111,7 @@ def format_report(results: dict[str, Any]) -> str:
         "new round: seconds from the signal until every survivor's next_rendezvous() returned "
         "(median too); loss seen: until the last survivor acted on it; broke: survivors whose "
         "collective broke; store work (requests, KB out, CPU) per survivor from the signal to "
-        "the last new round",
+        "the last new round; nodes CPU: the simulated nodes' processes meanwhile (all survivors)",
         " | ".join(f"{name:>{w}}" for name, w in _COLUMNS),
     ]
     lines += [_row(case) for case in results["cases"]]
