@@ -269,10 +269,11 @@ async def _main(spec: dict[str, Any], emit: Emitter) -> None:
 def main() -> int:
     # Warnings of aelastic's loggers reach the process's log with their level and time,
     # where the harness counts them.
-    logging.basicConfig(
-        level=logging.WARNING, format="%(created).3f %(levelname)s %(name)s: %(message)s"
-    )
     spec = json.loads(sys.argv[1])
+    logging.basicConfig(
+        level=spec.get("log_level", "WARNING"),
+        format="%(created).3f %(levelname)s %(name)s: %(message)s",
+    )
     raise_fd_limit()
     emit = Emitter()
     if spec.get("loop") == "uvloop":

@@ -122,6 +122,7 @@ async def run_case(
             "max_nodes": n,
             "loop": args.node_loop,
             "config": _config(args),
+            "log_level": args.node_log_level,
         }
         victim_addr = FIRST_ADDR if case == "kill-rank0" else LAST_ADDR
         result = await measure(
@@ -194,7 +195,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             break
                     results["cases"].append(result)
     issues = sum(c.get("log_issues", {}).get("lines", 0) for c in results["cases"])
-    if issues:
+    if issues or args.node_log_level != "WARNING":
         print(f"node logs (with {issues} error/warning lines): {log_dir}", file=sys.stderr)
     else:
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -217,6 +218,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--retries", type=int, default=2, help="new jobs for one that was not stable to measure"
     )
     parser.add_argument("--node-loop", choices=("asyncio", "uvloop"), default="asyncio")
+    parser.add_argument(
+        "--node-log-level", default="WARNING", help="of the nodes' logs (kept if not empty)"
+    )
     parser.add_argument("--keep-alive", type=float, default=1.0, help="keep_alive_interval (s)")
     parser.add_argument("--max-attempts", type=int, default=3, help="keep_alive_max_attempt")
     parser.add_argument("--last-call", type=float, default=0.2, help="last_call_timeout (s)")
