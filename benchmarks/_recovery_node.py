@@ -246,9 +246,10 @@ async def _main(spec: dict[str, Any], emit: Emitter) -> None:
     commands: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
     def read_stdin() -> None:
-        for line in sys.stdin:
-            loop.call_soon_threadsafe(commands.put_nowait, json.loads(line))
-        loop.call_soon_threadsafe(commands.put_nowait, None)
+        with contextlib.suppress(RuntimeError):  # the loop ended first (an "exit")
+            for line in sys.stdin:
+                loop.call_soon_threadsafe(commands.put_nowait, json.loads(line))
+            loop.call_soon_threadsafe(commands.put_nowait, None)
 
     threading.Thread(target=read_stdin, daemon=True).start()
     emit(ev="ready", pid=os.getpid(), count=len(nodes))
