@@ -22,8 +22,9 @@ The job is ``--nnodes (N-1):N`` (``min_nodes=N-1``, ``max_nodes=N``) with a shor
 
 ``--breaks all`` (the default, the worst case): every stand-in worker also holds a socket to
 the victim's, so every survivor's collective breaks at the kill and all of them report
-departures at the same moment; ``--breaks ring``: only the victim's next rank's does at the
-kill (ranks connect to the next rank), the others break as their peers' workers are stopped.
+departures at the same moment; ``--breaks ring``: only those of the victim's two neighbours
+break at the kill (each rank connects to the next), the others as their peers' workers are
+stopped.
 
 Measured per case: seconds from the signal until every survivor's ``next_rendezvous()``
 returned the new round (max, median) and until each reacted; the new round checked (one
