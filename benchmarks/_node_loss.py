@@ -48,6 +48,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 THIS = str(Path(__file__).resolve())
@@ -69,6 +70,10 @@ def node(argv: Sequence[str]) -> int:
     from aelastic.rendezvous import RendezvousParameters, create_handler
 
     endpoint, run_id, variant = argv
+    if os.environ.get("BENCH_TRACE_DIR"):  # the agent's steps, timed, in the launcher's log
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(created).3f %(name)s: %(message)s")
     backend = "redis" if endpoint.startswith(("redis://", "rediss://")) else "http"
     params = RendezvousParameters(backend, endpoint, run_id, 2, 2, local_addr=LOOPBACK, **CONF)
     spec = WorkerSpec(
@@ -124,8 +129,12 @@ def _wait_listening(port: int, deadline: float) -> None:
     raise TimeoutError(f"nothing listens on port {port}")
 
 
-def measure(variant: str, endpoint: str, run_id: str, timeout: float = 180.0) -> float:
-    """Seconds from a member's kill to the last rank's first step after it."""
+def measure(
+    variant: str, endpoint: str, run_id: str, timeout: float = 180.0, victim: str = "other"
+) -> float:
+    """Seconds from a member's kill to the last rank's first step after it (``victim``:
+    ``"rank0"``, the member of group rank 0, whose address is the workers' master; else the
+    other member)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind((LOOPBACK, 0))
     deadline = time.monotonic() + timeout
@@ -135,22 +144,28 @@ def measure(variant: str, endpoint: str, run_id: str, timeout: float = 180.0) ->
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         if variant == "torch":  # see the module docstring
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        trace = os.environ.get("BENCH_TRACE_DIR")  # each launcher's output kept there
         try:
             cmd = commands(variant, endpoint, run_id)
-            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, **quiet))
-            if variant == "torch":  # the first torchrun hosts the store: it must be the one
-                _wait_listening(int(endpoint.rsplit(":", 1)[1]), deadline)
 
             def launch() -> None:
+                out = quiet
+                if trace:
+                    path = Path(trace) / f"{run_id}-{variant}-{len(procs)}.log"
+                    out = {"stdout": path.open("wb"), "stderr": subprocess.STDOUT}
                 procs.append(
-                    subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, **quiet)
+                    subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, **out)
                 )
 
             launch()
+            if variant == "torch":  # the first torchrun hosts the store: it must be the one
+                _wait_listening(int(endpoint.rsplit(":", 1)[1]), deadline)
+            launch()
             if variant != "torch":
                 launch()  # the spare
-            return _lose_a_member(sock, procs, deadline, launch if variant == "torch" else None)
+            replace = launch if variant == "torch" else None
+            return _lose_a_member(sock, procs, deadline, replace, victim)
         finally:
             for proc in procs:
                 _kill_tree(proc)
@@ -162,6 +177,7 @@ def _lose_a_member(
     procs: list[subprocess.Popen[bytes]],
     deadline: float,
     replace: Callable[[], None] | None,
+    victim: str,
 ) -> float:
     def report() -> list[str]:
         sock.settimeout(max(deadline - time.monotonic(), 0.01))
@@ -171,10 +187,17 @@ def _lose_a_member(
     while len(before) < 2 or min(s for s, _, _ in before.values()) < WARMUP_STEPS:
         _, rank, step, _t, pid, gen = report()
         before[int(rank)] = (int(step), pid, gen)
-    owners = {_parent(int(pid)) for _, pid, _ in before.values()}
-    [victim] = [p for p in procs[1:] if p.pid in owners][:1]
+    if victim == "rank0":
+        owner = _parent(int(before[0][1]))
+        [member] = [p for p in procs if p.pid == owner]
+    else:
+        owners = {_parent(int(pid)) for _, pid, _ in before.values()}
+        [member] = [p for p in procs[1:] if p.pid in owners][:1]
     killed = time.time()
-    _kill_tree(victim)
+    _kill_tree(member)
+    if os.environ.get("BENCH_TRACE_DIR"):
+        pids = [p.pid for p in procs]
+        print(f"  killed launcher {member.pid} of {pids} at {killed:.3f}", file=sys.stderr)
     if replace is not None:
         replace()
     deadline = time.monotonic() + AFTER_KILL

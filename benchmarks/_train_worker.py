@@ -51,9 +51,17 @@ def one_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
+def trace(what: str) -> None:
+    """With ``BENCH_TRACE_DIR`` set, a timed line on stderr (the launcher's log)."""
+    if os.environ.get("BENCH_TRACE_DIR"):
+        print(f"{time.time():.3f} worker {os.getpid()}: {what}", file=sys.stderr, flush=True)
+
+
 def checkpointed() -> None:
     directory = os.environ["BENCH_DIR"]
+    trace(f"starts, master {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    trace(f"group made, rank {dist.get_rank()}")
     model, optimizer = make()
     step = 0
     saved = [torch.load(p) for p in glob.glob(os.path.join(directory, "*.pt"))]  # each rank's
@@ -62,6 +70,7 @@ def checkpointed() -> None:
         model.load_state_dict(newest["model"])
         optimizer.load_state_dict(newest["optimizer"])
         step = newest["step"]
+    trace(f"{len(saved)} checkpoints read")
     rank = dist.get_rank()
     path = os.path.join(directory, f"{rank}.pt")
     while True:

@@ -16,11 +16,14 @@ The case ``node-loss`` (:mod:`benchmarks._node_loss`): 3 nodes of a ``--nnodes 2
 spare), a real gloo training loop, one member SIGKILLed -> every rank of the re-formed job
 finished its next training step: torchrun (c10d, restart from a checkpoint), aelastic
 restarting from the checkpoint (warm standbys off), aelastic with a hot spare (standbys with
-torch imported), aelastic with a hot spare and in-place recovery.
+torch imported), aelastic with a hot spare and in-place recovery. The member killed is the
+one of rank 1 (torch's first launcher hosts its rendezvous: never killed); the case
+``node-loss-rank0`` kills the member of rank 0, whose address is the workers' master
+(aelastic's variants only). Each prints the median and the worst of its runs.
 
 Run: ``python benchmarks/recovery_latency.py [--repeat 5] [--backend http|redis]
-[--cases crash,node-loss] [--plot docs/recovery.png]`` (``--plot``: the medians as bars,
-torch beside aelastic's variants; needs matplotlib).
+[--cases crash,node-loss,node-loss-rank0] [--plot docs/recovery.png]`` (``--plot``: the
+medians as bars, torch beside aelastic's variants; needs matplotlib).
 """
 
 from __future__ import annotations
@@ -113,30 +116,48 @@ NODE_LOSS = {
 }
 
 
-def node_loss(repeat: int, backend: str = "http") -> dict[str, float]:
-    """The median of each variant of the node-loss case, measured in turns."""
-    times: dict[str, list[float]] = {variant: [] for variant in NODE_LOSS}
+def node_loss(repeat: int, backend: str = "http", victim: str = "other") -> dict[str, list[float]]:
+    """Each variant of the node-loss case, measured in turns: its times in the order run
+    (``victim="rank0"``: the member of rank 0 is the one killed; torch is not measured then,
+    its first launcher hosting its rendezvous)."""
+    variants = [v for v in NODE_LOSS if victim != "rank0" or v != "torch"]
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
     loads: list[float] = []
     for _ in range(repeat):
-        for variant in NODE_LOSS:
+        for variant in variants:
             run_id = f"bench-{uuid.uuid4().hex[:8]}"
             if variant == "torch":
                 seconds = _node_loss.measure(variant, f"{LOOPBACK}:{free_port()}", run_id)
             else:
                 with server_endpoint(backend) as endpoint:
-                    seconds = _node_loss.measure(variant, endpoint, run_id)
+                    seconds = _node_loss.measure(variant, endpoint, run_id, victim=victim)
             times[variant].append(seconds)
             load = os.getloadavg()[0]
             loads.append(load)
             print(
-                f"  node loss, {NODE_LOSS[variant]}: {seconds:.3f} s (load {load:.1f})",
+                f"  node loss ({_VICTIMS[victim]}), {NODE_LOSS[variant]}: {seconds:.3f} s "
+                f"(load {load:.1f})",
                 file=sys.stderr,
             )
     print(
         f"load average (1 min) at each measurement: median {median(loads):.1f}, "
         f"{min(loads):.1f} to {max(loads):.1f} (2 cores)"
     )
-    return {variant: median(values) for variant, values in times.items()}
+    return times
+
+
+_VICTIMS = {"other": "the member of rank 1 killed", "rank0": "the member of rank 0 killed"}
+
+
+def _worst_cases(title: str, times: dict[str, list[float]]) -> str:
+    """Median and worst of each variant."""
+    lines = [title, f"{'variant':<44} {'median':>8} {'worst':>8}  runs"]
+    for variant, values in times.items():
+        runs = ", ".join(f"{v:.2f}" for v in values)
+        lines.append(
+            f"{NODE_LOSS[variant]:<44} {median(values):>7.3f}s {max(values):>7.3f}s  {runs}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,13 +165,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5, help="runs per case (median)")
     parser.add_argument("--backend", choices=("http", "redis"), default="http")
     parser.add_argument("--plot", type=Path, help="write the medians as a PNG bar chart here")
-    parser.add_argument("--cases", default="crash,node-loss", help="crash, node-loss or both")
+    parser.add_argument(
+        "--cases", default="crash,node-loss", help="crash, node-loss, node-loss-rank0 (a list)"
+    )
     args = parser.parse_args(argv)
     cases = set(args.cases.split(","))
     panels = []
     title = f"Recovery latency, median of {args.repeat} (lower is better)"
+    if "node-loss-rank0" in cases:
+        worst = node_loss(args.repeat, args.backend, victim="rank0")
+        print(_worst_cases(f"{title}: {_VICTIMS['rank0']} -> every rank's next step", worst))
     if "node-loss" in cases:
-        loss = node_loss(args.repeat, args.backend)
+        runs = node_loss(args.repeat, args.backend)
+        print(_worst_cases(f"{title}: {_VICTIMS['other']} -> every rank's next step", runs))
+        loss = {variant: median(values) for variant, values in runs.items()}
         rows = [(f"node lost: {v}", loss["torch"], loss[v], "s") for v in NODE_LOSS]
         print(table(f"{title}: node lost -> every rank finished its next step", rows[1:]))
         bound = _node_loss.AFTER_KILL

@@ -1,6 +1,7 @@
 """A real gloo training loop (CPU) for the spare and in-place tests:
 ``python _spare_train.py MODE`` with MODE ``inplace`` (``aelastic.worker.InPlace``) or
-``plain`` (no aelastic in it: restarts go on from the newest checkpoint in ``$TRAIN_DIR``).
+``plain`` (no aelastic in it: restarts go on from the newest checkpoint in ``$TRAIN_DIR``;
+with ``TRAIN_LINGER`` set, a worker whose collective raised takes that many seconds to exit).
 
 Every rank trains the same linear model on the same data, its gradients averaged over the
 group, so the model after ``TRAIN_STEPS`` steps is the one a single process gets: each rank
@@ -16,6 +17,7 @@ import time
 
 if os.environ.get("AELASTIC_INPLACE_TRACE"):
     sys.stderr.write(f"aelastic-inplace {time.time():.3f} {os.getpid()} script starts\n")
+import atexit
 import datetime
 import glob
 import json
@@ -105,7 +107,14 @@ def plain() -> None:
         step = newest["step"]
     rank, world = dist.get_rank(), dist.get_world_size()
     while step < STEPS:
-        loss = one_step(model, optimizer, True)
+        try:
+            loss = one_step(model, optimizer, True)
+        except Exception:
+            # ``TRAIN_LINGER`` s of teardown after the collective raised (its exception is
+            # uncaught: torch and NCCL teardowns can take that long).
+            if linger := float(os.environ.get("TRAIN_LINGER", "0")):
+                atexit.register(time.sleep, linger)
+            raise
         step += 1
         path = os.path.join(directory, f"{rank}.pt")
         torch.save(

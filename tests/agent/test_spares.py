@@ -63,10 +63,15 @@ class Reports:
 
 @contextmanager
 def three_nodes(
-    mode: str, tmp_path: Path, conf: dict[str, str] = CONF, redis: bool = False
+    mode: str,
+    tmp_path: Path,
+    conf: dict[str, str] = CONF,
+    redis: bool = False,
+    linger: float = 0.0,
 ) -> Iterator[tuple[list[subprocess.Popen[bytes]], Reports]]:
     reports = Reports()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAIN_ADDR": reports.addr}
+    env["TRAIN_LINGER"] = str(linger)
     env.update(TRAIN_DIR=str(tmp_path), TRAIN_STEPS=str(STEPS), TRAIN_LOGS=str(tmp_path / "logs"))
     with RedisServer() if redis else HttpServer() as server:
         endpoint = server.url if isinstance(server, RedisServer) else server.endpoint
@@ -137,6 +142,32 @@ def test_without_opt_in_the_survivor_restarts_from_its_checkpoint_spending_no_re
     assert survivor["agent"] in {r["agent"] for r in after}
     assert {r["restart"] for r in reports.seen} == {0}  # its broken collective spent none
     assert min(r["step"] for r in after) > 1  # from the checkpoint, not from scratch
+
+
+@pytest.mark.parametrize("backend", ["http", "redis"])
+def test_a_survivor_whose_worker_is_slow_to_exit_goes_on_long_before_the_window_ends(
+    tmp_path: Path, backend: str
+) -> None:
+    """The survivor's worker, its collective broken by the loss of rank 0's node, takes a
+    minute to exit (its interpreter's teardown): its agent learns that it raised in a
+    collective before that and has the rendezvous report the lost member at once, so the
+    new group trains seconds after the kill, long before the 30 s heartbeat window ends
+    (over Redis nothing else tells the loss; over HTTP the server's departure would too,
+    after its 1 s grace)."""
+    pytest.importorskip("torch.distributed")
+    window = 30.0
+    conf = {**CONF, "keep_alive_interval": "1", "keep_alive_max_attempt": "30"}
+    redis = backend == "redis"
+    with three_nodes("plain", tmp_path, conf, redis=redis, linger=60.0) as (nodes, reports):
+        victim, before, killed = _lose_a_member(nodes, reports)
+        resumed = reports.until(
+            lambda r: r["event"] == "step" and r["t"] > killed and r["agent"] != victim.pid
+            and r["pid"] != before[1]["pid"]
+        )  # fmt: skip
+        done = _finish(nodes, victim, reports)
+    assert resumed["t"] - killed < window / 2, resumed["t"] - killed
+    assert all(d["ok"] for d in done), done
+    assert {r["restart"] for r in reports.seen} == {0}  # the peer's loss spent no restart
 
 
 def test_in_place_a_spare_takes_the_lost_nodes_place_and_the_survivor_goes_on(

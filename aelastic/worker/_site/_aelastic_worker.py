@@ -432,8 +432,10 @@ def install_excepthook() -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        try:  # noqa: SIM105 - contextlib is not worth importing in every worker
-            _write_error_file(kind, value, tb)
+        try:
+            if not issubclass(kind, (SystemExit, KeyboardInterrupt)):
+                text = "".join(traceback.format_exception(kind, value, tb))
+                _write_error_file(kind, value, text)
         except Exception:  # never hide the user's exception behind ours
             pass
         try:  # noqa: SIM105
@@ -484,15 +486,10 @@ def _tell_exiting() -> None:
     sock.close()
 
 
-def _write_error_file(
-    kind: type[BaseException], value: BaseException, tb: TracebackType | None
-) -> None:
+def _write_error_file(kind: type[BaseException], value: BaseException, text: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or path == os.devnull or os.path.exists(path):
         return
-    if issubclass(kind, (SystemExit, KeyboardInterrupt)):
-        return
-    text = "".join(traceback.format_exception(kind, value, tb))
     message = "".join(traceback.format_exception_only(kind, value)).strip()
     _write_error_doc(message, text)
 
