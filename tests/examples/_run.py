@@ -18,6 +18,7 @@ def run(args: Sequence[str], timeout: float = 100) -> tuple[int, str]:
 
     The example runs in its own session; if it outlives ``timeout`` (kept below pytest's
     own timeout), its whole process group is killed and the test fails with its output.
+    Hang detection is on by default: an example whose worker is called hung fails too.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -37,4 +38,5 @@ def run(args: Sequence[str], timeout: float = 100) -> tuple[int, str]:
             os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"{args} still running after {timeout} s; output:\n{out}") from None
+    assert " is hung: " not in out and "hung: no " not in out, f"a hang reported:\n{out}"
     return proc.returncode, out
