@@ -242,6 +242,7 @@ def watch_of(
     renewed: float | None,
     learned: float | None,
     quiet: float | None = None,
+    paused: bool = False,
 ) -> Watch | None:
     """What a worker is watched for (``None``: not watched now).
 
@@ -256,9 +257,10 @@ def watch_of(
             collective to the peer (``None``: never).
         learned: The node's learned bound (``None``: not learned yet).
         quiet: Since when the agent has seen it idle.
+        paused: It is in a phase not watched (``aelastic.worker.paused()``, its exit).
     """
-    if last_progress is None and steps:
-        return None  # paused, or exiting
+    if paused or (last_progress is None and steps):
+        return None  # paused, exiting, or a page read half-written
     since = max(began, renewed or began)
     if not steps:
         if rule.startup is None or not torch:

@@ -218,6 +218,7 @@ class _Seen:
                 began=self.began,
                 renewed=self._renewed.get(rank),
                 learned=learned,
+                paused=reading.paused,
             )
             quiet = self._quiet.get(rank)
             if quiet is not None and (watch is None or quiet[2] != watch.since):

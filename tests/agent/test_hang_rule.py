@@ -105,8 +105,9 @@ def test_what_a_worker_is_watched_for() -> None:
     # Learned: from the last sign of life (a step, or activity seen from outside).
     assert _watch(steps=9, last_progress=150.0, learned=10.0) == Watch(150.0, 10.0, "learned", True)
     assert _watch(steps=9, last_progress=150.0, learned=10.0, renewed=155.0).since == 155.0
-    # Paused (or exiting): not watched.
+    # Paused (or exiting): not watched, before the first step too.
     assert _watch(steps=9, last_progress=None, learned=10.0) is None
+    assert _watch(paused=True) is None
     # A number: the page alone, from the last progress or the watch's start.
     assert _watch(FIXED, steps=4, last_progress=90.0) == Watch(100.0, 3.0, "fixed", False)
     assert _watch(FIXED, steps=4, last_progress=120.0, renewed=125.0).since == 120.0  # type: ignore[union-attr]
