@@ -20,6 +20,7 @@ microseconds a process (``benchmarks/hook_cost.py``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["CPU_SHARE", "IO_RATE", "MAX_PROCESSES", "Activity", "busy", "sample"]
@@ -65,6 +66,7 @@ def sample(pid: int) -> Activity:
     """The processes of ``pid`` (the worker's process) and its descendants now; blocking
     (a few small reads of ``/proc``: run it off the event loop)."""
     cpu, io, disk, seen = 0.0, 0, False, 0
+    children = _children if _HAS_CHILDREN else _children_by_parent()
     todo = [pid]
     visited: set[int] = set()
     while todo and seen < MAX_PROCESSES:
@@ -80,7 +82,7 @@ def sample(pid: int) -> Activity:
         cpu += ticks / _TICK
         disk = disk or state == "D"
         io += _io(proc)
-        todo.extend(_children(proc))
+        todo.extend(children(proc))
     return Activity(cpu, io, disk, seen)
 
 
@@ -101,6 +103,26 @@ def _io(pid: int) -> int:
         return int(counts.get(b"rchar", 0)) + int(counts.get(b"wchar", 0))
     except (OSError, ValueError):
         return 0  # another user's process (a setuid helper): its CPU still counts
+
+
+#: The kernel lists each task's children (``CONFIG_PROC_CHILDREN``); else the parents are
+#: read from every process's ``stat``.
+_HAS_CHILDREN = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+def _children_by_parent() -> Callable[[int], list[int]]:
+    """A children lookup made from every process's parent (one pass over ``/proc``)."""
+    by_parent: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        by_parent.setdefault(parent, []).append(int(name))
+    return lambda pid: by_parent.get(pid, [])
 
 
 def _children(pid: int) -> list[int]:

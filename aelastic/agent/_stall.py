@@ -9,7 +9,7 @@ bound before the first step). A worker whose rule says so is first looked at fro
 then the agent asks the stalled workers for the Python stacks of every thread
 (:mod:`._stacks`) and tells the agent (``report``: the console line, the event, the stacks
 in the log directory). A worker waiting inside ``torch.distributed`` under a learned bound
-is left to the rank at fault (logged once; :meth:`_Seen.leave_to_peers`). Otherwise a node
+is left to the rank at fault (logged once; :meth:`~._seen.Seen.leave_to_peers`). Otherwise a node
 whose stalled workers all wait inside ``torch.distributed`` is most likely waiting for a
 peer that is stuck elsewhere: it waits one more timeout (at least
 :data:`~._stacks.DUMP_WAIT`, the longest a peer's agent waits for stacks that do not come;
@@ -30,21 +30,13 @@ import os
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import anyio
 
-from ._activity import Activity, busy, sample
-from ._hang_rule import (
-    MIN_GAPS,
-    HangRule,
-    StallCheck,
-    Watch,
-    check_stalls,
-    learned_bound,
-    watch_of,
-)
-from ._progress import PageReading, ProgressPages
+from ._hang_rule import HangRule, Watch
+from ._progress import ProgressPages
+from ._seen import Seen
 from ._stacks import DUMP_WAIT, dump_stacks, in_collective, main_stack, parse_stacks, stopped, where
 from ._unkillable import WorkersUnkillable, inspect, unkillable_bound
 from .process import WorkerProcess
@@ -136,7 +128,7 @@ async def watch_stalls(
     Raises:
         WorkersUnkillable: A stalled worker survived SIGKILL past the bound.
     """
-    seen = _Seen(pages, rule, time.monotonic())
+    seen = Seen(pages, rule, time.monotonic())
     waited_for_peer = waited_for_local = False
     while True:
         running = {p.local_rank: p for p in processes if p.returncode is None}
@@ -183,142 +175,6 @@ def _peer_wait(stalls: Sequence[Stall], watches: Mapping[int, Watch | None]) -> 
     fixed = phases.get("fixed")
     wait = fixed if fixed is not None else min(max(phases.values(), default=0.0), 60.0)
     return max(wait, DUMP_WAIT + 1.0)
-
-
-class _Seen:
-    """What the agent saw of an attempt's workers besides their pages: when each was last
-    seen alive from outside (or its wait in a collective left to the peer at fault), and
-    the first of its idle samples since."""
-
-    def __init__(self, pages: ProgressPages, rule: HangRule, began: float) -> None:
-        self._pages = pages
-        self._rule = rule
-        #: When the watch began (the workers' start, or their resumption in place).
-        self.began = began
-        self._renewed: dict[int, float] = {}
-        self._quiet: dict[int, tuple[float, Activity, float]] = {}  # rank -> (at, sample, since)
-        self._left: dict[int, float | None] = {}  # waits told of -> the progress they had
-
-    def check(
-        self, running: Mapping[int, WorkerProcess]
-    ) -> tuple[dict[int, Watch | None], StallCheck]:
-        """The workers' watches and the verdict now."""
-        readings = {rank: self._pages.read(rank) for rank in running}
-        learned = self._learned(readings) if self._rule.fixed is None else None
-        watches: dict[int, Watch | None] = {}
-        for rank, reading in readings.items():
-            last = reading.last_progress()
-            if rank in self._left and self._left[rank] != last:
-                del self._left[rank]  # it moved since its wait was told of
-            watch = watch_of(
-                self._rule,
-                last_progress=last,
-                steps=reading.steps,
-                torch=reading.torch,
-                began=self.began,
-                renewed=self._renewed.get(rank),
-                learned=learned,
-                paused=reading.paused,
-            )
-            quiet = self._quiet.get(rank)
-            if quiet is not None and (watch is None or quiet[2] != watch.since):
-                del self._quiet[rank]  # a sign of life since: look again
-            elif quiet is not None and watch is not None:
-                watch = replace(watch, quiet=quiet[0])  # its idle samples still stand
-            watches[rank] = watch
-        return watches, check_stalls(watches, time.monotonic(), self._rule.unarmed)
-
-    def _learned(self, readings: Mapping[int, PageReading]) -> float | None:
-        gaps = {rank: self._pages.gaps(rank, r.steps) for rank, r in readings.items() if r.steps}
-        if not any(len(g) >= MIN_GAPS for g in gaps.values()):
-            return None
-        return learned_bound(g for found in gaps.values() for g in found)
-
-    async def look(
-        self,
-        running: Mapping[int, WorkerProcess],
-        ranks: Sequence[int],
-        watches: Mapping[int, Watch | None],
-    ) -> None:
-        """The first look from outside at ``ranks``: busy, they are alive; else idle from now."""
-        samples = await _sample({r: running[r].pid for r in ranks})
-        now = time.monotonic()
-        for rank, activity in samples.items():
-            watch = watches[rank]
-            assert watch is not None
-            if activity.disk:
-                self._renewed[rank] = now
-            else:
-                self._quiet[rank] = (now, activity, watch.since)
-
-    async def confirm(
-        self,
-        running: Mapping[int, WorkerProcess],
-        ranks: Sequence[int],
-        watches: Mapping[int, Watch | None],
-    ) -> list[int]:
-        """Of ``ranks`` past their deadline, those still idle (looked at from outside when
-        their watch says so); the others are alive from now."""
-        outside = [r for r in ranks if (w := watches[r]) is not None and w.outside]
-        samples = await _sample({r: running[r].pid for r in outside}) if outside else {}
-        now = time.monotonic()
-        stalled = []
-        for rank in ranks:
-            activity = samples.get(rank)
-            first = self._quiet.get(rank)
-            if (
-                activity is not None
-                and first is not None
-                and busy(first[1], activity, now - first[0])
-            ):
-                self._renewed[rank] = now
-                del self._quiet[rank]
-                continue
-            stalled.append(rank)
-        return stalled
-
-    def leave_to_peers(
-        self, stalls: list[Stall], watches: Mapping[int, Watch | None]
-    ) -> list[Stall]:
-        """The stalls to act on. When every one waits inside ``torch.distributed`` under a
-        learned bound, none: the wait is left to the rank at fault (its own agent names it,
-        or the collective's timeout ends the wait), logged once, looked at again a bound
-        later; a peer writing a checkpoint holds the others in a barrier as long as it
-        takes."""
-        patient = [
-            s
-            for s in stalls
-            if (w := watches.get(s.local_rank)) is not None
-            and w.patient
-            and s.in_collective
-            and not s.unresponsive
-        ]
-        if len(patient) < len(stalls):
-            return stalls
-        now = time.monotonic()
-        for stall in patient:
-            if stall.local_rank not in self._left:
-                log.info(
-                    "worker local_rank %d: no progress for %.1f s, waiting in torch.distributed "
-                    "at %s; left to the rank at fault",
-                    stall.local_rank,
-                    stall.idle,
-                    stall.user_where or stall.where,
-                )
-            self._left[stall.local_rank] = self._pages.read(stall.local_rank).last_progress()
-            self._renewed[stall.local_rank] = now
-            self._quiet.pop(stall.local_rank, None)
-        return []
-
-
-async def _sample(pids: Mapping[int, int]) -> dict[int, Activity]:
-    """The activity of each worker (local rank -> its process), read off the event loop."""
-
-    def read() -> dict[int, Activity]:
-        return {rank: sample(pid) for rank, pid in pids.items()}
-
-    result: dict[int, Activity] = await anyio.to_thread.run_sync(read)
-    return result
 
 
 async def _describe(

@@ -100,7 +100,7 @@ def heal_options(args: Any) -> HealOptions:
 
     text = str(args.stall_timeout).strip()
     try:
-        stall = stall_setting(AUTO if text == AUTO else float(text))
+        stall = stall_setting(AUTO if text.lower() == AUTO else float(text))
     except ValueError:
         raise UsageError(
             f"--stall-timeout must be auto or a number of seconds >= 0 (0: off), not {text!r}"

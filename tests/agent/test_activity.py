@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from aelastic.agent import _activity as activity
 from aelastic.agent._activity import CPU_SHARE, IO_RATE, Activity, busy, sample
 
 pytestmark = pytest.mark.timeout(60)
@@ -79,7 +80,12 @@ def test_a_sleeping_process_is_idle_and_a_computing_or_writing_one_is_not(
         assert _worked(pid)
 
 
-def test_a_process_whose_child_computes_is_not_idle() -> None:
+@pytest.mark.parametrize("children_listed", [True, False])
+def test_a_process_whose_child_computes_is_not_idle(
+    children_listed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without the kernel's children lists (CONFIG_PROC_CHILDREN), the parents are read.
+    monkeypatch.setattr(activity, "_HAS_CHILDREN", children_listed and activity._HAS_CHILDREN)
     with started(PARENT_OF_A_WORKER) as pid:
         assert sample(pid).processes == 2
         assert _worked(pid)

@@ -151,3 +151,35 @@ def test_the_start_line_says_the_rule() -> None:
     assert HangRule(5.0, None).describe() == (
         "hangs: 5 s without a step after the first; no start-up bound (--startup-timeout 0)"
     )
+
+
+def test_a_wait_left_to_the_peer_is_looked_at_again_later_and_later() -> None:
+    """A worker waiting in a collective under a learned bound is never acted on: each look
+    renews its watch, the next one a bound, then 2, 4... bounds later (a wait of hours costs
+    a few dumps); once it steps again it is watched as before."""
+    import time
+
+    from aelastic.agent._progress import ProgressPages
+    from aelastic.agent._seen import Seen
+    from aelastic.agent._stall import Stall
+
+    pages = ProgressPages(1)
+    try:
+        seen = Seen(pages, AUTO, time.monotonic())
+        waiting = Stall(
+            0, 1, 0, 12.0, "stacks", where="c10d.py:1 in all_reduce", in_collective=True
+        )
+        learned = {0: Watch(0.0, 10.0, "learned", True)}
+        renewals = []
+        for _ in range(4):
+            before = time.monotonic()
+            assert seen.leave_to_peers([waiting], learned) == []
+            renewals.append(seen._renewed[0] - before)
+        assert [round(r, -1) for r in renewals] == [0.0, 10.0, 30.0, 70.0]
+        # Not left to the peer: a worker stuck outside a collective, or at start-up.
+        stuck = Stall(0, 1, 4, 12.0, "stacks", where="train.py:9 in step")
+        assert seen.leave_to_peers([stuck], learned) == [stuck]
+        startup = {0: Watch(0.0, 10.0, "startup", True)}
+        assert seen.leave_to_peers([waiting], startup) == [waiting]
+    finally:
+        pages.close()
