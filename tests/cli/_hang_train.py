@@ -93,6 +93,7 @@ def main() -> int:
         dist.barrier()
         if rank == 1:
             shard = os.path.join(HANG_DIR, "shard")
+            open(shard, "wb").close()
             threading.Thread(target=_write_slowly, args=(shard, 15.0), daemon=True).start()
             while not os.path.exists(shard + ".done"):
                 with open(shard, "rb") as f:
@@ -108,7 +109,7 @@ def main() -> int:
 
 def _write_slowly(path: str, seconds: float) -> None:
     end = time.monotonic() + seconds
-    with open(path, "wb") as f:
+    with open(path, "ab") as f:
         while time.monotonic() < end:
             f.write(b"x" * 4096)
             f.flush()
