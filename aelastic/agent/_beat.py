@@ -5,7 +5,7 @@ no keep-alive, and its node's peers drop it after the heartbeat window and go on
 with a spare in its place; it cannot stop its workers either. So each worker stops itself:
 the agent keeps one page of shared memory (``/dev/shm``, 4 KiB) and a task on its event
 loop writes there, every :attr:`AgentBeat.period` seconds, a deadline on the machine's
-monotonic clock; each worker's bootstrap (:mod:`aelastic.worker._site._aelastic_worker`)
+monotonic clock; each worker's bootstrap (:mod:`aelastic.worker._site._aelastic_guard`)
 runs a thread that sleeps until that deadline and, when it finds it passed, SIGKILLs the
 worker's process group. The deadline is the earliest moment the peers may drop the node:
 one heartbeat window after this node's last keep-alive went out (:attr:`keep_alive_age`:
@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from ..worker._site import _aelastic_worker as runtime
+from ..worker._site import _aelastic_guard as runtime
 from ._aio import cancel_and_wait
 
 if TYPE_CHECKING:

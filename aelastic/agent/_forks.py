@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..core.race import wait_within
+from ..worker._site import _aelastic_guard as guard
 from ..worker._site import _aelastic_worker as progress_runtime
 from ._call import call
 from .api import WorkerSpec
@@ -285,4 +286,5 @@ def _worker(
     os.environ.clear()
     os.environ.update(job["env"])
     progress_runtime.forked_worker()  # what the bootstrap does in a new interpreter
+    guard.watch_agent()
     sys.exit(call(fn, substitute_args(args, int(job["local_rank"])), job["result"]))

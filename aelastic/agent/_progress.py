@@ -6,8 +6,10 @@ How it works: every worker starts with aelastic's bootstrap directory first on i
 write torch's error file without a line of the script changed. When the agent watches for
 stalls, each worker of an attempt also gets a page (:class:`ProgressPages`): a 4 KiB file
 on ``/dev/shm`` (memory, never disk) that the worker maps and writes and the agent maps
-read-only. Reading a page is a few loads from memory: the agent looks at the pages only
-when a deadline computed from them passes (see :mod:`._stall`), never per step.
+read-only: its pid, steps, last progress, stacks signal, whether it is paused or a torch
+worker, and a ring of the gaps before its last 256 steps (:meth:`ProgressPages.gaps`).
+Reading a page is a few loads from memory: the agent looks at the pages only when a
+deadline computed from them passes (see :mod:`._stall`), never per step.
 ``AELASTIC_WORKER_BOOTSTRAP=0`` in the agent's environment leaves the workers' path alone.
 """
 
@@ -75,6 +77,7 @@ class PageReading:
         main_thread: The ident of the worker's main thread.
         paused: The worker is in a phase not watched (``aelastic.worker.paused()``, or
             its interpreter's exit).
+        torch: Its bootstrap registered torch's optimizer hook (it will step).
     """
 
     pid: int
@@ -83,6 +86,7 @@ class PageReading:
     stack_signal: int
     main_thread: int
     paused: bool = False
+    torch: bool = False
 
     def last_progress(self) -> float | None:
         """Monotonic time (seconds) of the last progress, or ``None`` when the worker is not
@@ -144,7 +148,18 @@ class ProgressPages:
             stack_signal=page[runtime.SLOT_SIGNAL],
             main_thread=page[runtime.SLOT_MAIN],
             paused=page[runtime.SLOT_PAUSED] > 0,
+            torch=page[runtime.SLOT_TORCH] > 0,
         )
+
+    def gaps(self, local_rank: int, steps: int) -> list[float]:
+        """The gaps (seconds) before the recent steps of ``local_rank``, given its
+        ``steps`` as read: the last 255 (the oldest slot of the ring may be being
+        rewritten), without the first step's (the start is no gap) or a paused one's."""
+        page = self._views[local_rank][1]
+        first = max(2, steps - runtime.GAPS + 2)
+        mask = runtime.GAPS - 1
+        ring = page[runtime.SLOT_GAPS : runtime.SLOT_GAPS + runtime.GAPS].tolist()
+        return [ring[k & mask] / 1e9 for k in range(first, steps + 1) if ring[k & mask]]
 
     def close(self) -> None:
         """Unmap and remove the pages."""

@@ -3,13 +3,17 @@
 How it works: :func:`watch_stalls` runs beside the attempt's workers (one more racer of
 :func:`~aelastic.agent._supervise.supervise`). It reads the workers' progress pages
 (:mod:`._progress`) and sleeps until the earliest moment a worker could have stalled
-(:func:`~aelastic.agent.policy.check_stalls`: no progress for ``--stall-timeout`` seconds
-after its first progress); then it asks the stalled workers for the Python stacks of every
-thread (:mod:`._stacks`) and tells the agent (``report``: the console line, the event, the
-stacks in the log directory). A node whose stalled workers all wait inside
-``torch.distributed`` is most likely waiting for a peer that is stuck elsewhere: it waits
-one more timeout (at least :data:`~._stacks.DUMP_WAIT`, the longest a peer's agent waits for
-stacks that do not come), so that the peer's own agent acts first and the group change
+(:mod:`._hang_rule`: the bound, learned from the steps or a fixed number, and the start-up
+bound before the first step). A worker whose rule says so is first looked at from outside
+(:mod:`._activity`, at the first half of its bound and at its end: busy, it is alive);
+then the agent asks the stalled workers for the Python stacks of every thread
+(:mod:`._stacks`) and tells the agent (``report``: the console line, the event, the stacks
+in the log directory). A worker waiting inside ``torch.distributed`` under a learned bound
+is left to the rank at fault (logged once; :meth:`~._seen.Seen.leave_to_peers`). Otherwise a node
+whose stalled workers all wait inside ``torch.distributed`` is most likely waiting for a
+peer that is stuck elsewhere: it waits one more timeout (at least
+:data:`~._stacks.DUMP_WAIT`, the longest a peer's agent waits for stacks that do not come;
+at start-up up to a minute), so that the peer's own agent acts first and the group change
 stops these workers without a restart spent here. A stalled worker that cannot be asked
 for stacks (stopped by ``SIGSTOP`` or a debugger, or silent past the dump's bound) is the
 suspect: it is stopped at once, and its failure is its own, never one that broke in a
@@ -25,15 +29,16 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import anyio
 
+from ._hang_rule import HangRule, Watch
 from ._progress import ProgressPages
+from ._seen import Seen
 from ._stacks import DUMP_WAIT, dump_stacks, in_collective, main_stack, parse_stacks, stopped, where
 from ._unkillable import WorkersUnkillable, inspect, unkillable_bound
-from .policy import check_stalls
 from .process import WorkerProcess
 
 __all__ = ["Stall", "watch_stalls"]
@@ -56,6 +61,9 @@ class Stall:
         in_collective: The main thread waits inside ``torch.distributed``.
         stopped: The process is stopped (``SIGSTOP``, a debugger): it could not be asked
             for its stacks.
+        phase: What it was watched for: ``"startup"``, ``"learning"``, ``"learned"`` or
+            ``"fixed"`` (:class:`~._hang_rule.Watch`).
+        bound: The bound it passed (seconds).
     """
 
     local_rank: int
@@ -67,6 +75,8 @@ class Stall:
     user_where: str = ""
     in_collective: bool = False
     stopped: bool = False
+    phase: str = "fixed"
+    bound: float = 0.0
 
     @property
     def unresponsive(self) -> bool:
@@ -76,7 +86,15 @@ class Stall:
 
     def describe(self) -> str:
         """One line: how long, after how much progress, and where."""
-        text = f"hung: no progress for {self.idle:.1f} s after {self.steps} step(s)"
+        if not self.steps:
+            text = (
+                f"hung: no first step {self.idle:.1f} s after its start (start-up bound "
+                f"{self.bound:g} s)"
+            )
+        else:
+            text = f"hung: no progress for {self.idle:.1f} s after {self.steps} step(s)"
+            if self.phase == "learned":
+                text += f" (bound {self.bound:.1f} s, learned from the step times)"
         if self.in_collective:
             text += ", waiting in a torch.distributed call"
         if self.user_where:
@@ -93,7 +111,7 @@ class Stall:
 async def watch_stalls(
     pages: ProgressPages,
     processes: Sequence[WorkerProcess],
-    stall_timeout: float,
+    rule: HangRule,
     report: Callable[[list[Stall], bool], None],
     grace: float,
 ) -> None:
@@ -103,47 +121,69 @@ async def watch_stalls(
     Args:
         pages: The attempt's progress pages.
         processes: The attempt's workers.
-        stall_timeout: Seconds without progress that make a stall.
+        rule: How hangs are found (:mod:`._hang_rule`).
         report: Called with the stalls and whether the node waits for a peer first.
         grace: The workers' stop grace (bounds the wait for a SIGKILLed worker).
 
     Raises:
         WorkersUnkillable: A stalled worker survived SIGKILL past the bound.
     """
+    seen = Seen(pages, rule, time.monotonic())
     waited_for_peer = waited_for_local = False
     while True:
         running = {p.local_rank: p for p in processes if p.returncode is None}
-        readings = {rank: pages.read(rank) for rank in running}
-        last = {r: x.last_progress() for r, x in readings.items()}
-        now = time.monotonic()
-        check = check_stalls(last, now, stall_timeout)
-        if not check.stalled:
-            waited_for_peer = waited_for_local = False
-            await anyio.sleep(max(check.next_check - now, 0.01))
+        watches, check = seen.check(running)
+        if check.looks:
+            await seen.look(running, check.looks, watches)
             continue
-        others = [t for r, t in last.items() if t is not None and r not in check.stalled]
+        stalled = await seen.confirm(running, check.stalled, watches)
+        if not stalled:
+            waited_for_peer = waited_for_local = False
+            await anyio.sleep(max(check.next_check - time.monotonic(), 0.01))
+            continue
+        now = time.monotonic()
+        stalls = await _describe(pages, running, stalled, now, watches, seen.began)
+        stalls = seen.leave_to_peers(stalls, watches)
+        if not stalls:
+            continue
+        bound = max(watches[s.local_rank].bound for s in stalls)  # type: ignore[union-attr]
+        others = [w.deadline() for r, w in watches.items() if w is not None and r not in stalled]
         if waited_for_peer and not waited_for_local and others:
             # The peer they wait for may be a worker of this node that went silent while
             # they waited (late to start on a loaded machine): let its own deadline come
             # (once, at most a timeout), so that a stuck worker is stopped with those
             # waiting for it and named as the cause; one that makes progress is not.
             waited_for_local = True
-            await anyio.sleep(max(max(others) + stall_timeout - now, 0.01))
+            await anyio.sleep(max(min(max(others), now + bound) - now, 0.01))
             continue
-        stalls = await _describe(pages, running, check.stalled, now)
         if not waited_for_peer and all(s.in_collective for s in stalls):
             waited_for_peer = True
             report(stalls, True)
             # The peer's agent may need the dump's whole bound to find its worker silent.
-            await anyio.sleep(max(stall_timeout, DUMP_WAIT + 1.0))
+            await anyio.sleep(_peer_wait(stalls, watches))
             continue  # then look again: moving again, or stalled (with whoever stalled since)
         report(stalls, False)
         await _kill([running[s.local_rank] for s in stalls], grace)
         await anyio.sleep_forever()
 
 
+def _peer_wait(stalls: Sequence[Stall], watches: Mapping[int, Watch | None]) -> float:
+    """How long a node whose stalled workers all wait in collectives gives the peer's agent:
+    one more timeout (a number's rule), or at start-up up to a minute (the peers' workers
+    started with these, within seconds); at least the dump's bound and a second."""
+    phases = {w.phase: w.bound for s in stalls if (w := watches.get(s.local_rank)) is not None}
+    fixed = phases.get("fixed")
+    wait = fixed if fixed is not None else min(max(phases.values(), default=0.0), 60.0)
+    return max(wait, DUMP_WAIT + 1.0)
+
+
 async def _describe(
-    pages: ProgressPages, running: dict[int, WorkerProcess], ranks: Sequence[int], now: float
+    pages: ProgressPages,
+    running: Mapping[int, WorkerProcess],
+    ranks: Sequence[int],
+    now: float,
+    watches: Mapping[int, Watch | None],
+    began: float,
 ) -> list[Stall]:
     readings = {rank: pages.read(rank) for rank in ranks}
     frozen = {rank for rank, r in readings.items() if stopped(r.pid or running[rank].pid)}
@@ -158,17 +198,21 @@ async def _describe(
         text = dumps.get(reading.pid, "")
         stack = main_stack(parse_stacks(text), reading.main_thread)
         top, mine = where(stack)
+        watch = watches.get(rank)
+        last = reading.last_ns / 1e9 if reading.steps else began  # before a step: its start
         stalls.append(
             Stall(
                 local_rank=rank,
                 pid=reading.pid or running[rank].pid,
                 steps=reading.steps,
-                idle=max(now - reading.last_ns / 1e9, 0.0),
+                idle=max(now - last, 0.0),
                 stacks=text,
                 where=top,
                 user_where=mine,
                 in_collective=in_collective(stack),
                 stopped=rank in frozen or stopped(reading.pid or running[rank].pid),
+                phase="fixed" if watch is None else watch.phase,
+                bound=0.0 if watch is None else watch.bound,
             )
         )
     return stalls

@@ -9,7 +9,8 @@ argument (``torch``: a spare's workers are ready but for their ranks; with it
 import that fails is left for the script to fail), and blocks on the Unix socket ``FD``
 until the agent sends one message: the worker's full environment, its argv, and descriptors
 for stdout and stderr (SCM_RIGHTS). It applies them (the bootstrap's runtime, loaded at its
-start, then watches the agent's beat page that the environment names), empties ``__main__``
+start, then maps the progress page and watches the agent's beat page that the environment
+names), empties ``__main__``
 and runs the script there as ``python script.py`` would (``sys.path[0]``, ``__file__``,
 ``sys.argv``), or the module as ``python -m`` does. End-of-file on the socket (the agent
 closed it, or is gone) makes it exit 0. Everything happens inside one function with local
@@ -52,7 +53,10 @@ def _serve() -> None:
     os.environ.update(job["env"])
     runtime = sys.modules.get("_aelastic_worker")  # the bootstrap's, loaded at the start
     if runtime is not None:
-        runtime.watch_agent()  # the beat page came with the worker's environment
+        runtime.start()  # the progress page came with the worker's environment
+    guard = sys.modules.get("_aelastic_guard")
+    if guard is not None:
+        guard.watch_agent()  # and the beat page
     main = sys.modules["__main__"].__dict__
     for name in [n for n in main if not n.startswith("__")]:
         del main[name]

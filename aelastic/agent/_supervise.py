@@ -4,9 +4,9 @@ How it works: :func:`supervise` races two loops with :func:`~aelastic.core.race.
 (one anyio task group; the loser is cancelled, and when both end at once the exits are looked
 at first). One awaits the workers' exits (pidfds, nothing polls) until a worker fails or all
 succeeded; the other awaits the changes of the group (the backend wakes the handler) and asks
-the policy what each means, publishing every change, until one calls for action. With a
-stall timeout, a third one watches the workers' progress (:mod:`._stall`): it stops a
-stalled worker, whose exit then ends the attempt as a failure. Workers that recover in
+the policy what each means, publishing every change, until one calls for action. With hang
+detection on (the default), a third one watches the workers' progress (:mod:`._stall`): it
+stops a stalled worker, whose exit then ends the attempt as a failure. Workers that recover in
 place (:mod:`._inplace`) add two: a worker that says its collective broke waits for the
 group change that explains it (``grace``: the heartbeat window and a little more), else it
 is told to fail (its exit is then a failure like any other); and workers resumed in a new
@@ -100,14 +100,14 @@ async def supervise(
                 return observation, {}
 
     async def stalls() -> Outcome:
-        timeout, pages = group.spec.stall_timeout, workers.progress
-        if timeout is None or pages is None:
+        rule, pages = group.spec.hang_rule(), workers.progress
+        if rule is None or pages is None:
             await anyio.sleep_forever()
-        assert timeout is not None and pages is not None
+        assert rule is not None and pages is not None
         grace = group.spec.stop_grace_period
         report = partial(_stalled, workers, group, events)
         try:
-            await watch_stalls(pages, workers.processes, timeout, report, grace)
+            await watch_stalls(pages, workers.processes, rule, report, grace)
         except WorkersUnkillable as exc:
             workers.abandon(exc.survivors)  # not waited for again when the group stops
             events.unkillable(exc)
@@ -190,6 +190,8 @@ def _stalled(
             in_collective=stall.in_collective,
             stopped=stall.stopped,
             waiting_for_peer=waiting_for_peer,
+            phase=stall.phase,
+            bound=round(stall.bound, 3),
             stacks_file=saved,
             stacks=stall.stacks[:_EVENT_STACKS],
         )

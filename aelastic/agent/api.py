@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from ._hang_rule import DEFAULT_STARTUP, HangRule, rule_of, stall_setting, startup_setting
 from .numa import NUMA_MODES
 
 if TYPE_CHECKING:
@@ -131,10 +132,18 @@ class WorkerSpec:
             also written, prefixed, to ``filtered_stdout.log`` in the attempt's log directory
             (torch's).
         duplicate_stderr_filters: The same for stderr (``filtered_stderr.log``).
-        stall_timeout: Seconds without progress (an optimizer step, or
-            ``aelastic.worker.progress()``) after a worker's first progress that make it
-            hung: its stacks are taken and its group restarted (a restart spent). ``None``:
-            no hang detection.
+        stall_timeout: How a hung worker is found: its stacks are taken, its rank, host and
+            stuck line named, and its group restarted (a restart spent). ``"auto"`` (the
+            default): the bound is learned from the job's step times (5x the slowest
+            recent gap between optimizer steps, 10 s to 1 h), and a worker past it is hung
+            only if its processes were idle (no CPU, no I/O) for the second half of it; a
+            wait inside ``torch.distributed`` is left to the rank at fault. A number:
+            seconds without progress (an optimizer step, or ``aelastic.worker.progress()``)
+            after a worker's first progress. ``0`` or ``None``: no hang detection.
+        startup_timeout: Seconds from a torch worker's start to its first step (process
+            group set-up, the first collective, a data loader's first batch): a worker
+            idle that long without a step is hung, a wait in ``torch.distributed``
+            included (30 minutes; ``0`` or ``None``: not watched before the first step).
         job_max_restarts: Restarts the whole job may spend, however nodes come and go
             (kept in the rendezvous store); ``None``: only ``max_restarts`` per agent.
         quarantine_after: A host that was the job's root cause this many times in a row,
@@ -176,7 +185,8 @@ class WorkerSpec:
     numa_binding: str | None = None
     duplicate_stdout_filters: Sequence[str] | None = ()
     duplicate_stderr_filters: Sequence[str] | None = ()
-    stall_timeout: float | None = None
+    stall_timeout: float | str | None = "auto"
+    startup_timeout: float | None = DEFAULT_STARTUP
     job_max_restarts: int | None = None
     quarantine_after: int | None = None
     start_method: str = "spawn"
@@ -198,8 +208,8 @@ class WorkerSpec:
             raise ValueError(
                 f"numa_binding must be one of {', '.join(NUMA_MODES)}, not {self.numa_binding!r}"
             )
-        if self.stall_timeout is not None and not self.stall_timeout > 0:
-            raise ValueError(f"stall_timeout must be positive, got {self.stall_timeout}")
+        self.stall_timeout = stall_setting(self.stall_timeout)
+        self.startup_timeout = startup_setting(self.startup_timeout)
         for name in ("job_max_restarts", "quarantine_after"):
             value = getattr(self, name)
             if value is not None and value < (0 if name == "job_max_restarts" else 1):
@@ -222,6 +232,10 @@ class WorkerSpec:
         # Validate the stream settings now rather than at the first start.
         std_map(self.redirects, self.local_world_size)
         std_map(self.tee, self.local_world_size)
+
+    def hang_rule(self) -> HangRule | None:
+        """How this spec's workers are watched for hangs (``None``: they are not)."""
+        return rule_of(self.stall_timeout, self.startup_timeout)
 
     def get_entrypoint_name(self) -> str:
         """The command's base name, or the callable's qualified name (torch's)."""

@@ -190,8 +190,13 @@ class WorkerStalled(AgentEvent):
             user's code (``""`` when the same or unknown).
         in_collective: It waits inside ``torch.distributed``.
         stopped: Its process is stopped (``SIGSTOP``, a debugger): no stacks could be taken.
-        waiting_for_peer: The node waits one more timeout (at least 6 s) for the peer at
-            fault (all its stalled workers wait in collectives) before stopping them.
+        waiting_for_peer: The node waits one more timeout (at least 6 s; at start-up up to
+            a minute) for the peer at fault (all its stalled workers wait in collectives)
+            before stopping them.
+        phase: What the worker was watched for: ``startup`` (no step yet: the start-up
+            bound), ``learning`` (the start-up bound from its last step: not learned yet),
+            ``learned`` (the bound learned from the step times) or ``fixed`` (a number).
+        bound: That bound (seconds).
         stacks_file: Where the stacks were written (``""``: no log directory).
         stacks: The stacks (bounded).
     """
@@ -209,6 +214,8 @@ class WorkerStalled(AgentEvent):
     in_collective: bool = False
     stopped: bool = False
     waiting_for_peer: bool = False
+    phase: str = "fixed"
+    bound: float = 0.0
     stacks_file: str = ""
     stacks: str = ""
 

@@ -5,7 +5,8 @@ first thing that happens becomes an :class:`Observation`, and :func:`decide` map
 the restarts left, to a :class:`Decision`. The agent only carries the decision out.
 
 * All local workers succeeded -> FINISH (exit barrier, then SUCCEEDED).
-* A worker failed (or stalled, and was stopped) -> QUARANTINE when this node's host is to
+* A worker failed (or stalled, and was stopped: when a worker is hung is
+  :mod:`._hang_rule`'s) -> QUARANTINE when this node's host is to
   be set aside (:mod:`aelastic.core.health`), FAIL when the job spent its job-wide budget,
   else RESTART (spends one restart) while restarts remain, else FAIL.
 * Workers kept for in-place recovery did not join their new group in time -> RESCALE
@@ -27,7 +28,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Action", "Decision", "Observation", "StallCheck", "Trigger", "check_stalls", "decide"]
+__all__ = ["Action", "Decision", "Observation", "Trigger", "decide"]
 
 
 class Trigger(enum.Enum):
@@ -130,37 +131,3 @@ def _membership(obs: Observation) -> Decision:
     if obs.waiting:
         return Decision(Action.CONTINUE, "nodes waiting, but the job is finishing")
     return Decision(Action.CONTINUE, f"{obs.lost_finished} member(s) left after succeeding")
-
-
-@dataclass(frozen=True)
-class StallCheck:
-    """Which workers stalled, and when to look again.
-
-    Attributes:
-        stalled: Local ranks without progress for the timeout, past their first progress.
-        next_check: Monotonic time of the next look (the earliest deadline, or a while
-            later when some worker has not made its first progress yet).
-    """
-
-    stalled: tuple[int, ...]
-    next_check: float
-
-
-#: Longest time between two looks at workers that have not made progress yet (seconds).
-UNARMED_LOOK = 5.0
-
-
-def check_stalls(last_progress: dict[int, float | None], now: float, timeout: float) -> StallCheck:
-    """The stall verdict for workers whose last progress was at ``last_progress`` (local rank
-    -> monotonic time; ``None``: no progress yet, so not watched yet).
-
-    A worker stalls when it made no progress for ``timeout`` seconds after its first
-    progress; a worker that never made progress is never called stalled.
-    """
-    stalled = tuple(
-        rank for rank, t in sorted(last_progress.items()) if t is not None and now - t >= timeout
-    )
-    deadlines = [t + timeout for t in last_progress.values() if t is not None and now - t < timeout]
-    if any(t is None for t in last_progress.values()):
-        deadlines.append(now + min(timeout / 2, UNARMED_LOOK))
-    return StallCheck(stalled, min(deadlines, default=now + timeout))

@@ -6,8 +6,8 @@ written to a private payload file for the spawned interpreter, or forked by the 
 under ``fork``: :mod:`.callables`), starts the processes in
 their own sessions (bound to their CPUs with ``numa_binding``, :mod:`.numa`), and hands the
 teed pipes to the log copier. With ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` it serves torch's
-worker watchdog for the attempt (:mod:`._timer`), and with ``stall_timeout`` the workers'
-progress pages (:mod:`._progress`). It turns exits into
+worker watchdog for the attempt (:mod:`._timer`), and with hang detection on (the default)
+the workers' progress pages (:mod:`._progress`). It turns exits into
 :class:`~aelastic.agent.api.ProcessFailure` values or return values (a worker stopped for a
 stall is described by its stall and stacks), and stops everything (process groups with
 SIGTERM or the signal the agent was stopped by, the watchdog, then log pipes) when the
@@ -115,7 +115,7 @@ class WorkerSet:
             if FileTimerServer.enabled():
                 self._watchdog = FileTimerServer(self._owns)
                 self._watchdog.start()
-            if self._group.spec.stall_timeout is not None:
+            if self._group.spec.hang_rule() is not None:
                 try:
                     self.progress = ProgressPages(self._group.spec.local_world_size)
                 except OSError as exc:  # the run goes on, unwatched

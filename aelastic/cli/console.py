@@ -267,15 +267,16 @@ def _healing(kind: EventKind, data: Mapping[str, Any]) -> str:
             f"rank {data.get('global_rank', '?')} (local {data.get('local_rank', '?')}, "
             f"pid {data.get('pid', '?')}) on host {shown(str(data.get('host', '?')))}"
         )
-        idle = f"no progress for {float(data.get('idle', 0)):.1f} s"
-        idle += f" after {data.get('steps', 0)} step(s)"
+        idle = _idle(data)
         at = data.get("user_where") or data.get("where") or "an unknown line (no stacks)"
         if data.get("stopped") and not data.get("where"):
             at = "an unknown line (no stacks: the process is stopped, by SIGSTOP or a debugger)"
         if data.get("waiting_for_peer"):
+            startup = data.get("phase") == "startup"
+            wait = "a minute at most" if startup else "one more stall timeout (6 s at least)"
             return (
                 f"{who}: {idle}, waiting in torch.distributed at {shown(str(at))}; "
-                "waiting one more stall timeout (6 s at least) for the rank at fault"
+                f"waiting {wait} for the rank at fault"
             )
         text = f"{who} is hung: {idle}; stuck at {shown(str(at))}"
         if data.get("user_where") and data.get("where"):
@@ -306,6 +307,18 @@ def _healing(kind: EventKind, data: Mapping[str, Any]) -> str:
         f"gave up on worker(s) that outlived SIGKILL by {float(data.get('bound', 0)):g} s: "
         f"{details}; leaving the job so that the others go on"
     )
+
+
+def _idle(data: Mapping[str, Any]) -> str:
+    """How long a stalled worker went without progress, and against which bound."""
+    idle, steps = float(data.get("idle", 0)), int(data.get("steps", 0))
+    bound, phase = float(data.get("bound", 0)), data.get("phase")
+    if not steps:
+        return f"no first step {idle:.1f} s after its start (start-up bound {bound:g} s)"
+    text = f"no progress for {idle:.1f} s after {steps} step(s)"
+    if phase == "learned":
+        text += f" (bound {bound:.1f} s, learned from the step times)"
+    return text
 
 
 def _membership(data: Mapping[str, Any]) -> str:

@@ -1,14 +1,16 @@
 """``aelastic run``'s flags for a job that heals itself: hangs, a job-wide budget, quarantine,
 hot spares and in-place recovery.
 
-How it works: :func:`add_heal_flags` declares ``--stall-timeout``, ``--job-max-restarts`` and
-``--quarantine-after`` (each with its ``PET_*`` variable, like torchrun's flags) and
-:func:`heal_options` validates them into :class:`HealOptions`, which the launcher copies into
-the :class:`~aelastic.agent.WorkerSpec`. All three are off unless given: a stall timeout
-would call a long evaluation or checkpoint without an optimizer step a hang (see
-``aelastic.worker.progress()``), and torch's per-agent ``--max-restarts`` stays the budget.
-``--standby-preload`` and ``--recovery-timeout`` tune warm standbys (a spare's workers) and
-in-place recovery.
+How it works: :func:`add_heal_flags` declares ``--stall-timeout``, ``--startup-timeout``,
+``--job-max-restarts`` and ``--quarantine-after`` (each with its ``PET_*`` variable, like
+torchrun's flags) and :func:`heal_options` validates them into :class:`HealOptions`, which
+the launcher copies into the :class:`~aelastic.agent.WorkerSpec`. Hang detection is on by
+default with no number to choose (``--stall-timeout auto``: the bound is learned from the
+job's step times, see :mod:`aelastic.agent._hang_rule`; a number keeps its fixed meaning;
+``0`` turns it off), and so is the start-up bound (30 minutes to the first step). The
+job-wide budget and quarantine are off unless given: torch's per-agent ``--max-restarts``
+stays the budget. ``--standby-preload`` and ``--recovery-timeout`` tune warm standbys (a
+spare's workers) and in-place recovery.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..agent._hang_rule import AUTO, DEFAULT_STARTUP, stall_setting, startup_setting
+
 __all__ = ["HealOptions", "add_heal_flags", "heal_options"]
 
 
@@ -25,7 +29,8 @@ __all__ = ["HealOptions", "add_heal_flags", "heal_options"]
 class HealOptions:
     """What the self-healing flags ask of the agent (``None``: off)."""
 
-    stall_timeout: float | None = None
+    stall_timeout: float | str | None = AUTO
+    startup_timeout: float | None = DEFAULT_STARTUP
     job_max_restarts: int | None = None
     quarantine_after: int | None = None
     standby_preload: tuple[str, ...] = ()
@@ -37,10 +42,21 @@ def add_heal_flags(parser: argparse.ArgumentParser, add: Callable[..., None]) ->
     add(
         parser,
         ["--stall-timeout"],
-        default=0.0,
-        kind=float,
-        help="A worker with no progress (optimizer step) for SECONDS after its first is hung: "
+        default=AUTO,
+        help="Hang detection: auto (default) learns the bound from the step times (5x the "
+        "slowest recent step, 10 s to 1 h; a worker busy without steps is not hung); SECONDS: "
+        "a worker with no progress (optimizer step) for that long after its first is hung; "
         "its stacks are taken and the group restarted; 0: off (aelastic).",
+        metavar="auto|SECONDS",
+    )
+    add(
+        parser,
+        ["--startup-timeout"],
+        default=DEFAULT_STARTUP,
+        kind=float,
+        help="Seconds from a torch worker's start to its first step (process group set-up, "
+        "the first collective) after which an idle worker is hung, named with its stacks "
+        "(aelastic; 1800; 0: off).",
     )
     add(
         parser,
@@ -76,14 +92,26 @@ def heal_options(args: Any) -> HealOptions:
     """The validated options of ``args``.
 
     Raises:
-        UsageError: A negative timeout or budget, ``--quarantine-after`` below 1, a
+        UsageError: A stall timeout neither ``auto`` nor a number >= 0, a negative
+            timeout or budget, ``--quarantine-after`` below 1, a
             preload that is no module name, a recovery timeout that is not positive.
     """
     from .rules import UsageError
 
-    stall = float(args.stall_timeout)
-    if not stall >= 0:
-        raise UsageError(f"--stall-timeout must be >= 0 (0: off), not {args.stall_timeout}")
+    text = str(args.stall_timeout).strip()
+    try:
+        stall = stall_setting(AUTO if text.lower() == AUTO else float(text))
+    except ValueError:
+        raise UsageError(
+            f"--stall-timeout must be auto or a number of seconds >= 0 (0: off), not {text!r}"
+        ) from None
+    try:
+        startup = startup_setting(float(args.startup_timeout))
+    except ValueError:
+        raise UsageError(
+            f"--startup-timeout must be a number of seconds >= 0 (0: off), "
+            f"not {args.startup_timeout}"
+        ) from None
     budget = None if args.job_max_restarts is None else int(args.job_max_restarts)
     if budget is not None and budget < 0:
         raise UsageError(f"--job-max-restarts must be >= 0, not {budget}")
@@ -97,4 +125,4 @@ def heal_options(args: Any) -> HealOptions:
     recovery = float(args.recovery_timeout)
     if not recovery > 0:
         raise UsageError(f"--recovery-timeout must be > 0, not {args.recovery_timeout}")
-    return HealOptions(stall or None, budget, after, preload, recovery)
+    return HealOptions(stall, startup, budget, after, preload, recovery)

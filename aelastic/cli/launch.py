@@ -99,6 +99,7 @@ def launch_config(config: LaunchConfig) -> tuple[launcher.LaunchConfig, str, tup
             warm_standby=config.warm_standby,
             env=dict(config.env),
             stall_timeout=config.heal.stall_timeout,
+            startup_timeout=config.heal.startup_timeout,
             job_max_restarts=config.heal.job_max_restarts,
             quarantine_after=config.heal.quarantine_after,
             standby_preload=config.heal.standby_preload,
@@ -213,6 +214,8 @@ async def _launch(
     try:
         async with contextlib.AsyncExitStack() as observers:
             console.line(banner(config, name))
+            rule = spec.hang_rule()
+            console.line(rule.describe() if rule is not None else "hangs: not watched")
             agent = ElasticAgent(spec)
             agent.add_listener(console)
             # No progress line once a stop signal came: nothing is waited for any more.

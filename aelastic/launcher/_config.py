@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..agent import Std, WorkerSpec
+from ..agent._hang_rule import DEFAULT_STARTUP, stall_setting, startup_setting
 from ..agent._signals import DEFAULT_SIGNALS
 from ..backends.registry import BUILTINS, backend_info, external_names
 from ..rendezvous import RendezvousParameters, create_handler
@@ -78,8 +79,10 @@ class LaunchConfig:
         exit_barrier_timeout: Seconds a finished node waits for the others (torch: 300).
         warm_standby: Keep a pre-started interpreter per local rank for restarts of commands.
         env: Extra environment variables for the workers.
-        stall_timeout, job_max_restarts, quarantine_after: A job that heals itself (hangs,
-            a job-wide budget, quarantine; see :class:`~aelastic.agent.WorkerSpec`).
+        stall_timeout, startup_timeout, job_max_restarts, quarantine_after: A job that
+            heals itself (hangs: ``"auto"``, the default, learns the bound from the step
+            times, a number fixes it, ``0`` or ``None`` is off; the start-up bound, 30
+            minutes; a job-wide budget; quarantine; see :class:`~aelastic.agent.WorkerSpec`).
         standby_preload, recovery_timeout: Modules warm standbys import ahead of time (a
             spare's workers), and the time workers kept for in-place recovery have to join
             their new group (:class:`~aelastic.agent.WorkerSpec`).
@@ -114,7 +117,8 @@ class LaunchConfig:
     exit_barrier_timeout: float = 300.0
     warm_standby: bool = True
     env: Mapping[str, str] = field(default_factory=dict)
-    stall_timeout: float | None = None
+    stall_timeout: float | str | None = "auto"
+    startup_timeout: float | None = DEFAULT_STARTUP
     job_max_restarts: int | None = None
     quarantine_after: int | None = None
     standby_preload: tuple[str, ...] = ()
@@ -131,6 +135,8 @@ class LaunchConfig:
             self.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
         elif self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
+        self.stall_timeout = stall_setting(self.stall_timeout)
+        self.startup_timeout = startup_setting(self.startup_timeout)
 
 
 def backend_name(name: str) -> str:
@@ -236,6 +242,7 @@ def worker_spec(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         start_method=config.start_method,
         stall_timeout=config.stall_timeout,
+        startup_timeout=config.startup_timeout,
         job_max_restarts=config.job_max_restarts,
         quarantine_after=config.quarantine_after,
         standby_preload=tuple(config.standby_preload),

@@ -1,21 +1,22 @@
-"""Progress reports from inside a worker, for hang detection (``--stall-timeout``).
+"""Progress reports from inside a worker, for hang detection (on by default).
 
 A training script needs nothing of this module: under ``aelastic run`` every optimizer step
 (torch's global optimizer step hook, registered by the worker's bootstrap before the script
-runs) counts as progress. A script whose long phases make no optimizer step (evaluation, a
-large checkpoint, a data pass) can say it is alive with :func:`progress`::
+runs) counts as progress, the agent learns the job's step times from them, and a phase
+without steps that works (an evaluation, a checkpoint being written) is seen to work from
+outside. A phase that may sit idle without steps for longer than that (waiting for a file,
+sleeping between phases, a wait outside torch) can say it is alive with :func:`progress`::
 
     import aelastic.worker
 
-    for batch in eval_loader:
-        evaluate(batch)
+    while not os.path.exists(ready):
+        time.sleep(1)
         aelastic.worker.progress()
 
-A phase that may last longer than the stall timeout and cannot report progress (a final
-checkpoint written in one call) can be left unwatched::
+or be left unwatched (the next gap between steps counts from its end)::
 
     with aelastic.worker.paused():
-        torch.save(state, path)
+        wait_for_the_data_service()
 
 A script can also survive a peer's loss without a process restart (in-place recovery, see
 :class:`InPlace`)::
@@ -23,9 +24,9 @@ A script can also survive a peer's loss without a process restart (in-place reco
     state = {"model": model, "optimizer": optimizer, "step": 0}
     aelastic.worker.InPlace(state, backend="gloo").run(train)   # train(round) uses state
 
-Progress costs well under a microsecond (two integers written to shared memory), needs no torch,
-and does nothing outside an aelastic worker or when the agent does not watch for stalls.
-The interpreter's exit is never watched.
+Progress costs well under a microsecond (three integers written to shared memory), needs no
+torch, and does nothing outside an aelastic worker or when the agent does not watch for
+hangs (``--stall-timeout 0``). The interpreter's exit is never watched.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def progress() -> None:
 
 
 def reporting() -> bool:
-    """Whether this process reports progress to an agent (true after its first progress
-    when the agent watches for stalls)."""
+    """Whether this process reports progress to an agent (true from the worker's start when
+    the agent watches for hangs)."""
     return bool(_RUNTIME.attached())
 
 

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -266,8 +266,9 @@ class InPlace:
                 if self._channel is None:  # a broken group and nobody to recover it:
                     _destroy_group()  # left alive, gloo's threads may abort the exit
                     raise
-                self._leave(exc)
-                self._wait_round(exc)
+                with _unwatched():  # the agent re-forms the group meanwhile: no hang
+                    self._leave(exc)
+                    self._wait_round(exc)
 
     # -- one round ------------------------------------------------------------------------
 
@@ -342,6 +343,20 @@ class InPlace:
         _trace(f"round {message['gen']} received")
         os.environ.update({k: str(v) for k, v in message["env"].items() if k in ROUND_KEYS})
         self._number = int(message["gen"])
+
+
+@contextlib.contextmanager
+def _unwatched() -> Iterator[None]:
+    """A phase not watched for hangs (``aelastic.worker.paused``; the bootstrap's runtime,
+    when the worker has one)."""
+    runtime = sys.modules.get("_aelastic_worker")
+    if runtime is not None:
+        runtime.pause(1)
+    try:
+        yield
+    finally:
+        if runtime is not None:
+            runtime.pause(-1)
 
 
 def _destroy_group() -> None:

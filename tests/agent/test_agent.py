@@ -96,10 +96,13 @@ async def test_worker_environment_is_torchs(run_id: str, tmp_path: Any) -> None:
         assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
         assert env["AELASTIC_TEST_HUB"] == hub.env["AELASTIC_TEST_HUB"]
         # Exactly the agent's environment plus the contract (Python may add LC_CTYPE), and
-        # the agent's in-place recovery socket (a path in a private directory).
+        # the agent's in-place recovery socket, beat page and progress page (paths in
+        # private directories).
         known = set(os.environ) | set(expected) | {"OMP_NUM_THREADS", "AELASTIC_TEST_HUB"}
-        assert set(env) - known <= {"LC_CTYPE", "AELASTIC_INPLACE_SOCKET", "AELASTIC_AGENT_BEAT"}
+        ours = {"AELASTIC_INPLACE_SOCKET", "AELASTIC_AGENT_BEAT", "AELASTIC_PROGRESS_FILE"}
+        assert set(env) - known <= {"LC_CTYPE", *ours}
         assert "aelastic-inplace-" in env.get("AELASTIC_INPLACE_SOCKET", "aelastic-inplace-")
+        assert "aelastic-progress-" in env["AELASTIC_PROGRESS_FILE"]  # hangs watched by default
         assert "aelastic-beat-" in env.get("AELASTIC_AGENT_BEAT", "aelastic-beat-")
         assert all(env[k] == v for k, v in os.environ.items() if k not in expected)
         assert hello["argv"] == ["env", f"--lr={local_rank}"]
@@ -124,7 +127,12 @@ async def test_warm_restart_looks_like_a_cold_start(run_id: str, tmp_path: Any) 
         assert STANDBY not in before["orig_argv"] and STANDBY in after["orig_argv"]  # warm
         assert after["main"] == before["main"]
         assert after["argv"] == before["argv"]
-        changed = {"TORCHELASTIC_RESTART_COUNT", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
+        changed = {
+            "TORCHELASTIC_RESTART_COUNT",
+            "MASTER_PORT",
+            "TORCHELASTIC_ERROR_FILE",
+            "AELASTIC_PROGRESS_FILE",  # the attempt's page
+        }
         same = {k: v for k, v in before["env"].items() if k not in changed}
         assert {k: v for k, v in after["env"].items() if k not in changed} == same
         assert after["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"

@@ -1,10 +1,11 @@
 """The worker bootstrap and its progress page, in real child interpreters (no torch).
 
 A child started with aelastic's bootstrap first on ``PYTHONPATH`` (as the agent starts every
-worker) reports progress into a page the test made, dumps its stacks on the page's signal
-while its main thread sleeps in C, writes torch's error file for an uncaught exception, and
-leaves no trace on its path: ``PYTHONPATH`` and ``sys.path`` as given, and the
-``sitecustomize`` it shadowed still runs.
+worker) maps a page the test made from its start, reports progress into it (the steps, the
+last time, the gaps between steps), dumps its stacks on the page's signal while its main
+thread sleeps in C (before its first step too), writes torch's error file for an uncaught
+exception, and leaves no trace on its path: ``PYTHONPATH`` and ``sys.path`` as given, and
+the ``sitecustomize`` it shadowed still runs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from aelastic.agent._progress import BOOTSTRAP_DIR, ENV_PAGE, ProgressPages, with_bootstrap
+from aelastic.agent._progress import (
+    BOOTSTRAP_DIR,
+    ENV_PAGE,
+    PageReading,
+    ProgressPages,
+    with_bootstrap,
+)
 from aelastic.agent._stacks import dump_stacks, in_collective, main_stack, parse_stacks, where
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -67,7 +74,8 @@ def test_the_bootstrap_leaves_the_path_as_given_and_runs_the_sitecustomize_it_sh
         import json, os, sys
         print(json.dumps({"path": sys.path, "env": os.environ.get("PYTHONPATH"),
                           "theirs": os.environ.get("THEIRS_RAN"),
-                          "runtime": "_aelastic_worker" in sys.modules}))
+                          "runtime": "_aelastic_worker" in sys.modules,
+                          "guard": "_aelastic_guard" in sys.modules}))
         """,
         tmp_path,
         PYTHONPATH=f"{ROOT}{os.pathsep}{theirs}",
@@ -76,7 +84,7 @@ def test_the_bootstrap_leaves_the_path_as_given_and_runs_the_sitecustomize_it_sh
     seen = json.loads(result.stdout)
     assert seen["env"] == f"{ROOT}{os.pathsep}{theirs}"
     assert BOOTSTRAP_DIR not in seen["path"] and str(theirs) in seen["path"]
-    assert seen["theirs"] == "1" and seen["runtime"]
+    assert seen["theirs"] == "1" and seen["runtime"] and seen["guard"]
 
 
 def test_progress_goes_to_the_page_and_pausing_and_exiting_stop_the_watch(
@@ -85,11 +93,11 @@ def test_progress_goes_to_the_page_and_pausing_and_exiting_stop_the_watch(
     assert pages.read(0).pid == 0 and pages.read(0).steps == 0
     result = run(
         """
-        import os, sys, aelastic.worker as w
-        assert not w.reporting()
+        import os, sys, time, aelastic.worker as w
+        assert w.reporting()  # mapped at the start: stacks can be taken before a step
         for _ in range(3):
             w.progress()
-        assert w.reporting()
+            time.sleep(0.05)
         with w.paused():
             with open(sys.argv[0] + ".paused", "w") as f:
                 f.write(open(os.environ["AELASTIC_PROGRESS_FILE"], "rb").read(64).hex())
@@ -105,18 +113,48 @@ def test_progress_goes_to_the_page_and_pausing_and_exiting_stop_the_watch(
     assert reading.paused and reading.stack_signal == 0  # the interpreter's exit is not watched
     inside = bytes.fromhex((tmp_path / "child.py.paused").read_text())
     assert int.from_bytes(inside[48:56], sys.byteorder) == 1  # paused inside the block
+    assert not reading.torch  # no torch: watched from its first progress only
+    gaps = pages.gaps(0, reading.steps)
+    assert len(gaps) == 2 and all(0.04 < g < 5.0 for g in gaps)  # the first step has none
+
+
+def test_the_gaps_are_the_recent_steps_and_a_pause_is_not_one(
+    tmp_path: Path, pages: ProgressPages
+) -> None:
+    result = run(
+        """
+        import time, aelastic.worker as w
+        for _ in range(300):
+            w.progress()
+        time.sleep(0.3)
+        w.progress()  # a slow gap
+        with w.paused():
+            time.sleep(0.5)
+        w.progress()  # counted from the pause's end
+        """,
+        tmp_path,
+        **pages.env(0),
+    )
+    assert result.returncode == 0, result.stderr
+    gaps = pages.gaps(0, pages.read(0).steps)
+    assert pages.read(0).steps == 302 and len(gaps) == 255  # the ring's recent window
+    assert 0.3 <= max(gaps) < 0.5 and gaps[-2] == max(gaps) and gaps[-1] < 0.3
 
 
 def test_a_page_read_between_the_workers_two_stores_is_not_a_stall() -> None:
     """The agent may read a page while the worker writes it: steps without a time (the first
     progress half-written) is "not watched yet", never a stall as old as the machine's
     uptime; the worker writes the time first, so a full page has both."""
-    from aelastic.agent._progress import PageReading
-    from aelastic.agent.policy import check_stalls
+    from aelastic.agent._hang_rule import HangRule, check_stalls, watch_of
 
     torn = PageReading(pid=7, steps=1, last_ns=0, stack_signal=0, main_thread=1)
     assert torn.last_progress() is None
-    assert check_stalls({0: torn.last_progress()}, time.monotonic(), 1.0).stalled == ()
+    now = time.monotonic()
+    watch = watch_of(
+        HangRule(1.0, None), last_progress=None, steps=1, torch=True, began=0.0,
+        renewed=None, learned=None,
+    )  # fmt: skip
+    assert check_stalls({0: watch}, now).stalled == ()
     whole = PageReading(pid=7, steps=1, last_ns=5_000_000_000, stack_signal=0, main_thread=1)
     assert whole.last_progress() == 5.0
     assert PageReading(7, 1, 5, 0, 1, paused=True).last_progress() is None
@@ -140,8 +178,7 @@ async def test_a_worker_blocked_in_c_dumps_every_thread_on_its_signal(
                 print("ready", flush=True)
                 time.sleep(60)  # the stuck line
             threading.Thread(target=helper, daemon=True).start()
-            aelastic.worker.progress()
-            stuck_in_step()
+            stuck_in_step()  # before any progress: the page was mapped at the start
             """
         )
     )

@@ -26,7 +26,7 @@ from aelastic.agent._inplace import InPlaceChannel
 from aelastic.agent._progress import with_bootstrap
 from aelastic.agent.process import WorkerProcess, stop_processes
 from aelastic.worker._inplace import ENV_SOCKET
-from aelastic.worker._site import _aelastic_worker as runtime
+from aelastic.worker._site import _aelastic_guard as runtime
 
 from .helpers import reaped
 

@@ -6,15 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aelastic.agent.policy import (
-    Action,
-    Decision,
-    Observation,
-    StallCheck,
-    Trigger,
-    check_stalls,
-    decide,
-)
+from aelastic.agent.policy import Action, Decision, Observation, Trigger, decide
 
 MEMBERSHIP = Trigger.MEMBERSHIP_CHANGED
 
@@ -92,15 +84,3 @@ def test_a_quarantined_host_leaves_and_a_spent_job_budget_fails_before_local_res
     assert decide(spent, 5) == Decision(Action.FAIL, "the job spent its budget")
     both = Observation(Trigger.WORKER_FAILED, quarantine="q", job_budget_spent="b")
     assert decide(both, 5).action is Action.QUARANTINE
-
-
-def test_stall_checks_watch_only_workers_past_their_first_progress() -> None:
-    # Rank 0 progressed 1 s ago, rank 1 4 s ago, rank 2 never: timeout 3 s at t=100.
-    check = check_stalls({0: 99.0, 1: 96.0, 2: None}, now=100.0, timeout=3.0)
-    assert check.stalled == (1,)
-    assert check.next_check == pytest.approx(101.5)  # rank 2: looked at again in T/2
-    check = check_stalls({0: 99.0, 1: 99.5}, now=100.0, timeout=3.0)
-    assert check == StallCheck((), 102.0)  # the earliest deadline
-    assert check_stalls({0: None}, now=100.0, timeout=60.0).next_check == 105.0
-    assert check_stalls({}, now=100.0, timeout=3.0) == StallCheck((), 103.0)
-    assert check_stalls({0: 97.0}, now=100.0, timeout=3.0).stalled == (0,)  # exactly T

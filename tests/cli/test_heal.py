@@ -47,22 +47,29 @@ def test_sighup_ignored_at_start_stays_ignored(tmp_path: Path, nohup: bool) -> N
 
 def test_the_self_healing_flags_and_their_pet_forms(monkeypatch: pytest.MonkeyPatch) -> None:
     plain = parse_config(["x.py"]).heal
-    assert (plain.stall_timeout, plain.job_max_restarts, plain.quarantine_after) == (
-        None,
-        None,
-        None,
-    )
+    assert (plain.stall_timeout, plain.startup_timeout) == ("auto", 1800.0)  # on, no number
+    assert (plain.job_max_restarts, plain.quarantine_after) == (None, None)
     heal = parse_config(
         ["--stall-timeout", "30", "--job-max-restarts=5", "--quarantine-after", "2", "x.py"]
     ).heal
     assert (heal.stall_timeout, heal.job_max_restarts, heal.quarantine_after) == (30.0, 5, 2)
+    off = parse_config(["--stall-timeout", "0", "--startup-timeout=0", "x.py"]).heal
+    assert (off.stall_timeout, off.startup_timeout) == (None, None)
+    assert parse_config(["--stall-timeout=auto", "--startup-timeout=60", "x.py"]).heal == (
+        type(plain)(startup_timeout=60.0)
+    )
     monkeypatch.setenv("PET_STALL_TIMEOUT", "12.5")
+    monkeypatch.setenv("PET_STARTUP_TIMEOUT", "90")
     monkeypatch.setenv("PET_JOB_MAX_RESTARTS", "0")
     monkeypatch.setenv("PET_QUARANTINE_AFTER", "3")
     heal = parse_config(["x.py"]).heal
-    assert (heal.stall_timeout, heal.job_max_restarts, heal.quarantine_after) == (12.5, 0, 3)
+    assert (heal.stall_timeout, heal.startup_timeout) == (12.5, 90.0)
+    assert (heal.job_max_restarts, heal.quarantine_after) == (0, 3)
     for bad, message in (
-        (["--stall-timeout", "-1"], "--stall-timeout must be >= 0"),
+        (["--stall-timeout", "-1"], "--stall-timeout must be auto or a number of seconds >= 0"),
+        (["--stall-timeout", "soon"], "--stall-timeout must be auto or a number .* not 'soon'"),
+        (["--stall-timeout", "inf"], "--stall-timeout must be auto or a number"),
+        (["--startup-timeout", "-5"], "--startup-timeout must be a number of seconds >= 0"),
         (["--job-max-restarts", "-2"], "--job-max-restarts must be >= 0"),
         (["--quarantine-after", "0"], "--quarantine-after must be >= 1"),
     ):
@@ -71,6 +78,24 @@ def test_the_self_healing_flags_and_their_pet_forms(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("PET_QUARANTINE_AFTER", "often")
     with pytest.raises(UsageError, match="PET_QUARANTINE_AFTER='often'"):
         parse_config(["x.py"])
+
+
+def test_the_hang_flags_reach_the_spec_and_the_start_line(tmp_path: Path) -> None:
+    from aelastic.cli.launch import build_spec
+
+    spec = build_spec(parse_config(["x.py"]))
+    assert (spec.stall_timeout, spec.startup_timeout) == ("auto", 1800.0)
+    spec = build_spec(parse_config(["--stall-timeout=4", "--startup-timeout=0", "x.py"]))
+    assert (spec.stall_timeout, spec.startup_timeout) == (4.0, None)
+    (tmp_path / "ok.py").write_text("print('done')\n")
+    code, output = run_cli(["run", "--standalone", "ok.py"], tmp_path)
+    assert code == 0, output
+    assert (
+        "hangs: the bound is learned from the step times (5x the slowest recent step, 10 s "
+        "to 1 h); start-up bound 30 min (--startup-timeout)" in output
+    )
+    code, output = run_cli(["run", "--standalone", "--stall-timeout=0", "ok.py"], tmp_path)
+    assert code == 0 and "hangs: not watched" in output, output
 
 
 def test_the_spare_and_in_place_flags_reach_the_spec(monkeypatch: pytest.MonkeyPatch) -> None:

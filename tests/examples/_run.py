@@ -44,6 +44,7 @@ def finish(proc: subprocess.Popen[str], timeout: float = 100) -> tuple[int, str]
         raise AssertionError(
             f"{proc.args} still running after {timeout} s; output:\n{out}"
         ) from None
+    assert " is hung: " not in out and "hung: no " not in out, f"a hang reported:\n{out}"
     return proc.returncode, out
 
 
@@ -54,6 +55,7 @@ def run(
 
     The example runs in its own session; if it outlives ``timeout`` (kept below pytest's
     own timeout), its whole process group is killed and the test fails with its output.
-    ``env`` is added to the environment (whose ``PET_*`` variables are dropped).
+    ``env`` is added to the environment (whose ``PET_*`` variables are dropped). Hang
+    detection is on by default: an example whose worker is called hung fails too.
     """
     return finish(start(args, env), timeout)
