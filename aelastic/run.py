@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from .agent._signals import raise_for
+from .agent.loop.signals import raise_for
 from .cli import options
 from .cli.launch import EXIT_OK, Outcome, entrypoint_name, launch, launch_config
 from .launcher import LaunchConfig

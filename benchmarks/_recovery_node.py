@@ -13,7 +13,7 @@ the worker processes:
   (``prepare_join``: the master port, should it be rank 0), then ``next_rendezvous()``;
 * it races the round's group changes (``RoundGroup.next_change``, the policy's ``decide``:
   ``agent/_supervise.py``) against its stand-in worker's collective breaking: a broken
-  collective is explained as the agent's :class:`~aelastic.agent._recover.PeerLoss` does,
+  collective is explained as the agent's :class:`~aelastic.agent.loop.recover.PeerLoss` does,
   ``RoundGroup.loss_within`` (the survivor has the backend report the departures, and waits
   for the change that says a member was lost);
 * on a rescale it stops its stand-in worker (its sockets close, as a stopped worker's do: the
@@ -45,8 +45,8 @@ import time
 from typing import Any
 
 from aelastic import RendezvousParameters
-from aelastic.agent.membership import RoundGroup
-from aelastic.agent.policy import Action, Observation, Trigger, decide
+from aelastic.agent.loop.membership import RoundGroup
+from aelastic.agent.loop.policy import Action, Observation, Trigger, decide
 from aelastic.core.race import first_of
 from aelastic.core.view import MembershipView
 from aelastic.rendezvous import create_handler

@@ -35,8 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aelastic.agent import ElasticAgent, WorkerSpec, WorkersStarted, WorkerStalled
-from aelastic.agent._hang_rule import FLOOR
-from aelastic.agent._progress import ProgressPages
+from aelastic.agent.health.hang_rule import FLOOR
+from aelastic.agent.health.progress import ProgressPages
 from aelastic.core.events import Event
 from aelastic.rendezvous import RendezvousParameters, create_handler
 

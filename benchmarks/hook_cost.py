@@ -37,8 +37,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aelastic.agent._activity import sample
-from aelastic.agent._progress import ProgressPages
+from aelastic.agent.health.activity import sample
+from aelastic.agent.health.progress import ProgressPages
 
 #: The budget: all hooks together, per step (microseconds): 0.1% of a 10 ms step.
 BUDGET_US = 10.0

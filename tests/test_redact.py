@@ -8,8 +8,8 @@ import pytest
 
 from aelastic import RendezvousParameters
 from aelastic.agent.api import WorkerState
-from aelastic.agent.env import inherited_env
 from aelastic.agent.events import AgentEvent, AgentMetrics, Finished, MembershipChanged, Restart
+from aelastic.agent.processes.env import inherited_env
 from aelastic.core.events import EventHub
 from aelastic.core.redact import (
     SECRET_ENV,
@@ -185,9 +185,9 @@ def test_worker_and_standby_environments_drop_credentials() -> None:
     import sys
 
     from aelastic.agent import Worker, WorkerGroup, WorkerSpec
-    from aelastic.agent._progress import BOOTSTRAP_DIR
-    from aelastic.agent.env import worker_env
-    from aelastic.agent.standby import standby_env
+    from aelastic.agent.health.progress import BOOTSTRAP_DIR
+    from aelastic.agent.processes.env import worker_env
+    from aelastic.agent.processes.standby import standby_env
     from aelastic.rendezvous import create_handler
 
     handler = create_handler(RendezvousParameters("memory", "redact-tests", "run", 1, 1))

@@ -6,9 +6,6 @@ plain script) rendezvous with the other nodes through ``spec.rdzv_handler``, sta
 restarts remain, re-rendezvous when the group changes, and returns a :class:`RunResult`.
 """
 
-from ._heal import NodeQuarantined
-from ._signals import SignalException
-from .agent import ElasticAgent
 from .api import (
     DEFAULT_ROLE,
     ProcessFailure,
@@ -39,7 +36,10 @@ from .events import (
     WorkersStarted,
     WorkerStalled,
 )
-from .numa import NumaBindingError
+from .health.heal import NodeQuarantined
+from .loop.agent import ElasticAgent
+from .loop.signals import SignalException
+from .processes.numa import NumaBindingError
 
 __all__ = [
     "DEFAULT_ROLE",

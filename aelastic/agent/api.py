@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from ._hang_rule import DEFAULT_STARTUP, HangRule, rule_of, stall_setting, startup_setting
-from .numa import NUMA_MODES
+from .health.hang_rule import DEFAULT_STARTUP, HangRule, rule_of, stall_setting, startup_setting
+from .processes.numa import NUMA_MODES
 
 if TYPE_CHECKING:
     from ..core.store import Store
@@ -127,7 +127,7 @@ class WorkerSpec:
             or ``-m module``; the worker sees the same environment, argv and ``__main__``).
         numa_binding: Bind each worker to the CPUs near its device (torch's ``AffinityMode``
             values ``node``, ``socket``, ``exclusive``, ``core-complex``; see
-            :mod:`aelastic.agent.numa`); ``None``: no binding.
+            :mod:`aelastic.agent.processes.numa`); ``None``: no binding.
         duplicate_stdout_filters: Lines of teed stdout containing any of these strings are
             also written, prefixed, to ``filtered_stdout.log`` in the attempt's log directory
             (torch's).

@@ -65,9 +65,9 @@ def _launch(argv: Sequence[str]) -> int:
     try:
         return asyncio.run(launch(config, console))
     finally:
-        from ..agent import _output
+        from ..agent.output import writer
 
-        _output.flush()  # a console that stopped reading holds the exit 2 s at most
+        writer.flush()  # a console that stopped reading holds the exit 2 s at most
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,7 +12,7 @@ said once: held until the next line of the run (a restart, a rescale), or until 
 a failed run, where it follows this node's report in torch's shape (:meth:`Console.result`:
 the entrypoint's name, the failures, the root cause; a traceback the worker's own output
 showed is not shown again). Lines are queued, never
-written on the event loop (:mod:`aelastic.agent._output`): a console that stops reading
+written on the event loop (:mod:`aelastic.agent.output.writer`): a console that stops reading
 costs dropped lines and a note, never a heartbeat. Workers' own output is not touched: it
 goes to stdout/stderr as the agent streams it.
 """
@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
-from ..agent import _output
 from ..agent.api import ProcessFailure, RunResult
-from ..agent.errors import SHOWN_WIDTH, format_failures, printable
 from ..agent.events import EventKind
+from ..agent.health.errors import SHOWN_WIDTH, format_failures, printable
+from ..agent.output import writer
 from ..core.events import Event
 from ..core.health import FailureRecord, shown
 from ..core.redact import redact
@@ -130,7 +130,7 @@ class Console:
             return
         stream = self._stream or sys.stderr
         elapsed = time.monotonic() - self._started
-        _output.write(stream, f"[aelastic +{elapsed:.2f}s] {redact(text, self._secrets)}\n")
+        writer.write(stream, f"[aelastic +{elapsed:.2f}s] {redact(text, self._secrets)}\n")
 
     def capture_logs(self, level: int | None = None) -> logging.Handler:
         """Show aelastic's log records as console lines; returns the installed handler.

@@ -5,7 +5,7 @@ every event of the agent, its rendezvous handler and its backend becomes one JSO
 one line, with ``time`` (seconds since the epoch), ``kind``, ``run_id``, ``node``,
 ``round`` and the event's own fields (enums by value, mappings as objects, tuples as
 lists). ``-`` writes to stderr (queued like the console's lines: a stderr that stops being
-read never stalls the launcher, see :mod:`aelastic.agent._output`); a path is opened for
+read never stalls the launcher, see :mod:`aelastic.agent.output.writer`); a path is opened for
 appending (several runs of a job may
 share a file) and every line is flushed as it is written, so ``tail -f`` and log shippers see
 it at once. Events are redacted before any listener sees them, so no secret reaches the log.
@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
-from ..agent import _output
+from ..agent.output import writer
 from ..core.errors import reason
 from ..core.events import Event, event_fields
 
@@ -78,7 +78,7 @@ class EventLog:
             return
         line = json.dumps(event_record(event), default=str) + "\n"
         if not self._own:
-            _output.write(out, line)
+            writer.write(out, line)
             return
         try:
             out.write(line)

@@ -6,7 +6,7 @@ How it works: :func:`add_heal_flags` declares ``--stall-timeout``, ``--startup-t
 torchrun's flags) and :func:`heal_options` validates them into :class:`HealOptions`, which
 the launcher copies into the :class:`~aelastic.agent.WorkerSpec`. Hang detection is on by
 default with no number to choose (``--stall-timeout auto``: the bound is learned from the
-job's step times, see :mod:`aelastic.agent._hang_rule`; a number keeps its fixed meaning;
+job's step times, see :mod:`aelastic.agent.health.hang_rule`; a number keeps its fixed meaning;
 ``0`` turns it off), and so is the start-up bound (30 minutes to the first step). The
 job-wide budget and quarantine are off unless given: torch's per-agent ``--max-restarts``
 stays the budget. ``--standby-preload`` and ``--recovery-timeout`` tune warm standbys (a
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..agent._hang_rule import AUTO, DEFAULT_STARTUP, stall_setting, startup_setting
+from ..agent.health.hang_rule import AUTO, DEFAULT_STARTUP, stall_setting, startup_setting
 
 __all__ = ["HealOptions", "add_heal_flags", "heal_options"]
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 from .. import launcher
 from ..agent import ElasticAgent, NodeQuarantined, NumaBindingError, RunResult, WorkerSpec
-from ..agent._health import health_port
-from ..agent._signals import kept_ignored
-from ..agent._unkillable import WorkersUnkillable
-from ..agent.logs import stderr_on_console
+from ..agent.health.check import health_port
+from ..agent.loop.signals import kept_ignored
+from ..agent.output.logs import stderr_on_console
+from ..agent.processes.unkillable import WorkersUnkillable
 from ..agent.prometheus import AgentCollector, serve_metrics
 from ..core.race import fail_after
 from ..launcher._config import worker_spec

@@ -5,9 +5,9 @@ How it works: :func:`torchrun_only_flags` validates ``--logs-specs``, ``--numa-b
 returns what the agent applies, with the warnings that say where aelastic differs.
 ``--logs-specs`` names an entry point of torch's ``torchrun.logs_specs`` group: aelastic keeps
 its own log layout (``--log-dir``, torch's default one), so a custom one is accepted with a
-warning. ``--numa-binding`` is applied by the agent (:mod:`aelastic.agent.numa`). The filters
-follow torchrun's list syntax (``a,b``; ``,,`` is a literal comma; an empty value means no
-filter) and, as under torchrun, only look at teed streams. torch is never imported here.
+warning. ``--numa-binding`` is applied by the agent (:mod:`aelastic.agent.processes.numa`).
+The filters follow torchrun's list syntax (``a,b``; ``,,`` is a literal comma; an empty value
+means no filter) and, as under torchrun, only look at teed streams. torch is never imported here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 from dataclasses import dataclass
 
 from ..agent.api import Std
-from ..agent.numa import NUMA_MODES
+from ..agent.processes.numa import NUMA_MODES
 
 __all__ = ["NUMA_MODES", "TorchrunOptions", "parse_filters", "torchrun_only_flags"]
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..agent import ElasticAgent, RunResult
-from ..agent._signals import signals_to_handle
+from ..agent.loop.signals import signals_to_handle
 from ._config import DEFAULT_BACKEND, DefaultLogsSpecs, LaunchConfig, worker_spec
 from ._failures import ChildFailure, child_failed_error, entrypoint_name
 

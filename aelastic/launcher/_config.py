@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..agent import Std, WorkerSpec
-from ..agent._hang_rule import DEFAULT_STARTUP, stall_setting, startup_setting
-from ..agent._signals import DEFAULT_SIGNALS
+from ..agent.health.hang_rule import DEFAULT_STARTUP, stall_setting, startup_setting
+from ..agent.loop.signals import DEFAULT_SIGNALS
 from ..backends.registry import BUILTINS, backend_info, external_names
 from ..rendezvous import RendezvousParameters, create_handler
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from aelastic.agent import _activity as activity
-from aelastic.agent._activity import CPU_SHARE, IO_RATE, Activity, busy, sample
+from aelastic.agent.health import activity
+from aelastic.agent.health.activity import CPU_SHARE, IO_RATE, Activity, busy, sample
 
 pytestmark = pytest.mark.timeout(60)
 

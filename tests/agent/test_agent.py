@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from aelastic.agent import AgentEvent, ElasticAgent, EventKind, WorkerState, standby
-from aelastic.agent.errors import NOT_KEPT, error_details, format_failures
+from aelastic.agent import AgentEvent, ElasticAgent, EventKind, WorkerState
+from aelastic.agent.health.errors import NOT_KEPT, error_details, format_failures
+from aelastic.agent.processes import standby
 
 from .helpers import (
     WorkerHub,

@@ -25,8 +25,8 @@ from typing import Any
 import anyio
 import pytest
 
-from aelastic.agent._beat import AgentBeat
-from aelastic.agent._progress import with_bootstrap
+from aelastic.agent.health.progress import with_bootstrap
+from aelastic.agent.processes.beat import AgentBeat
 from tests.cli._proc import alive
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]

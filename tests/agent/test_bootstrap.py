@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from aelastic.agent._progress import (
+from aelastic.agent.health.progress import (
     BOOTSTRAP_DIR,
     ENV_PAGE,
     PageReading,
     ProgressPages,
     with_bootstrap,
 )
-from aelastic.agent._stacks import dump_stacks, in_collective, main_stack, parse_stacks, where
+from aelastic.agent.health.stacks import dump_stacks, in_collective, main_stack, parse_stacks, where
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -145,7 +145,7 @@ def test_a_page_read_between_the_workers_two_stores_is_not_a_stall() -> None:
     """The agent may read a page while the worker writes it: steps without a time (the first
     progress half-written) is "not watched yet", never a stall as old as the machine's
     uptime; the worker writes the time first, so a full page has both."""
-    from aelastic.agent._hang_rule import HangRule, check_stalls, watch_of
+    from aelastic.agent.health.hang_rule import HangRule, check_stalls, watch_of
 
     torn = PageReading(pid=7, steps=1, last_ns=0, stack_signal=0, main_thread=1)
     assert torn.last_progress() is None
@@ -158,7 +158,7 @@ def test_a_page_read_between_the_workers_two_stores_is_not_a_stall() -> None:
     whole = PageReading(pid=7, steps=1, last_ns=5_000_000_000, stack_signal=0, main_thread=1)
     assert whole.last_progress() == 5.0
     assert PageReading(7, 1, 5, 0, 1, paused=True).last_progress() is None
-    source = Path(sys.modules["aelastic.agent._progress"].runtime.__file__).read_text()
+    source = Path(sys.modules["aelastic.agent.health.progress"].runtime.__file__).read_text()
     body = source[source.index("def progress()") : source.index("def attached()")]
     assert body.index("page[SLOT_TIME]") < body.index("page[SLOT_STEPS]")
 

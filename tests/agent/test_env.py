@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from aelastic.agent import Std, Worker, WorkerGroup, WorkerSpec
-from aelastic.agent._progress import BOOTSTRAP_DIR
 from aelastic.agent.api import std_map
-from aelastic.agent.env import cuda_visible_device, substitute_args, worker_env
+from aelastic.agent.health.progress import BOOTSTRAP_DIR
+from aelastic.agent.processes.env import cuda_visible_device, substitute_args, worker_env
 from aelastic.rendezvous import RendezvousParameters, create_handler
 
 

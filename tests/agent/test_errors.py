@@ -8,7 +8,7 @@ import tracemalloc
 from pathlib import Path
 
 from aelastic.agent import RunResult, WorkerState
-from aelastic.agent.errors import (
+from aelastic.agent.health.errors import (
     NOT_KEPT,
     SHOWN_WIDTH,
     bounded,

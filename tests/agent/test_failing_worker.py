@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from aelastic.agent._inplace import InPlaceChannel
-from aelastic.agent._progress import with_bootstrap
-from aelastic.agent.process import WorkerProcess, stop_processes
+from aelastic.agent.health.progress import with_bootstrap
+from aelastic.agent.processes.inplace import InPlaceChannel
+from aelastic.agent.processes.process import WorkerProcess, stop_processes
 from aelastic.worker._inplace import ENV_SOCKET
 from aelastic.worker._site import _aelastic_guard as runtime
 

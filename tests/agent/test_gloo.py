@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from aelastic.agent import ElasticAgent, WorkerSpec, WorkerState
-from aelastic.agent._progress import with_bootstrap
+from aelastic.agent.health.progress import with_bootstrap
 from aelastic.worker._inplace import ENV_SOCKET
 from tests._ports import free_port
 

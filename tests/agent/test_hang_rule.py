@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aelastic.agent import WorkerSpec
-from aelastic.agent._hang_rule import (
+from aelastic.agent.health.hang_rule import (
     CEILING,
     DEFAULT_STARTUP,
     FLOOR,
@@ -159,9 +159,9 @@ def test_a_wait_left_to_the_peer_is_looked_at_again_later_and_later() -> None:
     a few dumps); once it steps again it is watched as before."""
     import time
 
-    from aelastic.agent._progress import ProgressPages
-    from aelastic.agent._seen import Seen
-    from aelastic.agent._stall import Stall
+    from aelastic.agent.health.progress import ProgressPages
+    from aelastic.agent.health.seen import Seen
+    from aelastic.agent.health.stall import Stall
 
     pages = ProgressPages(1)
     try:

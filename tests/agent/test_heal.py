@@ -23,7 +23,7 @@ from aelastic.agent import (
     WorkerStalled,
     WorkerState,
 )
-from aelastic.agent._health import PORT_VAR
+from aelastic.agent.health.check import PORT_VAR
 from aelastic.cli.event_log import event_record
 from aelastic.cli.status import format_health, read_health
 from aelastic.core.errors import RendezvousClosedError

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from aelastic.agent import ElasticAgent
-from aelastic.agent._health import PORT_VAR, HealthServer, health_port
+from aelastic.agent.health.check import PORT_VAR, HealthServer, health_port
 from tests._ports import free_port
 
 from .helpers import WorkerHub, make_handler, running, worker_spec

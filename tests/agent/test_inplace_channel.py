@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from aelastic.agent._inplace import InPlaceChannel
-from aelastic.agent._recover import PeerLoss
-from aelastic.agent.policy import Action, Decision
+from aelastic.agent.loop.policy import Action, Decision
+from aelastic.agent.loop.recover import PeerLoss
+from aelastic.agent.processes.inplace import InPlaceChannel
 from aelastic.worker._inplace import ENV_SOCKET
 
 pytestmark = pytest.mark.anyio

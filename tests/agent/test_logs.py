@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from aelastic.agent import ElasticAgent, Std, WorkerSpec, WorkerState
-from aelastic.agent.logs import Target, line_prefix, plan_streams
+from aelastic.agent.output.logs import Target, line_prefix, plan_streams
 
 from .helpers import make_handler, own_dir
 

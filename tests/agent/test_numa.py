@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aelastic.agent import ElasticAgent, NumaBindingError, WorkerSpec
-from aelastic.agent.numa import Topology, bindings, cpus_for, format_cpus, parse_cpus
+from aelastic.agent.processes.numa import Topology, bindings, cpus_for, format_cpus, parse_cpus
 
 from .helpers import WorkerHub, make_handler, running, worker_spec
 
@@ -366,7 +366,7 @@ async def test_workers_run_on_the_cpus_the_mapping_gives(
 async def test_a_binding_that_cannot_be_applied_fails_before_the_rendezvous(
     run_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aelastic.agent import numa
+    from aelastic.agent.processes import numa
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     numa._this_machine.cache_clear()

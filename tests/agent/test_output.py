@@ -8,7 +8,7 @@ import os
 import re
 import time
 
-from aelastic.agent import _output
+from aelastic.agent.output import writer as _output
 
 
 def test_a_stream_without_a_descriptor_is_written_at_once() -> None:

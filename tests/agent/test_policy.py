@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aelastic.agent.policy import Action, Decision, Observation, Trigger, decide
+from aelastic.agent.loop.policy import Action, Decision, Observation, Trigger, decide
 
 MEMBERSHIP = Trigger.MEMBERSHIP_CHANGED
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from aelastic.agent import process
-from aelastic.agent.process import WorkerProcess, stop_processes
+from aelastic.agent.processes import process
+from aelastic.agent.processes.process import WorkerProcess, stop_processes
 
 from .helpers import not_running, reaped
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from aelastic.agent.ranks import workers_of
+from aelastic.agent.loop.ranks import workers_of
 from aelastic.core.machine import step
 from aelastic.core.params import Rules
 from aelastic.core.state import NodeDesc, Op, Placement, Request, RunState

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from aelastic.agent import WorkerSpec
-from aelastic.agent import standby as standby_module
-from aelastic.agent._progress import BOOTSTRAP_DIR
-from aelastic.agent.standby import Standby, launch_of, standby_env
+from aelastic.agent.health.progress import BOOTSTRAP_DIR
+from aelastic.agent.processes import standby as standby_module
+from aelastic.agent.processes.standby import Standby, launch_of, standby_env
 
 from .helpers import make_handler, reaped
 

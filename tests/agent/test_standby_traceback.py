@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from aelastic.agent import WorkerSpec
-from aelastic.agent.standby import Standby, launch_of
+from aelastic.agent.processes.standby import Standby, launch_of
 
 from .helpers import make_handler
 

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 
 from aelastic.agent import ElasticAgent, UnkillableWorkers, WorkerState
-from aelastic.agent._unkillable import TIMEOUT_VAR, WorkersUnkillable, reap_kept, unkillable_bound
+from aelastic.agent.processes.unkillable import (
+    TIMEOUT_VAR,
+    WorkersUnkillable,
+    reap_kept,
+    unkillable_bound,
+)
 
 from .helpers import make_handler
 from .test_heal import heal_spec, recorder, started

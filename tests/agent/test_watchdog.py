@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from aelastic.agent._timer import FILE_VAR, FileTimerServer, parse_request
+from aelastic.agent.processes.timer import FILE_VAR, FileTimerServer, parse_request
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

@@ -11,7 +11,7 @@ as its node's peers wait before they drop the node (it is frozen, or gone): the 
 says so (stderr, the error file) and SIGKILLs the worker's process group, itself included,
 so that no rank of the old group runs beside the rank that replaces it. The excepthook also
 tells the agent at once that the worker is failing, with the traceback, then again once its
-Python code is over (its last exit handler; see ``aelastic.agent._inplace``); and
+Python code is over (its last exit handler; see ``aelastic.agent.processes.inplace``); and
 :func:`install_exit_hook` destroys a gloo process group left alive at exit, before the
 interpreter's finalization would abort the process. Standard library only, and cheap to
 import: it runs in every worker.

@@ -15,7 +15,7 @@ Ported (14 scenarios): ``WorkerStateTest`` (1), ``WorkerGroupTest`` (1),
 ``test_run_happy_path``, ``test_run_initialization_failure``,
 ``test_run_max_retries_exceeded``, ``test_run_membership_change``,
 ``test_assign_worker_ranks`` (the rendezvous's placements from the members' joins, turned
-into workers by :func:`aelastic.agent.ranks.workers_of`, with torch's table),
+into workers by :func:`aelastic.agent.loop.ranks.workers_of`, with torch's table),
 ``test_agent_process_handler_graceful_exception``. Not ported: ``RoleInstanceInfoTest``
 (torch's private record and its serialization: aelastic's members say their role and size in
 their joins, ``tests/agent/test_ranks.py``),
@@ -36,7 +36,7 @@ import anyio
 import pytest
 
 from aelastic.agent import ElasticAgent, WorkerGroup, WorkerSpec, WorkerState
-from aelastic.agent.ranks import workers_of
+from aelastic.agent.loop.ranks import workers_of
 from aelastic.core.machine import step
 from aelastic.core.params import Rules
 from aelastic.core.state import Op, Request, RunState

@@ -1,0 +1,241 @@
+"""Hang detection: workers alive but making no progress, found, described and stopped.
+
+How it works: :func:`watch_stalls` runs beside the attempt's workers (one more racer of
+:func:`~aelastic.agent.loop.supervise.supervise`). It reads the workers' progress pages
+(:mod:`aelastic.agent.health.progress`) and sleeps until the earliest moment a worker could have
+stalled (:mod:`aelastic.agent.health.hang_rule`: the bound, learned from the steps or a fixed
+number, and the start-up bound before the first step). A worker whose rule says so is first looked
+at from outside (:mod:`aelastic.agent.health.activity`, at the first half of its bound and at its
+end: busy, it is alive); then the agent asks the stalled workers for the Python stacks of every
+thread (:mod:`aelastic.agent.health.stacks`) and tells the agent (``report``: the console line, the
+event, the stacks in the log directory). A worker waiting inside ``torch.distributed`` under a
+learned bound is left to the rank at fault (logged once;
+:meth:`~aelastic.agent.health.seen.Seen.leave_to_peers`). Otherwise a node whose stalled workers all
+wait inside ``torch.distributed`` is most likely waiting for a peer that is stuck elsewhere: it
+waits one more timeout (at least :data:`~aelastic.agent.health.stacks.DUMP_WAIT`, the longest a
+peer's agent waits for stacks that do not come; at start-up up to a minute), so that the peer's own
+agent acts first and the group change stops these workers without a restart spent here. A stalled
+worker that cannot be asked for stacks (stopped by ``SIGSTOP`` or a debugger, or silent past the
+dump's bound) is the suspect: it is stopped at once, and its failure is its own, never one that
+broke in a collective, so that it is named the root cause before the peers that wait for it. Then
+the stalled workers' process groups get SIGKILL (as torch's file-timer watchdog does): their exit is
+a worker failure like any other, described with the stall (:meth:`Stall.describe`) and its stacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import anyio
+
+from ..processes.process import WorkerProcess
+from ..processes.unkillable import WorkersUnkillable, inspect, unkillable_bound
+from .hang_rule import HangRule, Watch
+from .progress import ProgressPages
+from .seen import Seen
+from .stacks import DUMP_WAIT, dump_stacks, in_collective, main_stack, parse_stacks, stopped, where
+
+__all__ = ["Stall", "watch_stalls"]
+
+log = logging.getLogger("aelastic.agent")
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A worker that made no progress for the stall timeout.
+
+    Attributes:
+        local_rank: Its local rank.
+        pid: The process that reported progress (the worker, or a Python under a wrapper).
+        steps: Progress it reported before it stalled.
+        idle: Seconds since its last progress.
+        stacks: The Python stacks of its threads (faulthandler's text; may be empty).
+        where: The main thread's innermost frame (``file:line in func``), or ``""``.
+        user_where: The innermost frame in the user's own code, when not ``where``.
+        in_collective: The main thread waits inside ``torch.distributed``.
+        stopped: The process is stopped (``SIGSTOP``, a debugger): it could not be asked
+            for its stacks.
+        phase: What it was watched for: ``"startup"``, ``"learning"``, ``"learned"`` or
+            ``"fixed"`` (:class:`~aelastic.agent.health.hang_rule.Watch`).
+        bound: The bound it passed (seconds).
+    """
+
+    local_rank: int
+    pid: int
+    steps: int
+    idle: float
+    stacks: str
+    where: str = ""
+    user_where: str = ""
+    in_collective: bool = False
+    stopped: bool = False
+    phase: str = "fixed"
+    bound: float = 0.0
+
+    @property
+    def unresponsive(self) -> bool:
+        """Its stacks could not be taken (stopped, or silent past the dump's bound): it is
+        the suspect, before any worker that waits for it in a collective."""
+        return self.stopped or not self.stacks
+
+    def describe(self) -> str:
+        """One line: how long, after how much progress, and where."""
+        if not self.steps:
+            text = (
+                f"hung: no first step {self.idle:.1f} s after its start (start-up bound "
+                f"{self.bound:g} s)"
+            )
+        else:
+            text = f"hung: no progress for {self.idle:.1f} s after {self.steps} step(s)"
+            if self.phase == "learned":
+                text += f" (bound {self.bound:.1f} s, learned from the step times)"
+        if self.in_collective:
+            text += ", waiting in a torch.distributed call"
+        if self.user_where:
+            text += f"; stuck at {self.user_where} (innermost: {self.where})"
+        elif self.where:
+            text += f"; stuck at {self.where}"
+        elif self.stopped:
+            text += " (no stacks: the process is stopped, by SIGSTOP or a debugger)"
+        elif not self.stacks:
+            text += " (no stacks: the worker did not answer)"
+        return text
+
+
+async def watch_stalls(
+    pages: ProgressPages,
+    processes: Sequence[WorkerProcess],
+    rule: HangRule,
+    report: Callable[[list[Stall], bool], None],
+    grace: float,
+) -> None:
+    """Watch ``processes`` until some stall, report them, SIGKILL their groups; then wait
+    (the exit of the killed workers ends the attempt). Never returns.
+
+    Args:
+        pages: The attempt's progress pages.
+        processes: The attempt's workers.
+        rule: How hangs are found (:mod:`aelastic.agent.health.hang_rule`).
+        report: Called with the stalls and whether the node waits for a peer first.
+        grace: The workers' stop grace (bounds the wait for a SIGKILLed worker).
+
+    Raises:
+        WorkersUnkillable: A stalled worker survived SIGKILL past the bound.
+    """
+    seen = Seen(pages, rule, time.monotonic())
+    waited_for_peer = waited_for_local = False
+    while True:
+        running = {p.local_rank: p for p in processes if p.returncode is None}
+        watches, check = seen.check(running)
+        if check.looks:
+            await seen.look(running, check.looks, watches)
+            continue
+        stalled = await seen.confirm(running, check.stalled, watches)
+        if not stalled:
+            waited_for_peer = waited_for_local = False
+            await anyio.sleep(max(check.next_check - time.monotonic(), 0.01))
+            continue
+        now = time.monotonic()
+        stalls = await _describe(pages, running, stalled, now, watches, seen.began)
+        stalls = seen.leave_to_peers(stalls, watches)
+        if not stalls:
+            continue
+        bound = max(watches[s.local_rank].bound for s in stalls)  # type: ignore[union-attr]
+        others = [w.deadline() for r, w in watches.items() if w is not None and r not in stalled]
+        if waited_for_peer and not waited_for_local and others:
+            # The peer they wait for may be a worker of this node that went silent while
+            # they waited (late to start on a loaded machine): let its own deadline come
+            # (once, at most a timeout), so that a stuck worker is stopped with those
+            # waiting for it and named as the cause; one that makes progress is not.
+            waited_for_local = True
+            await anyio.sleep(max(min(max(others), now + bound) - now, 0.01))
+            continue
+        if not waited_for_peer and all(s.in_collective for s in stalls):
+            waited_for_peer = True
+            report(stalls, True)
+            # The peer's agent may need the dump's whole bound to find its worker silent.
+            await anyio.sleep(_peer_wait(stalls, watches))
+            continue  # then look again: moving again, or stalled (with whoever stalled since)
+        report(stalls, False)
+        await _kill([running[s.local_rank] for s in stalls], grace)
+        await anyio.sleep_forever()
+
+
+def _peer_wait(stalls: Sequence[Stall], watches: Mapping[int, Watch | None]) -> float:
+    """How long a node whose stalled workers all wait in collectives gives the peer's agent:
+    one more timeout (a number's rule), or at start-up up to a minute (the peers' workers
+    started with these, within seconds); at least the dump's bound and a second."""
+    phases = {w.phase: w.bound for s in stalls if (w := watches.get(s.local_rank)) is not None}
+    fixed = phases.get("fixed")
+    wait = fixed if fixed is not None else min(max(phases.values(), default=0.0), 60.0)
+    return max(wait, DUMP_WAIT + 1.0)
+
+
+async def _describe(
+    pages: ProgressPages,
+    running: Mapping[int, WorkerProcess],
+    ranks: Sequence[int],
+    now: float,
+    watches: Mapping[int, Watch | None],
+    began: float,
+) -> list[Stall]:
+    readings = {rank: pages.read(rank) for rank in ranks}
+    frozen = {rank for rank, r in readings.items() if stopped(r.pid or running[rank].pid)}
+    targets = [
+        (r.pid, r.stack_signal, pages.stacks_file(rank))
+        for rank, r in readings.items()
+        if r.stack_signal and rank not in frozen and _ours(r.pid, running[rank].pid)
+    ]
+    dumps = await dump_stacks(targets) if targets else {}
+    stalls = []
+    for rank, reading in readings.items():
+        text = dumps.get(reading.pid, "")
+        stack = main_stack(parse_stacks(text), reading.main_thread)
+        top, mine = where(stack)
+        watch = watches.get(rank)
+        last = reading.last_ns / 1e9 if reading.steps else began  # before a step: its start
+        stalls.append(
+            Stall(
+                local_rank=rank,
+                pid=reading.pid or running[rank].pid,
+                steps=reading.steps,
+                idle=max(now - last, 0.0),
+                stacks=text,
+                where=top,
+                user_where=mine,
+                in_collective=in_collective(stack),
+                stopped=rank in frozen or stopped(reading.pid or running[rank].pid),
+                phase="fixed" if watch is None else watch.phase,
+                bound=0.0 if watch is None else watch.bound,
+            )
+        )
+    return stalls
+
+
+def _ours(pid: int, worker_pid: int) -> bool:
+    """Whether ``pid`` (from a page) runs in the process group of the worker ``worker_pid``
+    (never signal a pid that was reused by another process)."""
+    try:
+        return pid != 0 and os.getpgid(pid) == worker_pid
+    except OSError:
+        return False
+
+
+async def _kill(stalled: Sequence[WorkerProcess], grace: float) -> None:
+    for proc in stalled:
+        proc.signal_group(signal.SIGKILL)
+    bound = unkillable_bound(grace)
+    with anyio.move_on_after(bound):
+        for proc in stalled:
+            await proc.wait()
+    survivors = [inspect(p.pid, p.local_rank) for p in stalled if p.returncode is None]
+    for proc in stalled:
+        if proc.returncode is None:
+            proc.abandon()
+    if survivors:
+        raise WorkersUnkillable(survivors, bound)
