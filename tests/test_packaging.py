@@ -234,3 +234,88 @@ def test_a_backends_modules_import_each_other_one_way(folder: str) -> None:
 
         cycles = sorted(m for m in graph if _reaches(graph, m, m, set()))
         assert not cycles, f"{directory.relative_to(_PACKAGE)}: a cycle through {cycles}"
+
+
+# -- the agent's shape: objects keep their state, modules import one way ------------------
+
+#: Private names of the standard library (and of named tuples) that other objects offer.
+_PUBLIC_PRIVATES = frozenset({"_exit", "_getframe", "_replace", "_asdict", "_fields", "_make"})
+
+
+def _reach_ins(path: Path) -> list[str]:
+    """``obj._attr`` in ``path`` where ``obj`` is not the object itself (``self``/``cls``):
+    another object's private state, read or written from outside it."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    modules = {  # a module's own private names are its business, not an object's state
+        alias.asname or alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__") or node.attr in _PUBLIC_PRIVATES:
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and (owner.id in ("self", "cls") or owner.id in modules):
+            continue
+        if isinstance(owner, ast.Call) and getattr(owner.func, "id", "") == "super":
+            continue
+        found.append(f"{path.relative_to(_PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_agent_module_reaches_into_another_objects_private_state() -> None:
+    """A function that takes an object and reads or sets its private attributes is that
+    object's method in the wrong file: the agent's state lives in objects with their own
+    methods, and every module uses them through those."""
+    files = sorted((_PACKAGE / "agent").rglob("*.py"))
+    found = [hit for path in files for hit in _reach_ins(path)]
+    assert not found, "private state reached from outside its object:\n" + "\n".join(found)
+
+
+def _package_imports(path: Path) -> set[str]:
+    """The modules of the agent package that ``path`` imports, ``TYPE_CHECKING`` ones too,
+    as dotted names relative to the package."""
+    import ast
+
+    root = _PACKAGE / "agent"
+    here = path.relative_to(root).with_suffix("").parts
+    package = list(here[:-1])
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom) or not node.level:
+            continue
+        base = package[: len(package) - node.level + 1] if node.level > 1 else package
+        if node.level - 1 > len(package):
+            continue  # above the agent package
+        parts = [*base, *(node.module.split(".") if node.module else [])]
+        targets = [parts] if node.module else [[*parts, a.name] for a in node.names]
+        for target in targets:
+            for cut in range(len(target), 0, -1):
+                candidate = root.joinpath(*target[:cut])
+                if candidate.with_suffix(".py").exists() or (candidate / "__init__.py").exists():
+                    found.add(".".join(target[:cut]))
+                    break
+    return found - {".".join(here)}
+
+
+def test_the_agents_modules_import_each_other_one_way() -> None:
+    """No circle of imports among the agent's modules, those under ``TYPE_CHECKING``
+    included (a circle hidden there still means two modules that need each other)."""
+    root = _PACKAGE / "agent"
+    graph = {}
+    for path in sorted(root.rglob("*.py")):
+        name = ".".join(path.relative_to(root).with_suffix("").parts)
+        graph[name.removesuffix(".__init__") or "__init__"] = _package_imports(path)
+    packages = {n for n in graph if (root.joinpath(*n.split(".")) / "__init__.py").exists()}
+    # A package's ``__init__`` re-exports its modules: importing it is not a circle with them.
+    edges = {
+        m: {t for t in ts if t not in packages or not m.startswith(t)} for m, ts in graph.items()
+    }
+    cycles = sorted(m for m in edges if m != "__init__" and _reaches(edges, m, m, set()))
+    assert not cycles, f"agent: modules on a circle of imports: {cycles}"

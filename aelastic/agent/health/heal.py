@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import anyio
@@ -29,14 +28,13 @@ from ...core.errors import RendezvousError
 from ...core.health import FailureReport, JobHealth, NodeReport
 from ..api import ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from ..events import JobFailure, Quarantined
-from ..loop.policy import Observation
-from ..loop.services import last_word
 from .errors import error_details
 
 if TYPE_CHECKING:
+    from ...rendezvous.handler import DynamicRendezvousHandler
     from ..output.publish import AgentPublisher
 
-__all__ = ["JobHealthKeeper", "NodeQuarantined"]
+__all__ = ["JobHealthKeeper", "NodeQuarantined", "last_word"]
 
 log = logging.getLogger("aelastic.agent")
 
@@ -44,6 +42,14 @@ log = logging.getLogger("aelastic.agent")
 _PEER_GRACE = 3.0
 #: Seconds between two reads of the health while it waits for that report.
 _PEER_POLL = 0.2
+
+
+def last_word(handler: DynamicRendezvousHandler) -> float:
+    """How long the last requests (a report, a close, a leave) may take once the work is
+    over: one heartbeat's timeout, not the backend's whole retry period (a store gone at the
+    end of a job must not hold the launcher for minutes)."""
+    settings = getattr(handler, "settings", None)
+    return max(float(getattr(settings, "heartbeat_timeout", 5.0)), 1.0)
 
 
 class NodeQuarantined(Exception):
@@ -114,19 +120,6 @@ class JobHealthKeeper:
         reason = None if health is None else self._set_aside(health)
         if reason is not None:
             raise await self.quarantine(reason)
-
-    async def observe(
-        self,
-        observation: Observation,
-        failures: Mapping[int, ProcessFailure],
-        group: WorkerGroup,
-    ) -> Observation:
-        """``observation`` with what the job's health adds after this node's failures:
-        whether its host is set aside or the job spent its budget."""
-        if failures:
-            quarantine, budget = await self.report_failure(failures, group)
-            return replace(observation, quarantine=quarantine, job_budget_spent=budget)
-        return observation
 
     async def tell(self) -> None:
         """Read the job's health and publish its root cause, if any (the run ends)."""

@@ -29,7 +29,6 @@ import os
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import anyio
 
@@ -37,74 +36,12 @@ from ..processes.process import WorkerProcess
 from ..processes.unkillable import WorkersUnkillable, inspect, unkillable_bound
 from .hang_rule import HangRule, Watch
 from .progress import ProgressPages
-from .seen import Seen
+from .seen import Seen, Stall
 from .stacks import DUMP_WAIT, dump_stacks, in_collective, main_stack, parse_stacks, stopped, where
 
 __all__ = ["Stall", "watch_stalls"]
 
 log = logging.getLogger("aelastic.agent")
-
-
-@dataclass(frozen=True)
-class Stall:
-    """A worker that made no progress for the stall timeout.
-
-    Attributes:
-        local_rank: Its local rank.
-        pid: The process that reported progress (the worker, or a Python under a wrapper).
-        steps: Progress it reported before it stalled.
-        idle: Seconds since its last progress.
-        stacks: The Python stacks of its threads (faulthandler's text; may be empty).
-        where: The main thread's innermost frame (``file:line in func``), or ``""``.
-        user_where: The innermost frame in the user's own code, when not ``where``.
-        in_collective: The main thread waits inside ``torch.distributed``.
-        stopped: The process is stopped (``SIGSTOP``, a debugger): it could not be asked
-            for its stacks.
-        phase: What it was watched for: ``"startup"``, ``"learning"``, ``"learned"`` or
-            ``"fixed"`` (:class:`~aelastic.agent.health.hang_rule.Watch`).
-        bound: The bound it passed (seconds).
-    """
-
-    local_rank: int
-    pid: int
-    steps: int
-    idle: float
-    stacks: str
-    where: str = ""
-    user_where: str = ""
-    in_collective: bool = False
-    stopped: bool = False
-    phase: str = "fixed"
-    bound: float = 0.0
-
-    @property
-    def unresponsive(self) -> bool:
-        """Its stacks could not be taken (stopped, or silent past the dump's bound): it is
-        the suspect, before any worker that waits for it in a collective."""
-        return self.stopped or not self.stacks
-
-    def describe(self) -> str:
-        """One line: how long, after how much progress, and where."""
-        if not self.steps:
-            text = (
-                f"hung: no first step {self.idle:.1f} s after its start (start-up bound "
-                f"{self.bound:g} s)"
-            )
-        else:
-            text = f"hung: no progress for {self.idle:.1f} s after {self.steps} step(s)"
-            if self.phase == "learned":
-                text += f" (bound {self.bound:.1f} s, learned from the step times)"
-        if self.in_collective:
-            text += ", waiting in a torch.distributed call"
-        if self.user_where:
-            text += f"; stuck at {self.user_where} (innermost: {self.where})"
-        elif self.where:
-            text += f"; stuck at {self.where}"
-        elif self.stopped:
-            text += " (no stacks: the process is stopped, by SIGSTOP or a debugger)"
-        elif not self.stacks:
-            text += " (no stacks: the worker did not answer)"
-        return text
 
 
 async def watch_stalls(

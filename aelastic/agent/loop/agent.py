@@ -2,36 +2,41 @@
 
 How it works (one attempt per loop turn)::
 
-    rendezvous -> publish record, multi_get all records -> ranks, MASTER_ADDR/PORT
+    rendezvous (the join says the node's workers) -> its answer: ranks, MASTER_ADDR/PORT
         -> start workers (group rank 0 keeps the master port bound until the spawn)
-        -> wait for the FIRST of: a worker exit, a change of the rendezvous group
+        -> wait for the FIRST of: a worker exit, a change of the rendezvous group, a stall
         -> a failure that broke in a collective: a member lost within the heartbeat window
            explains it (a rescale, no restart spent)
-        -> after a failure, the job's health (root cause, budget, quarantine: ._heal)
+        -> after a failure, the job's health (root cause, budget, quarantine)
         -> policy.decide(observation, restarts_left) -> finish | restart | rescale | fail | ...
 
-A rescale keeps workers that recover in place (every local worker alive and opted in:
-:mod:`aelastic.agent.processes.inplace`): they are told the group changes, the agent re-rendezvouses
-and sends them their new ranks instead of restarting them.
+The agent composes the run's objects and hands each step what it needs: the workers,
+attempt after attempt (:class:`~aelastic.agent.loop.attempt.Attempts`: the worker set, the
+spares, the master port, the beat the workers watch), what the run holds for its length
+(:class:`~aelastic.agent.loop.run.RunPlace`: directories, fork server, its seat and round),
+a peer's loss (:class:`~aelastic.agent.loop.recover.PeerLoss`, with the channel to the
+workers) and the job's health (:class:`~aelastic.agent.health.heal.JobHealthKeeper`). A
+rescale keeps workers that recover in place (every local worker alive and opted in): they
+are told the group changes, the agent re-rendezvouses and sends them their new ranks
+instead of restarting them.
 
-Nothing polls: worker exits are awaited (pidfds), group changes come from ``handler.watch()``, which
-the backend wakes. On success the node marks itself done in the round's store (so the others ignore
-its departure) and waits at the exit barrier; once the barrier saw every member done, the job is
-over and the rendezvous is closed. Whatever ends ``run()`` (return, error, cancellation), the
-cleanup runs to the end, shielded: workers are stopped (SIGTERM, grace, SIGKILL) and reaped, and the
-node leaves the rendezvous (:mod:`aelastic.agent.loop.ending`). ``run_sync()`` runs it on a private
-event loop (:mod:`aelastic.agent.loop.blocking`).
+Nothing polls: worker exits are awaited (pidfds), group changes come from
+``handler.watch()``, which the backend wakes. On success the node says it is done (a request
+of its own to the rendezvous) and waits at the exit barrier; once every member is done, the
+job is over and the rendezvous is closed. Whatever ends ``run()`` (return, error,
+cancellation), the cleanup runs to the end, shielded (:mod:`aelastic.agent.loop.ending`, the
+one place a run ends). ``run_sync()`` runs it on a private event loop
+(:mod:`aelastic.agent.loop.blocking`).
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
-from types import MappingProxyType
 
 from ...core.errors import (
     RendezvousClosedError,
@@ -42,31 +47,19 @@ from ...core.errors import (
 from ...core.events import Event
 from ...core.health import JobHealth
 from ..api import DEFAULT_ROLE, ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
-from ..events import (
-    AgentMetrics,
-    EventKind,
-    EventStream,
-    Restart,
-    StandbysReady,
-    WorkersStarted,
-)
-from ..health.errors import format_failures, kept_failures
+from ..events import AgentMetrics, EventKind, EventStream, Restart
+from ..health.errors import format_failures
 from ..health.heal import JobHealthKeeper
-from ..output.logs import run_log_dir
 from ..output.publish import AgentPublisher
 from ..processes.beat import AgentBeat
-from ..processes.forks import ForkServer, fork_server_for
-from ..processes.group import WorkerSet
-from ..processes.standby import StandbyPool
-from ..processes.unkillable import WorkersUnkillable
 from .aio import uncancellable
+from .attempt import Attempts
 from .blocking import run_blocking
 from .ending import finish, shutdown
-from .membership import RoundGroup
 from .policy import Action, Decision, Trigger, decide
-from .ranks import ReservedPort
 from .recover import PeerLoss
 from .round import form_round, prepare_join
+from .run import RunPlace
 from .services import agent_services
 from .supervise import supervise
 
@@ -91,23 +84,14 @@ class ElasticAgent:
         self._group = WorkerGroup(spec)
         self._events = AgentPublisher(self._handler, self._group, spec.role)
         self._restarts_left = spec.max_restarts
-        self._attempt = -1
-        self._workers: WorkerSet | None = None
-        self._standbys = StandbyPool(
-            spec, lambda pids: self._events.publish(StandbysReady, pids=MappingProxyType(pids))
-        )
-        self._round: RoundGroup | None = None
-        self._port = ReservedPort()
-        self._run_dir: str | None = None
-        self._scratch: str | None = None
-        self._own_log_root: str | None = None
-        self._joined = False
         self._used = False
-        self._stop_signal: int = signal.SIGTERM
         self._heal = JobHealthKeeper(spec, self._events)
-        self._forks: ForkServer | None = None
+        self._place = RunPlace(spec)  # directories, fork server, seat in the rendezvous
         self._peer = PeerLoss(self._handler)  # a peer's loss: no restart, workers kept
-        self._beat = AgentBeat(self._handler)  # a frozen agent's workers stop by themselves
+        # The workers, attempt after attempt; the beat they watch (a frozen agent's workers
+        # stop by themselves).
+        beat = AgentBeat(self._handler)
+        self._attempts = Attempts(self._group, self._events, self._peer.channel, beat)
 
     def __repr__(self) -> str:
         return f"ElasticAgent(role={self._spec.role!r}, group={self._group!r})"
@@ -154,7 +138,7 @@ class ElasticAgent:
         """Stop the workers with ``sig`` instead of SIGTERM (then the grace, then SIGKILL),
         as torchrun forwards the signal it got: call it on receiving ``sig``, then cancel
         :meth:`run` (``aelastic run`` and :meth:`run_sync` do)."""
-        self._stop_signal = sig
+        self._attempts.stop_signal = sig
 
     # -- entry points ---------------------------------------------------------------------
 
@@ -178,7 +162,7 @@ class ElasticAgent:
         result: RunResult | None = None
         error: BaseException | None = None
         try:
-            self._forks = self._forks or fork_server_for(self._spec)  # a callable under fork
+            self._place.open(self._handler.get_run_id())  # a callable's fork server too
             async with agent_services(self):  # events of the store, NUMA check, health check
                 result = await self._invoke_run()
             return result
@@ -186,7 +170,10 @@ class ElasticAgent:
             error = exc
             raise
         finally:
-            await uncancellable(shutdown(self, result, error))
+            end = shutdown(
+                self._attempts, self._place, self._peer, self._handler, self._events, result, error
+            )
+            await uncancellable(end)
 
     def run_sync(
         self, role: str = DEFAULT_ROLE, *, signals: tuple[signal.Signals, ...] | None = None
@@ -205,15 +192,20 @@ class ElasticAgent:
             SignalException: Another handled signal stopped the run (``sigval``).
             RuntimeError: Called from a thread whose event loop is running (use ``await run()``).
         """
-        return run_blocking(self, role, signals)
+        if self._used:
+            raise RuntimeError("an ElasticAgent runs once: make a new one")
+        return run_blocking(
+            lambda: self.run(role),
+            prefork=self._place.prefork,
+            forward=self.forward_signal,
+            release=self._handler.aclose,
+            signals=signals,
+        )
 
     # -- the loop -------------------------------------------------------------------------
 
     async def _invoke_run(self) -> RunResult:
-        spec = self._spec
-        if not isinstance(self._spec.entrypoint, str):  # payloads of callables
-            self._scratch = tempfile.mkdtemp(prefix="aelastic_agent_")
-        self._run_dir, self._own_log_root = run_log_dir(self._spec, self._handler.get_run_id())
+        spec, attempts, place = self._spec, self._attempts, self._place
         log.info(
             "agent for role '%s' starting %d worker(s) of %s, run '%s'",
             spec.role,
@@ -224,8 +216,8 @@ class ElasticAgent:
         failures: dict[int, ProcessFailure] = {}
         interrupted_at: float | None = None  # the earliest sign of what ended an attempt
         await self._peer.channel.start()
-        self._beat.start()
-        self._standbys.schedule()  # a spare's workers are warm before it has a rank
+        attempts.beat.start()
+        attempts.standbys.schedule()  # a spare's workers are warm before it has a rank
         while True:
             try:
                 await self._heal.before_rendezvous()
@@ -239,43 +231,46 @@ class ElasticAgent:
                 raise
             failures = {}
             if not (self._peer.held and self._resume(interrupted_at)):
-                await self._stop_workers(WorkerState.STOPPED)  # held ones that cannot resume
-                await self._start_workers(interrupted_at)
-            assert self._round is not None and self._workers is not None
+                await attempts.stop(WorkerState.STOPPED)  # held ones that cannot resume
+                await attempts.start(place, self.restart_count, interrupted_at)
+            round_group, workers = place.round, attempts.workers
+            assert round_group is not None and workers is not None
             observation, failures = await supervise(
-                self._workers,
+                workers,
                 self._group,
-                self._round,
+                round_group,
                 self._events,
                 self._restarts_left,
                 self._peer.channel,
                 self._peer.grace,
-                self._spec.recovery_timeout,
-                self._beat,
-                partial(self._peer.check_departures, self._round),
+                spec.recovery_timeout,
+                attempts.beat,
+                partial(self._peer.check_departures, round_group),
             )
-            interrupted_at = self._peer.interrupted_at(self._workers)
-            if (explained := await self._peer.explain(failures, self._round)) is not None:
+            interrupted_at = self._peer.interrupted_at(workers)
+            if (explained := await self._peer.explain(failures, round_group)) is not None:
                 observation, failures = explained, {}  # a peer's loss broke our collective
-            observation = await self._heal.observe(observation, failures, self._group)
+            if failures:  # the job's health: is this host set aside, the budget spent?
+                quarantine, budget = await self._heal.report_failure(failures, self._group)
+                observation = replace(observation, quarantine=quarantine, job_budget_spent=budget)
             decision = decide(observation, self._restarts_left)
             action = decision.action
             if action is Action.FINISH:
-                return await finish(self)
+                return await finish(attempts, place, self._handler, self._group, self._events)
             if action is Action.FAIL:
-                await self._stop_workers(WorkerState.FAILED)
+                await attempts.stop(WorkerState.FAILED)
                 await self._heal.tell()  # the job's root cause as it stands now
                 return self._failed(failures, decision.reason)
             if action is Action.QUARANTINE:
-                await self._stop_workers(WorkerState.FAILED)
+                await attempts.stop(WorkerState.FAILED)
                 raise await self._heal.quarantine(decision.reason)
             if action is Action.RESTART:
                 log.warning(
                     "worker group failed, restarting (%d restarts left):\n%s",
                     self._restarts_left - 1,
-                    format_failures(RunResult(WorkerState.FAILED, failures=self._kept(failures))),
+                    format_failures(RunResult(WorkerState.FAILED, failures=place.kept(failures))),
                 )
-                await self._stop_workers(WorkerState.FAILED)
+                await attempts.stop(WorkerState.FAILED)
                 self._restarts_left -= 1
                 self._events.restart_count = self.restart_count
                 self._events.publish(
@@ -286,9 +281,9 @@ class ElasticAgent:
             await self._act_on_membership(decision, keep=keep)
 
     async def _act_on_membership(self, decision: Decision, keep: bool = False) -> None:
-        if not (keep and self._peer.hold(decision, self._workers)):
+        if not (keep and self._peer.hold(decision, self._attempts.workers)):
             self._peer.held = False
-            await self._stop_workers(WorkerState.STOPPED)
+            await self._attempts.stop(WorkerState.STOPPED)
         if decision.action is Action.ABORT:
             await self._heal.tell()
             raise RendezvousClosedError(f"stopping the workers: {decision.reason}")
@@ -299,18 +294,19 @@ class ElasticAgent:
         )
 
     def _resume(self, interrupted_at: float | None) -> bool:
-        assert self._workers is not None
+        workers = self._attempts.workers
+        assert workers is not None
         return self._peer.resume(
             self._group,
-            self._workers,
+            workers,
             self._events,
             self.restart_count,
             interrupted_at,
-            before_send=self._port.release,  # group rank 0's workers bind it now
+            before_send=self._attempts.port.release,  # group rank 0's workers bind it now
         )
 
     def _failed(self, failures: dict[int, ProcessFailure], reason: str) -> RunResult:
-        result = RunResult(WorkerState.FAILED, failures=self._kept(failures))
+        result = RunResult(WorkerState.FAILED, failures=self._place.kept(failures))
         self._events.set_state(WorkerState.FAILED)
         root = result.root_cause  # the report is the caller's (format_failures, a launcher)
         where = "" if root is None else f" (root cause: rank {root.global_rank})"
@@ -322,67 +318,10 @@ class ElasticAgent:
     async def _rendezvous(self) -> None:
         self._events.set_state(WorkerState.INIT)
         started = time.monotonic()
-        prepare_join(self._handler, self._spec, self._port)
+        port = self._attempts.port
+        prepare_join(self._handler, self._spec, port)
         info = await self._handler.next_rendezvous()
-        self._joined = True
-        self._round = await form_round(
-            self._handler, info, self._group, self._port, self._events, started
+        self._place.joined = True
+        self._place.round = await form_round(
+            self._handler, info, self._group, port, self._events, started
         )
-
-    # -- workers --------------------------------------------------------------------------
-
-    async def _start_workers(self, interrupted_at: float | None) -> None:
-        self._attempt += 1
-        self._events.attempt = self._attempt
-        workers = self._workers = WorkerSet(
-            self._group,
-            self._attempt,
-            self._run_dir,
-            self._scratch,
-            self.restart_count,
-            self._handler.get_run_id(),
-            self._forks,
-            {**self._peer.channel.env(), **self._beat.env()},
-        )
-        self._peer.channel.forget()
-        started = time.monotonic()
-        standbys = await self._standbys.take()
-        try:
-            await workers.start(before_spawn=self._port.release, standbys=standbys)
-        finally:
-            used = {id(p) for p in workers.processes + workers.discarded}
-            await self._standbys.discard(s for s in standbys.values() if id(s.process) not in used)
-        self._standbys.schedule()
-        self._events.set_state(WorkerState.HEALTHY)
-        now = time.monotonic()
-        self._events.publish(
-            WorkersStarted,
-            pids=MappingProxyType({p.local_rank: p.pid for p in workers.processes}),
-            duration=now - started,
-            recovery=None if interrupted_at is None else now - interrupted_at,
-        )
-
-    async def _stop_workers(self, state: WorkerState) -> None:
-        workers, self._workers = self._workers, None
-        if workers is None:
-            return
-        running = any(p.returncode is None for p in workers.processes)
-        channel = self._peer.channel
-        pids = [p.pid for p in workers.processes]
-        failing = channel.ending(workers.processes)  # ending by themselves: not signalled
-        done = {pid: channel.python_done(pid) for pid in pids}
-        grace, sig = self._spec.stop_grace_period, self._stop_signal
-        # Shielded: a cancellation waits for the stop to finish, then goes on.
-        try:
-            stop = workers.stop(grace, sig, failing=failing.keys(), python_done=done)
-            await uncancellable(stop)
-        except WorkersUnkillable as exc:  # leave the job to the others, end this node
-            self._events.unkillable(exc)
-            raise
-        if running and state is WorkerState.STOPPED:
-            self._events.set_state(WorkerState.STOPPED)
-
-    # -- the end (finish, shutdown: ._ending) ---------------------------------------------
-
-    def _kept(self, failures: Mapping[int, ProcessFailure]) -> dict[int, ProcessFailure]:
-        return kept_failures(self._spec, self._own_log_root, failures)

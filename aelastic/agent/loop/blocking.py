@@ -11,35 +11,38 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 from ..api import RunResult
-from ..processes.forks import fork_server_for
 from .signals import forwarding, free_signals, raise_for, sigint_interrupts, signals_to_handle
-
-if TYPE_CHECKING:
-    from .agent import ElasticAgent
 
 __all__ = ["run_blocking"]
 
 
 def run_blocking(
-    agent: ElasticAgent, role: str, signals: tuple[signal.Signals, ...] | None
+    run: Callable[[], Awaitable[RunResult]],
+    *,
+    prefork: Callable[[], None],
+    forward: Callable[[int], None],
+    release: Callable[[], Awaitable[None]],
+    signals: tuple[signal.Signals, ...] | None,
 ) -> RunResult:
-    """:meth:`ElasticAgent.run_sync` (see there and the module docstring)."""
+    """:meth:`ElasticAgent.run_sync` (see there and the module docstring): ``run()`` on a
+    private loop, ``prefork()`` before it (the fork server, before the loop's threads),
+    the handled signals given to ``forward`` (the agent stops its workers with them),
+    ``release()`` (the rendezvous handler) at the end."""
     if asyncio._get_running_loop() is not None:
         raise RuntimeError("run_sync() called from a running event loop: await run() instead")
-    if not agent._used:  # before the loop and its threads: a safe state to fork from
-        agent._forks = fork_server_for(agent._spec)
+    prefork()  # before the loop and its threads: a safe state to fork from
     wanted = signals_to_handle() if signals is None else signals
     handled, received = free_signals(wanted), list[signal.Signals]()
 
     async def main() -> RunResult:
         try:
-            with forwarding(handled, agent.forward_signal, received):
-                return await agent.run(role)
+            with forwarding(handled, forward, received):
+                return await run()
         finally:
-            await agent._handler.aclose()
+            await release()
 
     try:
         with sigint_interrupts():

@@ -82,7 +82,6 @@ async def form_round(
 
 async def exit_barrier(
     handler: DynamicRendezvousHandler,
-    group: WorkerGroup,
     round_group: RoundGroup | None,
     events: AgentPublisher,
     timeout: float,

@@ -15,24 +15,38 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Protocol
 
 from ...core.events import Event, EventKind
 from ..health.check import HealthServer, health_port
 from ..processes.numa import bindings
 
 if TYPE_CHECKING:
-    from ...rendezvous.handler import DynamicRendezvousHandler
-    from .agent import ElasticAgent
+    from ..api import WorkerGroup, WorkerSpec
 
-__all__ = ["agent_services", "last_word"]
+
+class Served(Protocol):
+    """What the services need of the agent they serve (its public face)."""
+
+    @property
+    def spec(self) -> WorkerSpec: ...
+
+    @property
+    def restart_count(self) -> int: ...
+
+    def get_worker_group(self, role: str = ...) -> WorkerGroup: ...
+
+    def add_listener(self, callback: Callable[[Event], object]) -> Callable[[], None]: ...
+
+
+__all__ = ["Served", "agent_services"]
 
 log = logging.getLogger("aelastic.agent")
 
 
 @contextlib.asynccontextmanager
-async def agent_services(agent: ElasticAgent) -> AsyncIterator[None]:
+async def agent_services(agent: Served) -> AsyncIterator[None]:
     """The services of ``agent`` for the duration of the block (see the module docstring).
 
     Raises:
@@ -50,7 +64,7 @@ async def agent_services(agent: ElasticAgent) -> AsyncIterator[None]:
                 await health.aclose()
 
 
-async def _health(agent: ElasticAgent) -> HealthServer | None:
+async def _health(agent: Served) -> HealthServer | None:
     try:
         port = health_port()
     except ValueError as exc:
@@ -103,11 +117,3 @@ class _Liveness:
         if self._reason is None:
             return {}
         return {"alive": False, "reason": self._reason}
-
-
-def last_word(handler: DynamicRendezvousHandler) -> float:
-    """How long the last requests (close, leave) may take once the work is over: one
-    heartbeat's timeout, not the backend's whole retry period (a store gone at the end of a
-    job must not hold the launcher for minutes)."""
-    settings = getattr(handler, "settings", None)
-    return max(float(getattr(settings, "heartbeat_timeout", 5.0)), 1.0)

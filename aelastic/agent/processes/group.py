@@ -134,7 +134,9 @@ class WorkerSet:
                     env[FILE_VAR] = self._watchdog.path
                 if self.progress is not None:
                     env.update(self.progress.env(rank))
-                binding = worker_binding(self._group.spec, rank)
+                binding = worker_binding(
+                    self._group.spec.numa_binding, self._group.spec.local_world_size, rank
+                )
                 stdout, stderr = self._logs.child_streams(rank)
                 before_spawn()
                 try:

@@ -29,10 +29,6 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..api import WorkerSpec
 
 __all__ = [
     "NUMA_MODES",
@@ -366,12 +362,13 @@ def _this_machine(visible: str | None) -> Topology:
     return Topology.read("/", visible_devices=visible)
 
 
-def worker_binding(spec: WorkerSpec, local_rank: int) -> Binding | None:
-    """The binding of local rank ``local_rank`` of ``spec`` (``None``: no ``numa_binding``).
+def worker_binding(mode: str | None, local_world_size: int, local_rank: int) -> Binding | None:
+    """The binding of local rank ``local_rank`` of ``local_world_size`` workers under
+    ``mode`` (a spec's ``numa_binding``; ``None``: none).
 
     Raises:
         NumaBindingError: See :func:`bindings`.
     """
-    if spec.numa_binding is None:
+    if mode is None:
         return None
-    return bindings(spec.numa_binding, spec.local_world_size)[local_rank]
+    return bindings(mode, local_world_size)[local_rank]

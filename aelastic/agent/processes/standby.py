@@ -209,7 +209,7 @@ class StandbyPool:
         env = standby_env(self._spec)
         for rank in range(self._spec.local_world_size):
             try:
-                binding = worker_binding(self._spec, rank)
+                binding = worker_binding(self._spec.numa_binding, self._spec.local_world_size, rank)
                 preload = self._spec.standby_preload
                 self._ready[rank] = Standby(launch, env, rank, binding, preload)
             except (OSError, NumaBindingError) as exc:
