@@ -39,6 +39,12 @@ def main() -> None:
         f"({accelerator.distributed_type}): y = {weight:.2f}*x {bias:+.2f}\n"
     )
     sys.stdout.flush()
+    # The prepared model (DDP) holds the process group: released first, the group's
+    # destruction in end_training() is its last; left to the interpreter's exit, gloo's
+    # threads are torn down during finalization, which aborts the process (SIGABRT,
+    # "terminate called without an active exception") about one exit in ten, under any
+    # launcher.
+    model, optimizer, data = accelerator.free_memory(model, optimizer, data)
     accelerator.end_training()
 
 

@@ -319,3 +319,16 @@ def test_the_agents_modules_import_each_other_one_way() -> None:
     }
     cycles = sorted(m for m in edges if m != "__init__" and _reaches(edges, m, m, set()))
     assert not cycles, f"agent: modules on a circle of imports: {cycles}"
+
+
+def test_only_the_agents_top_level_uses_its_loop() -> None:
+    """The rooms under the loop (processes, health, output) and the public modules beside it
+    (api, events, prometheus) never import ``agent/loop``: the loop composes them."""
+    root = _PACKAGE / "agent"
+    users = sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if path.relative_to(root).parts[0] not in ("loop", "__init__.py")
+        and any(t == "loop" or t.startswith("loop.") for t in _package_imports(path))
+    )
+    assert not users, f"agent: modules that import the loop above them: {users}"

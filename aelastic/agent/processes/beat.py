@@ -33,7 +33,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ...worker._site import _aelastic_guard as runtime
-from ..loop.aio import cancel_and_wait
+from ...core.race import cancel_and_wait
 
 if TYPE_CHECKING:
     from ...rendezvous.handler import DynamicRendezvousHandler

@@ -31,7 +31,7 @@ from ..api import ProcessFailure, WorkerGroup
 from ..health.errors import make_failure
 from ..health.progress import ProgressPages
 from ..health.stall import Stall
-from ..loop.aio import uncancellable
+from ...core.race import uncancellable
 from ..output.logs import AttemptLogs, Target
 from . import callables
 from .env import substitute_args, worker_env

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from ...core.errors import reason
 from ..api import WorkerSpec
 from ..health.progress import with_bootstrap, without_bootstrap
-from ..loop.aio import cancel_and_wait, uncancellable
+from ...core.race import cancel_and_wait, uncancellable
 from .env import ATTEMPT_KEYS, inherited_env
 from .numa import Binding, NumaBindingError, worker_binding
 from .process import WorkerProcess, stop_processes
