@@ -32,8 +32,8 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from ...worker._site import _aelastic_guard as runtime
 from ...core.race import cancel_and_wait
+from ...worker._site import _aelastic_guard as runtime
 
 if TYPE_CHECKING:
     from ...rendezvous.handler import DynamicRendezvousHandler

@@ -27,11 +27,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from ...core.errors import reason
+from ...core.race import uncancellable
 from ..api import ProcessFailure, WorkerGroup
 from ..health.errors import make_failure
 from ..health.progress import ProgressPages
 from ..health.stall import Stall
-from ...core.race import uncancellable
 from ..output.logs import AttemptLogs, Target
 from . import callables
 from .env import substitute_args, worker_env

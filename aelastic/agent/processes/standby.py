@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ...core.errors import reason
+from ...core.race import cancel_and_wait, uncancellable
 from ..api import WorkerSpec
 from ..health.progress import with_bootstrap, without_bootstrap
-from ...core.race import cancel_and_wait, uncancellable
 from .env import ATTEMPT_KEYS, inherited_env
 from .numa import Binding, NumaBindingError, worker_binding
 from .process import WorkerProcess, stop_processes
