@@ -25,10 +25,43 @@ def all_reduce() -> dict[str, float | int]:
         dist.destroy_process_group()
 
 
+def destroyed_in_a_cycle() -> None:
+    """``python _gloo.py --destroyed-in-a-cycle``: a group of one destroyed by the script
+    but still referred to from a cycle of objects (as a model wrapped in DDP keeps it)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    value = torch.tensor([1.0])
+    dist.all_reduce(value)
+    held: dict[str, object] = {"group": dist.group.WORLD}
+    held["self"] = held
+    dist.destroy_process_group()
+    del held
+    print(f"sum {value.item():g}; gloo threads: {_gloo_threads()}", flush=True)
+
+
+def _gloo_threads() -> bool:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return "pt_gloo_runloop" in names
+
+
 def main() -> None:
     """``python _gloo.py``: an all-reduce in a group made by ``aelastic.worker.InPlace``,
     then the end of the script with the group still alive (no ``destroy_process_group``)."""
     import aelastic.worker
+
+    if "--destroyed-in-a-cycle" in sys.argv:
+        destroyed_in_a_cycle()
+        if "--run-exit-handlers" in sys.argv:
+            import atexit
+
+            atexit._run_exitfuncs()
+            print(f"gloo threads after the exit handlers: {_gloo_threads()}", flush=True)
+        return
 
     def train(round: aelastic.worker.Round) -> float:
         import torch

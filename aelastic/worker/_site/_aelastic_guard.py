@@ -145,45 +145,74 @@ def _say(text: str) -> None:
 
 # -- a gloo group at exit -----------------------------------------------------------------
 
-#: Longest wait at exit for a gloo group's destruction (its threads may wait on a peer).
+#: Longest wait at exit for a gloo group's end (its threads may wait on a peer).
 _DESTROY_BOUND = 10.0
+#: The name gloo's worker threads carry (a process group's, joined when it is freed).
+_GLOO_THREAD = "pt_gloo_runloop"
 
 
 def install_exit_hook() -> None:
-    """Destroy a gloo default process group still alive when the interpreter exits.
+    """End a gloo process group still alive when the interpreter exits, before it finalizes.
 
-    A script that leaves it alive (no ``destroy_process_group()``, an uncaught exception, a
-    collective that broke because a peer died) has gloo's C++ threads torn down during the
-    interpreter's finalization, which aborts the process ("terminate called without an
-    active exception", SIGABRT) about one exit in four: the agent would see a crash where
-    the script exited. Destroyed here, before finalization (after the script's own
-    ``atexit`` handlers), in a thread waited for at most :data:`_DESTROY_BOUND` seconds.
-    NCCL and other backends are left to the script, as under torchrun.
+    A gloo group's worker threads give up the tensors of their last collective after the
+    call returned, and that needs the GIL; they are joined when the group is freed. A group
+    freed during the interpreter's finalization (never destroyed: no
+    ``destroy_process_group()``, an uncaught exception, a peer that died; or destroyed but
+    still referred to from a cycle of objects, such as a model wrapped in DDP or a closure,
+    which only finalization's last collection frees) has a thread ask for the GIL then, and
+    Python 3.11 ends such a thread in a way C++ cannot unwind: the process aborts
+    ("terminate called without an active exception", SIGABRT), about one exit in ten,
+    more under load; the agent would see a crash where the script exited. So here, after
+    the script's own ``atexit`` handlers: a default gloo group still set up is destroyed,
+    and while gloo's threads are still there, the cycles are collected (the group freed,
+    its threads joined) while the interpreter is whole. In a thread waited for at most
+    :data:`_DESTROY_BOUND` seconds (a thread may wait on a peer). NCCL and other backends
+    are left to the script, as under torchrun.
     """
-    atexit.register(_destroy_gloo_group)
+    atexit.register(_end_gloo_group)
 
 
-def _destroy_gloo_group() -> None:
+def _end_gloo_group() -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is None:
         return
     try:
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if str(dist.get_backend()) != "gloo":
-            return
+        alive = dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
     except Exception:
+        alive = False
+    if not alive and not _gloo_threads():
         return
 
-    def destroy() -> None:
-        try:  # noqa: SIM105 - contextlib is not worth importing in every worker
-            dist.destroy_process_group()
+    def end() -> None:
+        try:
+            if alive:
+                dist.destroy_process_group()
         except Exception:  # a broken group may fail to: the exit goes on
             pass
+        if _gloo_threads():
+            import gc
 
-    thread = threading.Thread(target=destroy, name="aelastic-destroy-group", daemon=True)
+            gc.collect()
+
+    thread = threading.Thread(target=end, name="aelastic-end-group", daemon=True)
     thread.start()
     thread.join(_DESTROY_BOUND)
+
+
+def _gloo_threads() -> bool:
+    """Whether a gloo group's worker thread runs in this process (its name, from /proc)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().strip() == _GLOO_THREAD:
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 # -- uncaught exceptions ------------------------------------------------------------------
