@@ -14,7 +14,9 @@ learned bound is left to the rank at fault (logged once;
 wait inside ``torch.distributed`` is most likely waiting for a peer that is stuck elsewhere: it
 waits one more timeout (at least :data:`~aelastic.agent.health.stacks.DUMP_WAIT`, the longest a
 peer's agent waits for stacks that do not come; at start-up up to a minute), so that the peer's own
-agent acts first and the group change stops these workers without a restart spent here. A stalled
+agent acts first and the group change stops these workers without a restart spent here; when the
+job's health then names another node's worker the root cause of this round, the peer acted and the
+change is on its way: a few more waits (:data:`HOLDS`) before these workers are stopped. A stalled
 worker that cannot be asked for stacks (stopped by ``SIGSTOP`` or a debugger, or silent past the
 dump's bound) is the suspect: it is stopped at once, and its failure is its own, never one that
 broke in a collective, so that it is named the root cause before the peers that wait for it. Then
@@ -28,7 +30,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import anyio
 
@@ -50,6 +52,7 @@ async def watch_stalls(
     rule: HangRule,
     report: Callable[[list[Stall], bool], None],
     grace: float,
+    elsewhere: Callable[[], Awaitable[bool]] | None = None,
 ) -> None:
     """Watch ``processes`` until some stall, report them, SIGKILL their groups; then wait
     (the exit of the killed workers ends the attempt). Never returns.
@@ -60,12 +63,15 @@ async def watch_stalls(
         rule: How hangs are found (:mod:`aelastic.agent.health.hang_rule`).
         report: Called with the stalls and whether the node waits for a peer first.
         grace: The workers' stop grace (bounds the wait for a SIGKILLed worker).
+        elsewhere: Whether the job's root cause of this round is another node's (asked
+            once the wait for a peer is over, before these workers are stopped).
 
     Raises:
         WorkersUnkillable: A stalled worker survived SIGKILL past the bound.
     """
     seen = Seen(pages, rule, time.monotonic())
     waited_for_peer = waited_for_local = False
+    held = 0
     while True:
         running = {p.local_rank: p for p in processes if p.returncode is None}
         watches, check = seen.check(running)
@@ -75,6 +81,7 @@ async def watch_stalls(
         stalled = await seen.confirm(running, check.stalled, watches)
         if not stalled:
             waited_for_peer = waited_for_local = False
+            held = 0
             await anyio.sleep(max(check.next_check - time.monotonic(), 0.01))
             continue
         now = time.monotonic()
@@ -98,9 +105,20 @@ async def watch_stalls(
             # The peer's agent may need the dump's whole bound to find its worker silent.
             await anyio.sleep(_peer_wait(stalls, watches))
             continue  # then look again: moving again, or stalled (with whoever stalled since)
+        if waited_for_peer and held < HOLDS and elsewhere is not None and await elsewhere():
+            # The peer's agent named its own worker the root cause of this round: the group
+            # change that follows stops these workers, with no restart spent here. On a
+            # loaded machine it may come after the wait above; held a few more waits.
+            held += 1
+            await anyio.sleep(_peer_wait(stalls, watches))
+            continue
         report(stalls, False)
         await _kill([running[s.local_rank] for s in stalls], grace)
         await anyio.sleep_forever()
+
+
+#: How many more waits for a peer a node gives when the job's root cause is another node's.
+HOLDS = 5
 
 
 def _peer_wait(stalls: Sequence[Stall], watches: Mapping[int, Watch | None]) -> float:

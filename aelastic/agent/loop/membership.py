@@ -50,6 +50,25 @@ class RoundGroup:
         #: The round's number.
         self.round = handler.round
 
+    async def failed_elsewhere(self) -> bool:
+        """Whether the job's health names another node's worker the root cause of this
+        round (a failure of its own, not one broken in a collective): that node's agent
+        acted, and the group change that follows is on its way. False when the health
+        cannot be read within :data:`_LAST_LOOK` seconds."""
+        with anyio.move_on_after(_LAST_LOOK):
+            try:
+                health = await self._handler.health()
+            except RendezvousError:
+                return False
+            latest = None if health is None else health.latest
+            return (
+                latest is not None
+                and latest.round == self.round
+                and not latest.root.secondary
+                and latest.root.node != self._handler.node.key
+            )
+        return False
+
     async def next_change(self, since: MembershipView | None) -> MembershipView:
         """The next change of the group that differs from ``since`` (an unreachable backend
         is looked at again later: the workers keep running meanwhile).

@@ -107,7 +107,9 @@ async def supervise(
         grace = group.spec.stop_grace_period
         report = partial(_stalled, workers, group, events)
         try:
-            await watch_stalls(pages, workers.processes, rule, report, grace)
+            await watch_stalls(
+                pages, workers.processes, rule, report, grace, round_group.failed_elsewhere
+            )
         except WorkersUnkillable as exc:
             workers.abandon(exc.survivors)  # not waited for again when the group stops
             events.unkillable(exc)
