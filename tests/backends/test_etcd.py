@@ -34,7 +34,7 @@ from aelastic.backends.etcd._client import SLOW, EtcdClient
 from aelastic.backends.etcd._leases import SLACK
 from aelastic.core.params import Rules
 from aelastic.core.redact import redact
-from aelastic.core.state import NodeDesc, Op, Outcome, Request
+from aelastic.core.state import NodeDesc, Op, Outcome, Request, Transition
 from aelastic.rendezvous import DynamicRendezvousHandler
 from tests._etcd_server import EtcdCluster, EtcdServer, b64
 from tests._ports import free_port
@@ -249,6 +249,48 @@ async def test_a_silent_member_is_seen_lost_within_the_window(server: EtcdServer
             infos = await join_all(list(by_rank.values()), 2 * PROMPT)
             assert_one_group(infos, len(by_rank))
             by_rank = {info.rank: h for info, h in zip(infos, by_rank.values(), strict=True)}
+
+
+async def test_members_leaving_their_round_at_once_do_not_contend_on_one_key(
+    server: EtcdServer,
+) -> None:
+    """Every member of a complete round leaves at once (the survivors of a lost node
+    re-rendezvous so): each writes its own keys and mark, compared against them alone; only
+    the first few, which fill the lost sample, write the header. So the leaves cost a read
+    and a write each, plus a few retries for the sample: not one retry per member that
+    left before (the header rewritten for each, every other leave retried: O(N^2))."""
+    n = 32
+    rules = Rules(n, n, last_call_ms=100, window_ms=30_000)
+    nodes = [NodeDesc(f"10.0.1.{i}", 1, 0) for i in range(n)]
+    secrets = [f"{i:032d}" for i in range(n)]
+    params = RendezvousParameters("etcd", server.endpoint, "leaves", n, n, share_connections=0)
+    backends = [create_backend(params) for _ in range(n)]
+    try:
+        joins = await asyncio.gather(*(
+            b.apply(Request(Op.JOIN, node, rules, port=1, secret=s))
+            for b, node, s in zip(backends, nodes, secrets, strict=True)
+        ))  # fmt: skip
+        assert sum(r.outcome is Outcome.FINISH for r in joins) >= 1
+        for b, node, s in zip(backends, nodes, secrets, strict=True):  # every one a member
+            done = await b.apply(Request(Op.JOIN, node, rules, port=1, secret=s))
+            assert done.outcome is Outcome.FINISH and done.rank is not None
+        clients = [b._shared.client for b in backends]  # type: ignore[union-attr]
+        before = sum(c.requests for c in clients)
+        leaves = await asyncio.gather(*(
+            b.apply(Request(Op.LEAVE, node, rules, secret=s))
+            for b, node, s in zip(backends, nodes, secrets, strict=True)
+        ))  # fmt: skip
+        spent = sum(c.requests for c in clients) - before
+        assert all(r.transition is Transition.REMOVE for r in leaves)
+        status = await backends[0].apply(Request(Op.STATUS, nodes[0], rules))
+        assert status.status.round == 1 and not status.status.complete  # the next round
+        # A read and a write each; the sample's four header writes and the next round's
+        # make the others that wanted one retry, five times each at most; the sentinels'
+        # status requests (the old way: ~n * n / 2 retries, 541 here).
+        assert spent <= n * (2 + 5) + 3 * 4, spent
+    finally:
+        for b in backends:
+            await b.aclose()
 
 
 async def test_a_heartbeat_wakes_nobody_and_costs_one_request(server: EtcdServer) -> None:

@@ -52,7 +52,7 @@ class RunPort(RunReads):
         self, view: View, plan: Plan, node: NodeDesc, window_ms: int, count: bool
     ) -> tuple[bool, list[dict[str, Any]], int]:
         lease = None
-        if any(w != "q" for w in plan.put):
+        if any(w not in ("q", "l") for w in plan.put):  # (the marks have no lease)
             lease = await self._leases.ensure(node, window_ms)
         for _ in range(3):
             compare, ops = write_txn(self._keys, view, plan, node, lease, count)
