@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from ...core.health import JobHealth
 from ...core.params import Rules
-from ...core.state import NodeDesc, Outcome, Status, Transition
-from ._control import HealthRead
-from ._layout import DEFAULT_PROFILE, Header, Profile
+from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Status, Transition
+from ._control import HealthRead, Seat, placement_of
+from ._layout import DEFAULT_PROFILE, Header, Profile, sort_key
 
 __all__ = ["LISTS", "DeadlineClock", "Member", "Plan", "View"]
 
@@ -139,6 +139,30 @@ class Plan:
     fail_mark: int | None = None
     drop_failed: int | None = None
     reset_health: bool = False
+
+    def reply(self, request: Request, seat: Seat | None) -> Reply:
+        """The reply to ``request`` (a finished join's rank and placement from ``seat``,
+        its seat at the round's cut)."""
+        finished_join = request.op is Op.JOIN and self.outcome is Outcome.FINISH
+        master = self.master if finished_join else None
+        rank, placement = None, None
+        if finished_join and seat is not None:
+            rank = seat.rank
+            placement = placement_of(seat, sort_key(request.node), self.world, self.profile)
+        return Reply(
+            outcome=self.outcome,
+            status=self.status,
+            transition=self.transition,
+            rank=rank,
+            master_addr=None if master is None else master[0],
+            master_port=None if master is None else master[1],
+            wake_at_ms=self.wake_at_ms,
+            restart_deadline=self.restart,
+            known=self.known,
+            run_rules=self.run_rules,
+            reopen_at_ms=self.reopen_at_ms,
+            placement=placement,
+        )
 
 
 #: A process's lookup of the last call's end: (epoch, deadline id, last call ms, now) -> ms.

@@ -68,6 +68,9 @@ class RunReads:
         self._where_of: dict[NodeDesc, str | None] = {}
         #: The revision each node's last request read or wrote the run at.
         self.revision_of: dict[NodeDesc, int] = {}
+        #: The last call each node's own request started, (epoch, its id): that node
+        #: completes the round when it ends (:mod:`._waits`).
+        self.last_calls: dict[NodeDesc, tuple[str, int]] = {}
         self.where = f"The rendezvous state of run '{keys.run_id}' at {client.display}"
 
     @property
