@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -34,7 +34,7 @@ from aelastic.backends.etcd._client import SLOW, EtcdClient
 from aelastic.backends.etcd._leases import SLACK
 from aelastic.core.params import Rules
 from aelastic.core.redact import redact
-from aelastic.core.state import NodeDesc, Op, Outcome, Request
+from aelastic.core.state import NodeDesc, Op, Outcome, Request, Status, Transition
 from aelastic.rendezvous import DynamicRendezvousHandler
 from tests._etcd_server import EtcdCluster, EtcdServer, b64
 from tests._ports import free_port
@@ -65,6 +65,15 @@ def group(
     endpoint: str, run_id: str, count: int, min_nodes: int, max_nodes: int, **conf: Any
 ) -> AbstractAsyncContextManager[list[DynamicRendezvousHandler]]:
     return handler_group("etcd", endpoint, run_id, count, min_nodes, max_nodes, **conf)
+
+
+async def _until(b: EtcdBackend, seen: Status, told: Callable[[Status], bool]) -> Status:
+    """The status ``b``'s watch tells once ``told`` holds (a node asks again only then)."""
+    while not told(seen):
+        news = await b.wait_for_change(seen.token, PROMPT)
+        assert news is not None
+        seen = news
+    return seen
 
 
 # -- endpoints and options ------------------------------------------------------------------
@@ -249,6 +258,106 @@ async def test_a_silent_member_is_seen_lost_within_the_window(server: EtcdServer
             infos = await join_all(list(by_rank.values()), 2 * PROMPT)
             assert_one_group(infos, len(by_rank))
             by_rank = {info.rank: h for info, h in zip(infos, by_rank.values(), strict=True)}
+
+
+async def test_members_leaving_their_round_at_once_do_not_contend_on_one_key(
+    server: EtcdServer,
+) -> None:
+    """Every member of a complete round leaves at once (the survivors of a lost node
+    re-rendezvous so): each writes its own keys and mark, compared against them alone; only
+    the first few, which fill the lost sample, write the header. So the leaves cost a read
+    and a write each, plus a few retries for the sample: not one retry per member that
+    left before (the header rewritten for each, every other leave retried: O(N^2))."""
+    n = 32
+    rules = Rules(n, n, last_call_ms=100, window_ms=30_000)
+    nodes = [NodeDesc(f"10.0.1.{i}", 1, 0) for i in range(n)]
+    secrets = [f"{i:032d}" for i in range(n)]
+    params = RendezvousParameters("etcd", server.endpoint, "leaves", n, n, share_connections=0)
+    backends = [create_backend(params) for _ in range(n)]
+    try:
+        joins = await asyncio.gather(*(
+            b.apply(Request(Op.JOIN, node, rules, port=1, secret=s))
+            for b, node, s in zip(backends, nodes, secrets, strict=True)
+        ))  # fmt: skip
+        assert sum(r.outcome is Outcome.FINISH for r in joins) >= 1
+        for b, node, s, join in zip(backends, nodes, secrets, joins, strict=True):
+            await _until(b, join.status, lambda seen: seen.complete)  # then it asks again
+            done = await b.apply(Request(Op.JOIN, node, rules, port=1, secret=s))
+            assert done.outcome is Outcome.FINISH and done.rank is not None
+        clients = [b._shared.client for b in backends]  # type: ignore[union-attr]
+        before = sum(c.requests for c in clients)
+        leaves = await asyncio.gather(*(
+            b.apply(Request(Op.LEAVE, node, rules, secret=s))
+            for b, node, s in zip(backends, nodes, secrets, strict=True)
+        ))  # fmt: skip
+        spent = sum(c.requests for c in clients) - before
+        assert all(r.transition is Transition.REMOVE for r in leaves)
+        status = await backends[0].apply(Request(Op.STATUS, nodes[0], rules))
+        assert status.status.round == 1 and not status.status.complete  # the next round
+        # A read and a write each; the sample's four header writes and the next round's
+        # make the others that wanted one retry, five times each at most; the sentinels'
+        # status requests (the old way: ~n * n / 2 retries, 541 here).
+        assert spent <= n * (2 + 5) + 3 * 4, spent
+    finally:
+        for b in backends:
+            await b.aclose()
+
+
+@pytest.mark.parametrize("slow_header_write", [False, True])
+async def test_the_last_members_leaving_at_once_open_the_next_round(
+    server: EtcdServer, slow_header_write: bool
+) -> None:
+    """Once the lost sample is full, a leave does not write the header: when the last
+    members leave at once, each read counting the others, the one whose write may have
+    been the last counts the participants at its revision and, finding none, opens the next
+    round (a node on the wait list is not left waiting for a round that never opens). So
+    does a leave that wrote the header (the first finished one) while the others wrote
+    their own keys between its read and its write (its compare, on the header, held)."""
+    n = 7
+    rules = Rules(n, n, last_call_ms=100, window_ms=30_000)
+    nodes = [NodeDesc(f"10.0.2.{i}", 1, 0) for i in range(n + 1)]
+    secrets = [f"{i:032d}" for i in range(n + 1)]
+    run = f"last-{int(slow_header_write)}"
+    params = RendezvousParameters("etcd", server.endpoint, run, n, n, share_connections=0)
+    backends = [create_backend(params) for _ in range(n + 1)]
+
+    def request(i: int, op: Op, finished: bool = False) -> Request:
+        return Request(op, nodes[i], rules, port=1, secret=secrets[i], finished=finished)
+
+    try:
+        joins = await asyncio.gather(*(backends[i].apply(request(i, Op.JOIN)) for i in range(n)))
+        for i in range(n):
+            await _until(backends[i], joins[i].status, lambda seen: seen.complete)
+            assert (await backends[i].apply(request(i, Op.JOIN))).outcome is Outcome.FINISH
+        for i in range(4):  # the lost sample is full
+            await backends[i].apply(request(i, Op.LEAVE))
+        waiting = await backends[n].apply(request(n, Op.JOIN))
+        assert waiting.outcome is Outcome.WAIT and waiting.status.complete
+        if slow_header_write:  # its write waits until the others' leaves are written
+            port = backends[4]._port
+            assert port is not None
+            write = port._write
+
+            async def slow(*args: Any) -> Any:
+                await asyncio.sleep(0.5)
+                return await write(*args)
+
+            port._write = slow  # type: ignore[method-assign,assignment]
+        started = time.monotonic()
+        await asyncio.gather(*(
+            backends[i].apply(request(i, Op.LEAVE, finished=slow_header_write and i == 4))
+            for i in range(4, n)
+        ))  # fmt: skip
+        raw = server.call("/v3/kv/range", {"key": b64(backends[n].keys.header)})["kvs"][0]
+        header = json.loads(base64.b64decode(raw["value"]))  # as the leaves left it
+        assert header["round"] == 1 and not header["complete"], header
+        await _until(backends[n], waiting.status, lambda seen: seen.round == 1)
+        joined = await backends[n].apply(request(n, Op.JOIN))
+        assert joined.outcome is Outcome.WAIT and joined.status.participants == 1
+        assert time.monotonic() - started < PROMPT
+    finally:
+        for b in backends:
+            await b.aclose()
 
 
 async def test_a_heartbeat_wakes_nobody_and_costs_one_request(server: EtcdServer) -> None:

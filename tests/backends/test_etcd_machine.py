@@ -292,3 +292,32 @@ def test_a_member_that_left_finished_is_never_named_among_the_lost(
     ]
     loop.run_until_complete(run_both(client, Rules(2, 5, last_call_ms=5, window_ms=2_000),
                                      steps))  # fmt: skip
+
+
+def test_leaves_past_a_full_lost_sample_and_a_drop_among_them_agree(
+    client: EtcdClient, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Members leaving once the lost sample is full write their own marks, not the header;
+    a member etcd drops afterwards (its deletion in the same history as theirs) is counted
+    lost in the job's health, none of those that left is (rare at random: five members lost
+    in one round)."""
+    steps = [Step(i, Op.JOIN, 1) for i in range(8)] + [
+        Step(1, Op.LEAVE, 5),  # the lost flag and the sample: header writes
+        Step(2, Op.LEAVE, 5),
+        Step(3, Op.LEAVE, 5),
+        Step(4, Op.LEAVE, 5),  # the sample is full
+        Step(5, Op.LEAVE, 5),  # its mark only
+        Step(0, Op.KEEP_ALIVE, 1_000),
+        Step(6, Op.KEEP_ALIVE, 0),
+        Step(0, Op.STATUS, 1_500),  # 7 dropped: counted, its host lost; not in the sample
+        Step(6, Op.LEAVE, 5),
+        Step(0, Op.KEEP_ALIVE, 5),
+        Step(5, Op.JOIN, 5),  # waits for the next round
+        Step(0, Op.LEAVE, 5),  # the last: the next round opens, the marks cleared
+        Step(5, Op.JOIN, 5),
+        Step(1, Op.JOIN, 5),
+        Step(5, Op.KEEP_ALIVE, 1_000),
+        Step(5, Op.STATUS, 1_500),  # 1 dropped from the new round: named, counted
+    ]
+    loop.run_until_complete(run_both(client, Rules(2, 8, last_call_ms=5, window_ms=2_000),
+                                     steps))  # fmt: skip

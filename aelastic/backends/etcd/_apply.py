@@ -52,7 +52,7 @@ class RunPort(RunReads):
         self, view: View, plan: Plan, node: NodeDesc, window_ms: int, count: bool
     ) -> tuple[bool, list[dict[str, Any]], int]:
         lease = None
-        if any(w != "q" for w in plan.put):
+        if any(w not in ("q", "l") for w in plan.put):  # (the marks have no lease)
             lease = await self._leases.ensure(node, window_ms)
         for _ in range(3):
             compare, ops = write_txn(self._keys, view, plan, node, lease, count)
@@ -276,12 +276,15 @@ class RunPort(RunReads):
                 if header is not None and header.deadline is not None:
                     self._deadlines.saw(header.epoch, header.deadline[0], header.deadline[1]
                                         - plan.rules.last_call_ms)  # fmt: skip
+                    if view.header is None or view.header.deadline != header.deadline:
+                        self.last_calls[node] = (header.epoch, header.deadline[0])
                 if plan.rank and plan.mark_cut:
                     seat = seat_of(self._keys, range_of(responses[-2]), range_of(responses[-1]))
                     view = replace(view, cut=revision)
                     hint = revision
                 await self._follow_up(request, plan, responses, now, epoch)
                 await self._after_marked(request, view, plan, revision, now, epoch)
+                await self._after_left(request, view, plan, revision, now, epoch)
                 break
             view, _ = self._view(responses, revision)
             self.revision_of[node] = revision
@@ -307,7 +310,7 @@ class RunPort(RunReads):
             seat = await self.seat(node, view.cut)
         if plan.outcome is not Outcome.ERROR_FORBIDDEN:  # another client's: not this one's
             self._where_of[node] = plan.where if plan.known else None
-        return self._reply(request, plan, seat)
+        return plan.reply(request, seat)
 
     async def _context(self, view: View, request: Request, losses: bool, seat: Seat | None) -> View:
         """``view`` with what the request's decision needs beyond the read: the health key
@@ -341,6 +344,25 @@ class RunPort(RunReads):
             return
         await self.apply(Request(Op.STATUS, request.node, plan.rules), now, epoch)
 
+    async def _after_left(
+        self, request: Request, view: View, plan: Plan, revision: int, now: int, epoch: str
+    ) -> None:
+        """A member's leave that did not open the next round may have been the round's last
+        all the same (one compared against its own keys alone does not see the others
+        leaving at once; one that wrote the header, those that wrote their own keys since
+        its read): when the revisions since its read leave room for it (a write removes one
+        participant at most), count them at its revision and, if none is left, have a status
+        request open the next round, as the last leave's decision would have."""
+        h = view.header
+        if request.op is not Op.LEAVE or h is None or not h.complete or view.where() != "p":
+            return
+        if plan.header is not None and not plan.header.complete:
+            return  # it opened the next round itself
+        if view.participants > revision - view.revision:
+            return
+        if await self.count_at(self._keys.participants, revision) == 0:
+            await self.apply(Request(Op.STATUS, request.node, plan.rules), now, epoch)
+
     def _adopt(self, view: View, request: Request) -> None:
         """Renew the lease the node's keys are on, if it is not the one this process
         holds for it (see :meth:`._leases.Leases.adopt`); only keys holding its secret."""
@@ -367,29 +389,6 @@ class RunPort(RunReads):
         if count == rules.min_nodes or count >= rules.max_nodes:
             status = Request(Op.STATUS, request.node, rules)
             await self.apply(status, now, epoch)
-
-    def _reply(self, request: Request, plan: Plan, seat: Seat | None) -> Reply:
-        finished_join = request.op is Op.JOIN and plan.outcome is Outcome.FINISH
-        master = plan.master if finished_join else None
-        rank, placement = None, None
-        if finished_join and seat is not None:
-            rank = seat.rank
-            own = sort_key(request.node)
-            placement = placement_of(seat, own, plan.world, plan.profile)
-        return Reply(
-            outcome=plan.outcome,
-            status=plan.status,
-            transition=plan.transition,
-            rank=rank,
-            master_addr=None if master is None else master[0],
-            master_port=None if master is None else master[1],
-            wake_at_ms=plan.wake_at_ms,
-            restart_deadline=plan.restart,
-            known=plan.known,
-            run_rules=plan.run_rules,
-            reopen_at_ms=plan.reopen_at_ms,
-            placement=placement,
-        )
 
 
 def _blind_join(request: Request, plan: Plan) -> bool:

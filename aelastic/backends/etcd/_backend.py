@@ -5,8 +5,8 @@ compared write: the state machine's port, :mod:`._port`); news comes from the ru
 watch in this process (:class:`~._changes.RunStream`). Backends of one event loop and
 endpoint share a client and the run's watch (``share_connections=false`` gives each its
 own, what separate hosts have). A heartbeat renews the node's lease and nothing else, and
-a node waiting in a round that has not changed since it last read (its watch says so) asks
-no more than that either: an idle member costs etcd one keep-alive per interval.
+a node whose join would only wait again, as far as its watch tells, asks no more than that
+either (:mod:`._waits`): an idle member costs etcd one keep-alive per interval.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from ...core.errors import RendezvousConnectionError
@@ -31,6 +32,7 @@ from ._endpoint import EtcdEndpoint
 from ._layout import RunKeys, prefix_end
 from ._leases import Leases
 from ._store import KeyValue
+from ._waits import Known, join_waits
 
 __all__ = ["EtcdBackend", "Shared"]
 
@@ -117,9 +119,8 @@ class EtcdBackend:
         self._store: KeyValue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        #: Where each node of this backend is (``p``, ``w``, ``r``), the token then, when
-        #: it asks again by itself, and the secret it is listed under.
-        self._where: dict[NodeDesc, tuple[str | None, Token, int | None, str]] = {}
+        #: Where each node of this backend is after its last request (:mod:`._waits`).
+        self._where: dict[NodeDesc, Known] = {}
 
     def __repr__(self) -> str:
         return f"EtcdBackend(run_id={self._run_id!r}, endpoint={self.endpoint!r})"
@@ -184,7 +185,7 @@ class EtcdBackend:
         if request.operator or reply.outcome is Outcome.ERROR_FORBIDDEN:
             return  # acts for no node of this backend
         where = None if self._port is None else self._port.where_of(node)
-        self._where[node] = (where, reply.status.token, reply.wake_at_ms, request.secret)
+        self._where[node] = Known(where, reply.status.token, reply.status.round, request.secret)
         if request.op is Op.JOIN and reply.outcome is Outcome.FINISH:
             sentinel = reply.rank is not None and reply.rank < SENTINELS
             stream.sentinel(self, self._ask(node, request) if sentinel else None)
@@ -198,15 +199,14 @@ class EtcdBackend:
         return ask
 
     async def _quick(self, request: Request, stream: RunStream, now: int) -> Reply | None:
-        """A heartbeat, or a join that would only wait again, answered with a lease renewal
-        and what the watch knows (``None``: carry it out in full)."""
+        """A heartbeat, or a join that would only wait again (:mod:`._waits`), answered with
+        a lease renewal and what the watch knows (``None``: carry it out in full)."""
         op, node = request.op, request.node
         known = self._where.get(node)
-        if known is None or not hmac.compare_digest(known[3].encode(), request.secret.encode()):
+        if known is None or not hmac.compare_digest(known.secret.encode(), request.secret.encode()):
             return None  # unknown here, or another client's request: carried out in full
-        where, token, wake_at, _ = known
         latest = stream.watch.latest
-        if latest is None or not stream.watch.live or where is None or latest.token != token:
+        if latest is None or not stream.watch.live or latest.token != known.token:
             if op is Op.KEEP_ALIVE and self._leases is not None:
                 # The lease first: the full request after it reads (and may write) while
                 # every node whose round just changed does too, which a busy etcd took
@@ -216,15 +216,22 @@ class EtcdBackend:
                 # again when it completes, to hear of lost members).
                 with contextlib.suppress(LeaseNotFound):
                     await self._leases.renew(node, at_once=True)
-            if latest is None or not stream.watch.live or where is None:
+            if latest is None or not stream.watch.live or known.where is None:
                 return None
-            return await self._finish(request, stream, where, latest, now)
+            finished = await self._finish(request, stream, known.where, latest, now)
+            if finished is not None or op is not Op.JOIN:
+                return finished
+        if known.where is None:
+            return None
+        wake_at = None
         if op is Op.JOIN:
-            if request.expired or latest.closed:
-                return None
-            forming = where == "p" and not latest.complete and (wake_at is None or wake_at > now)
-            waiting = where == "w" and latest.complete
-            if not (forming or waiting):
+            header = stream.header
+            ends = header is None or header.deadline is None or (
+                self._port is not None
+                and self._port.last_calls.get(node) == (header.epoch, header.deadline[0])
+            )  # fmt: skip
+            waits, wake_at = join_waits(request, known, latest, header, now, ends)
+            if not waits:
                 return None
         elif op is not Op.KEEP_ALIVE:
             return None
@@ -237,6 +244,7 @@ class EtcdBackend:
         status = Status(**{**latest.__dict__, "now_ms": now})
         if op is Op.KEEP_ALIVE:
             return Reply(Outcome.FINISH, status, Transition.KEEP_ALIVE, known=True)
+        self._where[node] = replace(known, token=latest.token)
         return Reply(Outcome.WAIT, status, Transition.KEEP_ALIVE, wake_at_ms=wake_at, known=True)
 
     async def _finish(

@@ -247,6 +247,14 @@ def decide(
     # to write it: a join to a forming round must not rewrite a shared value.
     changed = run.fresh or h.evolve(counts=before_h.counts) != before_h
     plan.header = h if changed else None
+    # A member leaving its complete round, the header left as it is: what it writes (its
+    # own keys, its l/ or q/ mark) holds whatever else changed in the header meanwhile, as
+    # long as its own keys did not (the round cannot have moved on while its p/ key is
+    # there: the next round opens once the last one is gone).
+    plan.own_only = (
+        req.op is Op.LEAVE and plan.header is None and before_h.complete
+        and view.where() == "p" and plan.health is None and not plan.clear_marks
+    )  # fmt: skip
     plan.master = h.master
     plan.world, plan.profile = h.world, h.profile
     plan.status = status_of(h, run.np, run.nw, run.nr, run.nq, run.nd, now, deadline_of())

@@ -23,6 +23,11 @@ percent-encoded, so a ``/`` in it stays inside the run's folder):
   their workers succeeded (no lease: a done member dropped by etcd stays counted as
   finished; cleared when the next round opens). So ``done`` is the count of ``pd/``,
   ``finished`` that of ``q/`` less ``pd/``;
+* ``l/<node>``: the members of the complete round that left it unfinished (lost, and never
+  counted lost in the job's health: they said they were going), no lease, cleared when the
+  next round opens; the members etcd dropped (silent) are those lost less these. A leave
+  writes its own mark, not the header (a thousand members leaving at once do not all
+  rewrite one key); outside every watched range;
 * ``a``: the job's health (:class:`~aelastic.core.health.JobHealth`'s stored form), outside
   every watched range (a report wakes nobody); ``x/<round>/<node>``: the members that
   reported a failure in ``round`` (no lease; only the newest incident's round has them: the
@@ -80,8 +85,9 @@ __all__ = [
 ]
 
 #: Version of the etcd layout (inside the state's format version). Layout 1 had no node
-#: secrets and no vacancy time; layout 2 (state format 3) no profiles, done marks or health.
-LAYOUT = 3
+#: secrets and no vacancy time; layout 2 (state format 3) no profiles, done marks or health;
+#: layout 3 counted every lost member in the header (no ``l/`` marks).
+LAYOUT = 4
 #: A profile: a join's worker role and local world size.
 Profile = tuple[str, int]
 DEFAULT_PROFILE: Profile = ("default", 1)
@@ -174,6 +180,7 @@ class RunKeys:
         self.done = self.base + "pd/"
         self.profiles = self.base + "pm/"
         self.finished = self.base + "q/"
+        self.left = self.base + "l/"
         self.health = self.base + "a"
         self.failures = self.base + "x/"
         self.redundant = self.base + "r/"
@@ -193,7 +200,8 @@ class RunKeys:
         return self.ops + op_id
 
     def member(self, where: str, node: NodeDesc) -> str:
-        """``node``'s key in list ``where`` (``p``, ``w``, ``r``, ``q``, ``pd`` or ``pm``)."""
+        """``node``'s key in list ``where`` (``p``, ``w``, ``r``, ``q``, ``l``, ``pd`` or
+        ``pm``)."""
         return f"{self.base}{where}/{sort_key(node)}"
 
     def failed(self, round_: int) -> str:
@@ -227,6 +235,14 @@ class Header:
             node entered has no vacancy to date: :func:`._port.reconcile`).
         profile: The run's profile (its creator's): a participant of another has a ``pm/``
             key.
+        sample: The first lost members' names (at most ``MAX_LOST_SAMPLE``), in the order
+            they were lost.
+        dropped: How many members of the complete round etcd dropped (silent: their lease
+            expired) are accounted for (named in ``sample`` while it had room, their hosts
+            counted lost in the job's health): the members lost less those that left (``l/``)
+            less these are still to account for.
+        accounted: The revision this header was written after (the history of deletions
+            after it holds the drops not yet accounted for).
         counts: Participants, waiting, redundant, lost, finished, done.
         flags: Whether nodes wait, members were lost, members finished, all are done.
     """
@@ -239,7 +255,7 @@ class Header:
     deadline: tuple[int, int] | None = None
     world: int = 0
     sample: tuple[str, ...] = ()
-    sampled: int = 0
+    dropped: int = 0
     accounted: int = 0
     master: tuple[str, int] | None = None
     rules: Rules | None = None
@@ -270,7 +286,7 @@ def encode_header(header: Header) -> str:
         "deadline": list(header.deadline) if header.deadline else None,
         "world": header.world,
         "sample": list(header.sample),
-        "sampled": header.sampled,
+        "dropped": header.dropped,
         "accounted": header.accounted,
         "master": list(header.master) if header.master else None,
         "rules": None
@@ -334,7 +350,7 @@ def decode_header(raw: bytes, where: str) -> Header:
             deadline=None if deadline is None else (int(deadline[0]), int(deadline[1])),
             world=int(doc["world"]),
             sample=tuple(str(s) for s in doc["sample"]),
-            sampled=int(doc["sampled"]),
+            dropped=int(doc["dropped"]),
             accounted=int(doc["accounted"]),
             master=None if master is None else (str(master[0]), int(master[1])),
             rules=None if rules is None else Rules(*(int(r) for r in rules)),

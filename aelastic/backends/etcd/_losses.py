@@ -6,11 +6,12 @@ the deletions of the node lists (``p/`` to ``q/``: one watch without puts, from 
 the run's header accounted for, up to the revision a request read) and names each
 participant whose key was deleted there, but those of the header's own write (accounted
 already), those that were done (their ``pd/`` key deleted at the same revision: etcd sends a
-revision's events together) and those that left having finished (their ``q/`` key there at
-the read revision, one small read of those keys: rare). Without puts, the history holds no
-join: a round whose joins churned costs what its losses do. Best effort: history compacted
-away, or a member that does not answer, leaves names out (the lost sample and the hosts
-counted in the job's health miss them; the counts stay exact).
+revision's events together) and those that left (their ``q/`` key, finished, or ``l/`` key,
+unfinished, there at the read revision: a leave writes its mark with its delete; one small
+read of those keys, only for the deletions since the header's last write). Without puts,
+the history holds no join: a round whose joins churned costs what its losses do. Best
+effort: history compacted away, or a member that does not answer, leaves names out (the
+lost sample and the hosts counted in the job's health miss them; the counts stay exact).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from ._ranges import range_of, range_op
 __all__ = ["lost_names"]
 
 _MISSED = (ConnectionError, EtcdError, RendezvousConnectionError, TimeoutError)
-#: Keys checked in one read (etcd refuses a transaction of more than 128 operations).
-_CHECKED = 64
+#: Keys checked in one read, two ranges each (etcd refuses a transaction of more than 128
+#: operations).
+_CHECKED = 32
 
 
 async def lost_names(
@@ -65,7 +67,7 @@ async def lost_names(
         """Whether ``count`` names are found, once those found are checked."""
         settle()
         if len(names) + len(found) >= count:
-            names.extend(await _not_finished(client, k, found, view.revision))
+            names.extend(await _not_left(client, k, found, view.revision))
             found.clear()
         return len(names) >= count
 
@@ -91,23 +93,22 @@ async def lost_names(
         pass  # the names are for the sample and the health only: the counts stay exact
     settle()
     with contextlib.suppress(*_MISSED):
-        names.extend(await _not_finished(client, k, found, view.revision))
+        names.extend(await _not_left(client, k, found, view.revision))
     return [name_of(key) for key in names[:count]]
 
 
-async def _not_finished(
-    client: EtcdClient, k: RunKeys, found: list[str], revision: int
-) -> list[str]:
-    """The ``p/`` keys of ``found`` whose node has no ``q/`` key at ``revision`` (it did not
-    leave having finished)."""
+async def _not_left(client: EtcdClient, k: RunKeys, found: list[str], revision: int) -> list[str]:
+    """The ``p/`` keys of ``found`` whose node has neither a ``q/`` nor an ``l/`` key at
+    ``revision`` (it did not leave, finished or not: etcd dropped it)."""
     kept: list[str] = []
     for start in range(0, len(found), _CHECKED):
         chunk = found[start : start + _CHECKED]
-        marks = [k.finished + key[len(k.participants) :] for key in chunk]
+        marks = [m + key[len(k.participants) :] for key in chunk for m in (k.finished, k.left)]
         body = {"success": [range_op(m, count_only=True, revision=revision) for m in marks]}
         answer = await client.call("/v3/kv/txn", body, "lost names")
         counts = [int(range_of(r).get("count", 0)) for r in answer.get("responses", [])]
-        kept.extend(key for key, n in zip(chunk, counts, strict=False) if not n)
+        marked = [counts[i] + counts[i + 1] for i in range(0, len(counts) - 1, 2)]
+        kept.extend(key for key, n in zip(chunk, marked, strict=False) if not n)
     return kept
 
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from ...core.health import JobHealth
 from ...core.params import Rules
-from ...core.state import NodeDesc, Outcome, Status, Transition
-from ._control import HealthRead
-from ._layout import DEFAULT_PROFILE, Header, Profile
+from ...core.state import NodeDesc, Op, Outcome, Reply, Request, Status, Transition
+from ._control import HealthRead, Seat, placement_of
+from ._layout import DEFAULT_PROFILE, Header, Profile, sort_key
 
 __all__ = ["LISTS", "DeadlineClock", "Member", "Plan", "View"]
 
@@ -41,8 +41,9 @@ class View:
             (the same: the header was never rewritten).
         own: This node's keys by list (``p``, ``w``, ``r``; ``pd`` its done mark), ``None``
             where it is not.
-        participants, waiting, redundant, finished, done: The counts of ``p/``, ``w/``,
-            ``r/``, ``q/`` (members done or gone finished), ``pd/`` (members done).
+        participants, waiting, redundant, finished, done, left: The counts of ``p/``,
+            ``w/``, ``r/``, ``q/`` (members done or gone finished), ``pd/`` (members done),
+            ``l/`` (members that left unfinished).
         first: The first participant (rank 0 when the round completes) and its port.
         cut: The revision of the last completion (the ``c`` key), 0 if none.
         extras: When more than ``max_nodes`` joined a forming round at once (their joins
@@ -62,6 +63,7 @@ class View:
     redundant: int = 0
     finished: int = 0
     done: int = 0
+    left: int = 0
     first: tuple[NodeDesc, int] | None = None
     cut: int = 0
     extras: tuple[Member, ...] | None = None
@@ -80,9 +82,12 @@ class Plan:
     Attributes:
         header: The header to write (``None``: unchanged).
         put: This node's keys to write: list -> value (``p`` with its port; ``pm`` its
-            profile, ``pd`` and ``q`` its done marks).
+            profile, ``pd`` and ``q`` its done marks, ``l`` its mark of a lost leave).
         delete: This node's keys to delete (lists).
-        clear_finished: Delete the ``q/`` keys (the next round opened).
+        clear_marks: Delete the ``q/`` and ``l/`` keys (the next round opened).
+        own_only: The decision rests on the node's own keys alone (a member leaving its
+            complete round, the header left as it is): the write is compared against
+            them, not against the header (see :func:`._txns.write_txn`).
         mark_cut: Write the ``c`` key (the round completed in this request).
         guard: The decision used the participants' count: the write must fail if a
             participant joined since the read.
@@ -111,7 +116,8 @@ class Plan:
     header: Header | None = None
     put: dict[str, bytes] = field(default_factory=dict, repr=False)
     delete: list[str] = field(default_factory=list)
-    clear_finished: bool = False
+    clear_marks: bool = False
+    own_only: bool = False
     mark_cut: bool = False
     guard: bool = False
     extras: list[str] = field(default_factory=list)
@@ -133,6 +139,30 @@ class Plan:
     fail_mark: int | None = None
     drop_failed: int | None = None
     reset_health: bool = False
+
+    def reply(self, request: Request, seat: Seat | None) -> Reply:
+        """The reply to ``request`` (a finished join's rank and placement from ``seat``,
+        its seat at the round's cut)."""
+        finished_join = request.op is Op.JOIN and self.outcome is Outcome.FINISH
+        master = self.master if finished_join else None
+        rank, placement = None, None
+        if finished_join and seat is not None:
+            rank = seat.rank
+            placement = placement_of(seat, sort_key(request.node), self.world, self.profile)
+        return Reply(
+            outcome=self.outcome,
+            status=self.status,
+            transition=self.transition,
+            rank=rank,
+            master_addr=None if master is None else master[0],
+            master_port=None if master is None else master[1],
+            wake_at_ms=self.wake_at_ms,
+            restart_deadline=self.restart,
+            known=self.known,
+            run_rules=self.run_rules,
+            reopen_at_ms=self.reopen_at_ms,
+            placement=placement,
+        )
 
 
 #: A process's lookup of the last call's end: (epoch, deadline id, last call ms, now) -> ms.

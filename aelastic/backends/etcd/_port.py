@@ -25,7 +25,12 @@ What etcd does differently, and why it is still the machine's rule:
   (no shared value is rewritten, so a thousand joins do not conflict); of a complete round,
   the members done are the ``pd/`` keys, those done or finished the ``q/`` keys (a done
   member etcd dropped stays counted: ``q/`` has no lease), the members lost
-  ``world - participants - finished``. The header records the counts as of its last write,
+  ``world - participants - finished``; of those, the ones that left (a leave is never
+  counted lost in the job's health) are the ``l/`` keys, the rest etcd dropped. A member
+  leaving its complete round writes its own keys only (its ``l/`` mark; the header too
+  while the lost sample has room, or when a watched flag moves), compared against its own
+  keys alone: so the survivors of a lost node, all leaving at once to re-rendezvous, do
+  not contend on one key. The header records the counts as of its last write,
   for watchers; a request that finds them moved past a watched flag (all done, say) writes
   it.
 * **The job's control state** is the machine's too: a join's profile (role, local world
@@ -82,12 +87,13 @@ class Run:
             else Header(epoch=epoch, rules=req.rules, entered=False, profile=self.profile)
         )
         self.fresh = h is None
-        self.np, self.nw, self.nr, self.nq, self.nd = (
+        self.np, self.nw, self.nr, self.nq, self.nd, self.nl = (
             view.participants,
             view.waiting,
             view.redundant,
             view.finished,
             view.done,
+            view.left,
         )
         self.where = view.where()
         self.first = view.first
@@ -130,6 +136,12 @@ class Run:
         return max(h.world - self.np - self.finished, 0) if h.complete else 0
 
     @property
+    def unaccounted(self) -> int:
+        """Members of the complete round etcd dropped that the header has not accounted
+        for: the lost less those that left (``l/``) less those accounted (``dropped``)."""
+        return max(self.lost - self.nl - self.h.dropped, 0)
+
+    @property
     def all_done(self) -> bool:
         h = self.h
         return h.complete and h.world > 0 and self.nq >= h.world
@@ -156,12 +168,12 @@ class Run:
             deadline=None,
             world=0,
             sample=(),
-            sampled=0,
+            dropped=0,
             master=None,
         )
-        if self.nq:
-            self.plan.clear_finished = True
-        self.nq = 0
+        if self.nq or self.nl:
+            self.plan.clear_marks = True
+        self.nq = self.nl = 0
 
     def _drop(self, where: str) -> None:
         plan = self.plan
@@ -231,11 +243,11 @@ class Run:
         elif finished:
             self.plan.put["q"] = b""
             self.nq += 1
-        else:
-            sample = h.sample
-            if len(sample) < MAX_LOST_SAMPLE:
-                sample = (*sample, self.node.key)
-            self.h = h.evolve(sample=sample, sampled=h.sampled + 1)
+        else:  # lost: its mark (the header only while the sample has room)
+            self.plan.put["l"] = b""
+            self.nl += 1
+            if len(h.sample) < MAX_LOST_SAMPLE:
+                self.h = h.evolve(sample=(*h.sample, self.node.key))
 
     def complete(self) -> None:
         """The machine's ``_complete``: ranks are the sorted order of the ``p/`` keys."""
@@ -244,7 +256,7 @@ class Run:
             first = (self.node, self.port)
         master = None if first is None else (first[0].addr, first[1])
         self.h = self.h.evolve(
-            complete=True, deadline=None, world=self.np, sample=(), sampled=0, master=master
+            complete=True, deadline=None, world=self.np, sample=(), dropped=0, master=master
         )
         self.plan.mark_cut = True
         self.plan.guard = True
@@ -274,7 +286,7 @@ def reconcile(run: Run, view: View, lost_names: list[str], now: int) -> None:
 
     ``lost_names`` are the members of the complete round that etcd removed since the
     header's last write, in order (for the sample and the job's health: their hosts are
-    counted lost; the count comes from the counts).
+    counted lost; the count comes from the counts: :attr:`Run.unaccounted`).
 
     Joins race: a forming round may hold ``min_nodes`` participants without a last call, or
     ``max_nodes`` without being complete, when the joins that reached them ran at once. The
@@ -285,7 +297,7 @@ def reconcile(run: Run, view: View, lost_names: list[str], now: int) -> None:
     if not run.listed and h.vacated is None and h.entered and not run.fresh:
         run.h = h = h.evolve(vacated=now)  # etcd dropped its last nodes: dated now
     if h.complete and run.np == 0:
-        run.fold_losses(lost_names[: max(run.lost - h.sampled, 0)])
+        run.fold_losses(lost_names[: run.unaccounted])
         run.open_next_round()
         return
     if not h.complete:
@@ -309,26 +321,26 @@ def reconcile(run: Run, view: View, lost_names: list[str], now: int) -> None:
         elif run.np >= rules.min_nodes and h.deadline is None:
             run.h = h.evolve(deadline=(-1, now + rules.last_call_ms))
         return
-    lost = run.lost
-    if lost > h.sampled:
-        names = lost_names[: lost - h.sampled]
+    unaccounted = run.unaccounted
+    if unaccounted:
+        names = lost_names[:unaccounted]
         sample = list(h.sample)
         for name in names:
             if len(sample) < MAX_LOST_SAMPLE:
                 sample.append(name)
-        run.h = h.evolve(sample=tuple(sample), sampled=lost)
+        run.h = h.evolve(sample=tuple(sample), dropped=h.dropped + unaccounted)
         run.fold_losses(names)
 
 
 def needs_names(view: View) -> int:
     """How many lost members' names a request on ``view`` needs (0: none): those etcd
-    removed from the complete round since the header accounted for its losses (for the
-    sample and the job's health)."""
+    removed from the complete round since the header accounted for its drops (for the
+    sample and the job's health; :attr:`Run.unaccounted`)."""
     h = view.header
     if h is None or not h.complete:
         return 0
     lost = h.world - view.participants - max(view.finished - view.done, 0)
-    return max(lost - h.sampled, 0)
+    return max(lost - view.left - h.dropped, 0)
 
 
 def status_of(

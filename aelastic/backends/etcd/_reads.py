@@ -31,7 +31,7 @@ from ._ranges import count_ops, members_of, port_of, range_of, range_op, seat_of
 __all__ = ["SHOWN_BEATS", "RunReads"]
 
 #: The ranges of a node's read before its seat (see :meth:`RunReads._view_ops`).
-_VIEW_RANGES = 12
+_VIEW_RANGES = 13
 
 #: A snapshot of at most this many nodes shows when each last renewed its lease.
 SHOWN_BEATS = 64
@@ -68,6 +68,9 @@ class RunReads:
         self._where_of: dict[NodeDesc, str | None] = {}
         #: The revision each node's last request read or wrote the run at.
         self.revision_of: dict[NodeDesc, int] = {}
+        #: The last call each node's own request started, (epoch, its id): that node
+        #: completes the round when it ends (:mod:`._waits`).
+        self.last_calls: dict[NodeDesc, tuple[str, int]] = {}
         self.where = f"The rendezvous state of run '{keys.run_id}' at {client.display}"
 
     @property
@@ -118,6 +121,7 @@ class RunReads:
             *count_ops(k),
             range_op(k.participants, prefix_end(k.participants), limit=1),
             range_op(k.cut, keys_only=True),
+            range_op(k.left, prefix_end(k.left), count_only=True),
         ]
         if seat_at:
             ops.extend(seat_ops(k, node, seat_at))
@@ -137,6 +141,7 @@ class RunReads:
         if firsts:
             first = (self._node_of(firsts[0].key, "p/"), port_of(firsts[0].value))
         cuts = members_of(ranges[11].get("kvs", []))
+        left = int(ranges[12].get("count", 0))
         seat = None
         if len(ranges) > _VIEW_RANGES + 1:
             seat = seat_of(self._keys, ranges[_VIEW_RANGES], ranges[_VIEW_RANGES + 1])
@@ -151,6 +156,7 @@ class RunReads:
             redundant=counts[2],
             finished=counts[3],
             done=counts[4],
+            left=left,
             first=first,
             cut=cuts[0].mod if cuts else 0,
         )

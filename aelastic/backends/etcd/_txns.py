@@ -2,9 +2,10 @@
 values in base64; :mod:`._proto` puts them on the wire).
 
 How it works: :func:`write_txn` turns a decided :class:`~._port.Plan` into one transaction
-compared against the read it was decided on (the header's mod revision, the node's own
-keys, the health key's when it writes it, and when the plan used the participants' count,
-that no participant joined since);
+compared against the read it was decided on (the header's mod revision, but for a member
+leaving its complete round without rewriting it; the node's own keys, the health key's when
+it writes it, and when the plan used the participants' count, that no participant joined
+since);
 :func:`first_join_txn` is a node's first join, one transaction and no read, which creates
 the run or joins its round 0. Pure: :class:`~._apply.RunPort` sends them and reads the
 answers.
@@ -26,15 +27,18 @@ __all__ = ["first_join_txn", "write_txn"]
 def write_txn(
     k: RunKeys, view: View, plan: Plan, node: NodeDesc, lease: int | None, count: bool
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The compare and the writes of ``plan``, decided for ``node`` on ``view``: the header,
-    the node's three keys and, when the plan used the participants' count (``guard``), that
-    no participant joined since the read; ``count`` adds a blind join's count of the
+    """The compare and the writes of ``plan``, decided for ``node`` on ``view``: the header
+    (but for a plan on the node's own keys alone, ``own_only``), the node's three keys and,
+    when the plan used the participants' count (``guard``), that no participant joined since
+    the read; ``count`` adds a blind join's count of the
     participants, and a plan that fixes the cut and wants a rank, the node's rank and the
     profile marks (:mod:`._control`)."""
-    compare: list[dict[str, Any]] = [
-        {"key": b64(k.header), "target": "MOD", "result": "EQUAL",
-         "mod_revision": view.header_mod},
-    ]  # fmt: skip
+    compare: list[dict[str, Any]] = []
+    if not plan.own_only:
+        compare.append(
+            {"key": b64(k.header), "target": "MOD", "result": "EQUAL",
+             "mod_revision": view.header_mod}
+        )  # fmt: skip
     for where in LISTS:
         member = view.own.get(where)
         compare.append(
@@ -56,8 +60,9 @@ def write_txn(
              "target": "CREATE", "result": "LESS", "create_revision": view.revision + 1}
         )  # fmt: skip
     ops: list[dict[str, Any]] = []
-    if "q" in plan.put:  # before the participant's delete: a finished leave's mark
-        ops.append({"request_put": {"key": b64(k.member("q", node)), "value": ""}})
+    for mark in ("q", "l"):  # before the participant's delete: a leave's mark (no lease)
+        if mark in plan.put:
+            ops.append({"request_put": {"key": b64(k.member(mark, node)), "value": ""}})
     for where in plan.delete:
         ops.append({"request_delete_range": {"key": b64(k.member(where, node))}})
     for key in plan.extras:
@@ -65,7 +70,7 @@ def write_txn(
         mark = k.profiles + key[len(k.participants) :]
         ops.append({"request_delete_range": {"key": b64(mark)}})
     for where, value in plan.put.items():
-        if where != "q":
+        if where not in ("q", "l"):
             put = {"key": b64(k.member(where, node)), "value": b64(value), "lease": lease}
             ops.append({"request_put": put})
     h = view.header
@@ -82,11 +87,11 @@ def write_txn(
     if plan.mark_cut:
         round_ = b"" if plan.header is None else str(plan.header.round).encode()
         ops.append({"request_put": {"key": b64(k.cut), "value": b64(round_)}})
-    if plan.clear_finished:
-        ops.append(
-            {"request_delete_range": {"key": b64(k.finished),
-                                      "range_end": b64(prefix_end(k.finished))}}
-        )  # fmt: skip
+    if plan.clear_marks:
+        ops.extend(
+            {"request_delete_range": {"key": b64(marks), "range_end": b64(prefix_end(marks))}}
+            for marks in (k.finished, k.left)
+        )
     ops.extend(_health_ops(k, plan, node))
     if count:  # a blind join's count (see _apply's _follow_up): O(N), in etcd's apply loop
         ops.append(range_op(k.participants, prefix_end(k.participants), count_only=True))
