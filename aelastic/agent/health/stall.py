@@ -85,7 +85,9 @@ async def watch_stalls(
             await anyio.sleep(max(check.next_check - time.monotonic(), 0.01))
             continue
         now = time.monotonic()
-        stalls = await _describe(pages, running, stalled, now, watches, seen.began)
+        stalls = _still_stalled(await _describe(pages, running, stalled, now, watches, seen.began))
+        if not stalls:
+            continue  # they made progress while they were looked at
         stalls = seen.leave_to_peers(stalls, watches)
         if not stalls:
             continue
@@ -147,6 +149,10 @@ async def _describe(
         if r.stack_signal and rank not in frozen and _ours(r.pid, running[rank].pid)
     ]
     dumps = await dump_stacks(targets) if targets else {}
+    # Read again once the stacks are in: a step made since the verdict (or while the stacks
+    # were taken) is seen, and that worker is no longer idle (see :func:`_still_stalled`).
+    now = max(now, time.monotonic())
+    readings = {rank: pages.read(rank) for rank in ranks}
     stalls = []
     for rank, reading in readings.items():
         text = dumps.get(reading.pid, "")
@@ -170,6 +176,13 @@ async def _describe(
             )
         )
     return stalls
+
+
+def _still_stalled(stalls: list[Stall]) -> list[Stall]:
+    """The stalls whose worker made no progress since it was found stalled: under load, the
+    verdict, the look from outside and the stacks take seconds, and a long phase may end
+    meanwhile (a worker killed then was named hung "for 0.0 s")."""
+    return [s for s in stalls if s.bound <= 0.0 or s.idle >= s.bound]
 
 
 def _ours(pid: int, worker_pid: int) -> bool:
