@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -77,6 +78,7 @@ async def test_the_nodes_of_a_process_renew_on_one_stream_each_lease_its_own(
         beats = [Request(Op.KEEP_ALIVE, n, RULES, secret=f"{i}" * 32) for i, n in enumerate(nodes)]
         await asyncio.gather(*(b.apply(r) for b, r in zip(backends, beats, strict=True)))
         streams, messages = keep_alive_streams(server)
+        began = time.monotonic()
         for _ in range(5):
             replies = await asyncio.gather(
                 *(b.apply(r) for b, r in zip(backends, beats, strict=True))
@@ -87,7 +89,11 @@ async def test_the_nodes_of_a_process_renew_on_one_stream_each_lease_its_own(
                 await b._leases.settled()
         streams_after, messages_after = keep_alive_streams(server)
         assert streams_after == streams  # the stream was open: no new one
-        assert messages_after - messages == 10
+        # One message per beat; on a loaded machine a request that takes a third of the
+        # lease's time to live also has its lease renewed beside it (``Leases.kept``): at
+        # most one more per node per elapsed second here.
+        extra = messages_after - messages - 10
+        assert 0 <= extra <= 2 * math.ceil(time.monotonic() - began), extra
         keys = [backends[0].keys.member("p", n) for n in nodes]
         stopped = time.monotonic()
         while ttl_of(server, keys[1]) >= 0:  # the second node is silent from now on

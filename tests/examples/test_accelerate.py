@@ -15,7 +15,9 @@ import contextlib
 import re
 import shlex
 import socket
+import subprocess
 import textwrap
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -158,11 +160,18 @@ def test_an_endpoint_taken_by_default_is_named_in_the_first_line_and_the_error()
 # -- two machines --------------------------------------------------------------------------
 
 
-def _two_machines(argv: list[str], env: dict[str, str], **values: str) -> list[str]:
-    nodes = [
-        start(_with(argv, machine_rank=str(rank), num_processes="2", **values), env)
-        for rank in (0, 1)
-    ]
+def _two_machines(
+    argv: list[str], env: dict[str, str], hosted: int | None = None, **values: str
+) -> list[str]:
+    """Machine ranks 0 and 1 of one job, on this host. With ``hosted`` (the port machine
+    rank 0 hosts the rendezvous on), rank 1 starts once rank 0 listens there: on two real
+    machines only rank 0's is local, but here both are, and accelerate refuses to start
+    machine rank 0 when the port is taken, as it is if rank 1 came first and hosted it."""
+    nodes = [start(_with(argv, machine_rank="0", num_processes="2", **values), env)]
+    if hosted is not None and not _listening(hosted, nodes[0], TIMEOUT):
+        code, out = finish(nodes[0], 5)
+        raise AssertionError(f"machine rank 0 never listened on {hosted} (exit {code}):\n{out}")
+    nodes.append(start(_with(argv, machine_rank="1", num_processes="2", **values), env))
     outs = []
     for node in nodes:
         code, out = finish(node, TIMEOUT)
@@ -171,19 +180,33 @@ def _two_machines(argv: list[str], env: dict[str, str], **values: str) -> list[s
     return outs
 
 
-@pytest.mark.timeout(TIMEOUT + 20)
+def _listening(port: int, proc: subprocess.Popen[str], within: float) -> bool:
+    """Whether something listens on 127.0.0.1:``port`` within ``within`` seconds, while
+    ``proc`` runs."""
+    deadline = time.monotonic() + within
+    while proc.poll() is None and time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 20)
 @pytest.mark.parametrize("kind", ["http", "redis", "c10d"])
 def test_accelerate_launch_on_two_machines_with_the_main_process_flags(kind: str) -> None:
     env, argv = _documented(has="--main_process_ip")
     assert set(env) == {"PET_RDZV_ID"}
     env = {"PET_RDZV_ID": f"two-machines-{kind}"}
     if kind == "c10d":  # the machine at --main_process_ip hosts the rendezvous
+        port = free_port()
         outs = _two_machines(
             argv,
             env,
+            hosted=port,
             rdzv_backend="aelastic-c10d",
             main_process_ip="127.0.0.1",
-            main_process_port=str(free_port()),
+            main_process_port=str(port),
         )
     else:  # the store is on "another machine": 127.0.0.2, not localhost
         with _store(kind, "127.0.0.2") as (backend, endpoint):
