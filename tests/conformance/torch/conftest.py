@@ -14,7 +14,9 @@ makes ``count`` such nodes of this test's run; every one is released at the end.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -84,14 +86,31 @@ class RoundStore:
 
 
 async def _in_thread(call: Callable[..., T], *args: Any) -> T:
-    """A blocking call in a worker thread (the test's loop goes on meanwhile)."""
-    return await anyio.to_thread.run_sync(
-        functools.partial(call, *args), abandon_on_cancel=True, limiter=_THREADS
-    )
+    """A blocking call in a worker thread (the test's loop goes on meanwhile), abandoned if
+    the test is cancelled: ``abandon_on_cancel`` from anyio 4.1, ``cancellable`` on 4.0 (the
+    oldest release pyproject.toml admits)."""
+    run = functools.partial(call, *args)
+    abandon = {_ABANDON: True}
+    result: T = await anyio.to_thread.run_sync(run, limiter=_threads(), **abandon)
+    return result
 
 
-#: Enough threads for every node of a scenario to block at once.
-_THREADS = anyio.CapacityLimiter(64)
+_ABANDON = (
+    "abandon_on_cancel"
+    if "abandon_on_cancel" in inspect.signature(anyio.to_thread.run_sync).parameters
+    else "cancellable"
+)
+#: Per event loop: enough threads for every node of a scenario to block at once (made in
+#: the loop: anyio 4.0 makes no limiter outside one).
+_LIMITERS: dict[object, anyio.CapacityLimiter] = {}
+
+
+def _threads() -> anyio.CapacityLimiter:
+    loop = asyncio.get_running_loop()
+    if loop not in _LIMITERS:
+        _LIMITERS.clear()  # the loops of earlier tests are over
+        _LIMITERS[loop] = anyio.CapacityLimiter(64)
+    return _LIMITERS[loop]
 
 
 class Node:

@@ -34,6 +34,7 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -91,14 +92,24 @@ class Scope:
 
 #: The scope of the server's own token, and of every request to a server without one.
 EVERY_RUN = Scope()
+
+
+def _request_key() -> Any:
+    """The key a request's scope is kept under: a typed ``web.RequestKey`` where aiohttp has
+    it (its recent releases, which warn of a plain string), a string on the older releases
+    ``pyproject.toml`` admits (3.10.4 on, which have no ``RequestKey``)."""
+    key_type = getattr(web, "RequestKey", None)
+    return "aelastic_scope" if key_type is None else key_type("aelastic_scope", Scope)
+
+
 #: The scope of a request, set by the bearer check.
-SCOPE = web.RequestKey("aelastic_scope", Scope)
+SCOPE: Any = _request_key()
 
 
 def scope_of(request: web.Request) -> Scope:
     """The scope of ``request``'s token (every run when the server checks no token)."""
     scope = request.get(SCOPE)
-    return EVERY_RUN if scope is None else scope
+    return EVERY_RUN if not isinstance(scope, Scope) else scope
 
 
 def _b64(data: bytes) -> str:
