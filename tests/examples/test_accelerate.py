@@ -168,7 +168,7 @@ def _two_machines(
     machines only rank 0's is local, but here both are, and accelerate refuses to start
     machine rank 0 when the port is taken, as it is if rank 1 came first and hosted it."""
     nodes = [start(_with(argv, machine_rank="0", num_processes="2", **values), env)]
-    if hosted is not None and not _listening(hosted, nodes[0], TIMEOUT):
+    if hosted is not None and not _listens_within(hosted, nodes[0], TIMEOUT):
         code, out = finish(nodes[0], 5)
         raise AssertionError(f"machine rank 0 never listened on {hosted} (exit {code}):\n{out}")
     nodes.append(start(_with(argv, machine_rank="1", num_processes="2", **values), env))
@@ -180,14 +180,13 @@ def _two_machines(
     return outs
 
 
-def _listening(port: int, proc: subprocess.Popen[str], within: float) -> bool:
+def _listens_within(port: int, proc: subprocess.Popen[str], within: float) -> bool:
     """Whether something listens on 127.0.0.1:``port`` within ``within`` seconds, while
     ``proc`` runs."""
     deadline = time.monotonic() + within
     while proc.poll() is None and time.monotonic() < deadline:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return True
+        if _listening(port):
+            return True
         time.sleep(0.05)
     return False
 
