@@ -127,7 +127,9 @@ async def test_a_worker_whose_agent_stops_beating_stops_itself_and_its_group(
 
 
 async def test_a_worker_of_an_agent_that_ends_is_left_to_the_agent(tmp_path: Path) -> None:
-    beat = _beat(window=0.6, interval=0.2)
+    # A window of seconds: with 0.6 s, a loaded machine left this test's own loop (the
+    # agent's beat) unscheduled past its slack, and the beat had lapsed.
+    beat = _beat(window=3.0, interval=1.0)
     beat.start()
     async with _worker(tmp_path, beat) as (proc, child):
         await anyio.sleep(2 * beat.slack)
