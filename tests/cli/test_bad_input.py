@@ -17,7 +17,7 @@ from aelastic.cli.conf_keys import RENDEZVOUS_KEYS, known_keys, unknown_key_warn
 
 from ._proc import Cli, run_cli
 
-HELLO = "import os\nprint('hello rank', os.environ['RANK'], flush=True)\n"
+HELLO = "import os\nos.write(1, f\"hello rank {os.environ['RANK']}\\n\".encode())\n"  # one write
 SLEEP = """
 import os, time
 os.write(1, f"worker pid={os.getpid()}\\n".encode())

@@ -208,7 +208,8 @@ def test_training_survives_leader_kills(tmp_path: Path, run_id: str) -> None:
 # A worker that needs no torch: it prints what the launcher gave it.
 ENV_WORKER = """
 import os
-print("env", *(f"{k}={os.environ[k]}" for k in ("RANK", "WORLD_SIZE", "MASTER_PORT")), flush=True)
+line = " ".join(f"{k}={os.environ[k]}" for k in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
+os.write(1, f"env {line}\\n".encode())  # one write
 """
 
 

@@ -21,7 +21,9 @@ from tests._rendezvous_helpers import SECRET
 
 from ._proc import cli_env, run_cli
 
-HELLO = "import os\nprint('hello rank', os.environ['RANK'], flush=True)\n"
+# One write: under ``python -u`` each of print's pieces is a write of its own, and the
+# agent's lines on the same pipe can come between them.
+HELLO = "import os\nos.write(1, f\"hello rank {os.environ['RANK']}\\n\".encode())\n"
 
 
 @pytest.fixture(params=["redis", "http", "etcd"])

@@ -69,7 +69,9 @@ def test_default_is_standalone_like_torchrun(tmp_path: Path) -> None:
 
 
 def test_module_and_script_args(tmp_path: Path) -> None:
-    (tmp_path / "mymod.py").write_text("import sys\nprint('args', sys.argv[1:], flush=True)\n")
+    (tmp_path / "mymod.py").write_text(
+        "import os, sys\nos.write(1, f'args {sys.argv[1:]}\\n'.encode())\n"
+    )
     code, out = run_cli(["run", "-q", "-m", "mymod", "--lr", "0.1", "-m"], tmp_path)
     assert code == 0, out
     assert "args ['--lr', '0.1', '-m']" in out
@@ -171,7 +173,7 @@ def test_restart_then_success(tmp_path: Path) -> None:
         "flaky.py",
         """
         import os, sys
-        print("restart", os.environ["TORCHELASTIC_RESTART_COUNT"], flush=True)
+        os.write(1, f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}\\n".encode())
         sys.exit(1 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
         """,
     )

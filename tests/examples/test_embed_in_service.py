@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # until it lets them finish: no sleeps, and no race whichever comes first.
 WORKER = """
 import fcntl, os, sys
-print("worker", os.environ["RANK"], "pid", os.getpid(), flush=True)
+os.write(1, f"worker {os.environ['RANK']} pid {os.getpid()}\\n".encode())
 with open(sys.argv[1]) as gate:
     fcntl.flock(gate, fcntl.LOCK_SH)
 """
