@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import pytest
@@ -151,6 +153,60 @@ async def test_hosts_of_members_dropped_by_etcd_are_counted_lost_not_those_that_
         assert health is not None and status is not None
         assert dict(health.lost)["127.0.0.1"].count == 1
         assert dict(health.lost)["127.0.0.1"].round == status.round
+
+
+async def test_a_drop_after_many_leaves_is_named_without_reading_each_leave(
+    server: EtcdServer,
+) -> None:
+    """36 of 40 members leave (their collectives broke), then one goes silent and etcd drops
+    it: the survivors' requests name it from the history after the newest leave's mark, not
+    by reading and checking each leave's deletion (every deletion since the header's last
+    write, before: O(N) per request, O(N²) for the round at 1,024 nodes)."""
+    conf = {"keep_alive_interval": 0.5, "keep_alive_max_attempt": 2}
+    run = "drop-after-leaves"
+    async with handler_group("etcd", server.endpoint, run, 40, 2, 40, **conf) as group:
+        infos = await join_all(group, within=60.0)
+        by_rank = [h for _, h in sorted(zip(infos, group, strict=True), key=lambda x: x[0].rank)]
+        await asyncio.gather(*(h.shutdown() for h in by_rank[4:]))
+        survivors, silent = by_rank[:3], by_rank[3]
+        deletions: list[int] = []  # deletion events read by each lookup of names
+        ports = [h.backend._port for h in survivors]  # type: ignore[attr-defined]
+        for client in {id(p._client): p._client for p in ports}.values():
+            _count_lookup_events(client, deletions)
+        await silent._heartbeats.stop()  # silent: etcd drops it
+
+        async def counted() -> bool:
+            health = await survivors[0].health()
+            return health is not None and bool(health.lost)
+
+        await eventually(counted)
+        health = await survivors[0].health()
+        assert health is not None and dict(health.lost)["127.0.0.1"].count == 1
+        assert deletions and max(deletions) <= 4, deletions
+
+
+def _count_lookup_events(client: Any, counts: list[int]) -> None:
+    """Spy on ``client``'s watches of deletions (the lookups of lost names): each one's
+    deletion events go into ``counts`` (the calls themselves go to etcd as they were)."""
+    real = client.stream
+
+    @asynccontextmanager
+    async def stream(path: str, body: Any, timeout: float | None = None) -> Any:  # noqa: ASYNC109
+        create = body.get("create_request", {}) if isinstance(body, dict) else {}
+        async with real(path, body, timeout) as messages:
+            if create.get("filters") != ["NOPUT"]:
+                yield messages
+                return
+            counts.append(0)
+
+            async def counting() -> Any:
+                async for message in messages:
+                    counts[-1] += len(message.get("events", []))
+                    yield message
+
+            yield counting()
+
+    client.stream = stream
 
 
 def _failure(time: float, secondary: bool) -> NodeReport:

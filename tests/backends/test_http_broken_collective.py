@@ -145,3 +145,46 @@ async def test_the_client_reports_as_its_node(run_id: str, sent: Op) -> None:
         finally:
             await backend.aclose()
         assert (await status(url, run_id)).lost == 1
+
+
+@pytest.mark.parametrize("over", ["http", "channel"])
+async def test_a_node_whose_beat_came_again_before_its_channels_end_was_read_stays(
+    run_id: str, over: str
+) -> None:
+    """Its client saw the cut first and sent its keep-alive again (over HTTP, as the client
+    does when its channel fails mid-request, or on a new channel), held by the server,
+    before the server read the old channel's end: no beat comes during the grace, the one
+    sent is held. It is alive, through the grace and a member's report alike."""
+    async with (
+        three_members(run_id) as (url, seen, (a, _, _)),
+        aiohttp.ClientSession() as session,
+        session.ws_connect(url + "/v1/channel") as again,
+    ):
+        token = (await status(url, run_id)).token
+        beat = request_to_json(Request(Op.KEEP_ALIVE, node(2), RULES, secret=SECRET))
+        if over == "http":
+            held: Any = session.post(
+                f"{url}/v1/runs/{run_id}/rendezvous",
+                json=beat,
+                params={"hold": "30", "seen": token},
+            )
+        async with anyio.create_task_group() as tg:
+            if over == "http":
+
+                async def hold_it() -> None:
+                    async with held as response:
+                        await response.read()
+
+                tg.start_soon(hold_it)
+            else:
+                await again.send_json(
+                    {"id": 20, "run": run_id, "request": beat, "hold": 30, "seen": token}
+                )
+            await anyio.sleep(0.3)  # held by now
+            seen.channels[2].abort()  # then the old channel's end is read
+            await anyio.sleep(0.05)
+            doc = await exchange(a, message(11, run_id, Op.KEEP_ALIVE, 0, broken=True))
+            assert doc == {"id": 11, "departed": 0}
+            await anyio.sleep(1.2)  # past its grace
+            assert (await status(url, run_id)).lost == 0
+            tg.cancel_scope.cancel()

@@ -61,7 +61,7 @@ async def answer(
     # status's token moves (a round transition), or when the next beat is due; at once
     # when the node has not seen the status it carries (a change came between two beats).
     held = held and (seen is None or seen == reply.status.token)
-    if held and await engine.wait_status(run_id, reply.status.token, hold):
+    if held and await _held(store, run_id, request, reply.status.token, hold):
         if gone():
             reply = replace(reply, status=engine.status(run_id, now_ms()))
         else:
@@ -85,6 +85,19 @@ async def answer(
         reply = engine.apply(run_id, request, now_ms())
     await store.durable()
     return reply
+
+
+async def _held(store: RunStore, run_id: str, request: Request, token: str, hold: float) -> bool:
+    """Hold a keep-alive until the status moves from ``token`` (``True``) or ``hold``
+    seconds passed, its node counted in :attr:`RunStore.holding` meanwhile."""
+    key = (run_id, request.node)
+    store.holding[key] += 1
+    try:
+        return await store.engine.wait_status(run_id, token, hold)
+    finally:
+        store.holding[key] -= 1
+        if not store.holding[key]:
+            del store.holding[key]
 
 
 def failure(exc: Exception) -> tuple[int, str] | None:

@@ -325,9 +325,9 @@ async def _serve(
                 break
     finally:
         channels.discard(channel)
+        await channel.finish()  # its held keep-alives gone: they prove nothing now
         if abrupt and not channel.closed_here and channel.nodes:
             departures.report(channel.nodes)
-        await channel.finish()
     return ws
 
 

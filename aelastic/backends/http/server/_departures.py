@@ -9,7 +9,9 @@ requests carried (so a client can report only nodes it proved to hold) and the m
 channel ended. The machine (``core.machine``) answers *wait* until its grace has passed,
 and the report is applied again then (one loop timer per report): a node heard from since
 (a live node's client reconnects and sends its held beat again at once) stays, a silent
-one is lost at once rather than after the heartbeat window. A member whose workers'
+one is lost at once rather than after the heartbeat window. A node whose keep-alive is held
+on the server meanwhile (through another connection: its client sent it again before the
+server read the old channel's end) is alive too, whenever its beat came. A member whose workers'
 collective broke says so on its own channel (:meth:`Departures.confirm`, its own
 keep-alive: its secret proves it a member): the departures of its run still waiting are
 then applied *confirmed*, without the rest of the grace, unless they are more than half of
@@ -104,6 +106,11 @@ class Departures:
         store, node = self._store, request.node
         self._timers.pop((run_id, node), None)
         if store.closing or not store.engine.knows(run_id, node):
+            return 0
+        if store.holding.get((run_id, node)):
+            # Its keep-alive is held on another connection: it is alive. (Its client may
+            # have sent it again before this server read the old channel's end: then no
+            # beat comes during the grace, the one sent is held.)
             return 0
         reply = store.engine.apply(run_id, request, now_ms())
         if reply.transition is Transition.REMOVE:

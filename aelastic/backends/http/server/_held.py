@@ -192,7 +192,11 @@ class HeldBeats:
         loop = asyncio.get_running_loop()
         slot = math.ceil((loop.time() + hold) / _TICK)
         held = Held(channel, msg_id, run_id, request, key, text, token, slot)
+        old = channel.beats.get(msg_id)
+        if old is not None:  # an id used again while held: the older is withdrawn
+            self.drop(old)
         channel.beats[msg_id] = held
+        store.holding[(run_id, request.node)] += 1
         beats = self._slots.get(slot)
         if beats is None:
             beats = self._slots[slot] = {}
@@ -209,7 +213,12 @@ class HeldBeats:
 
     def drop(self, held: Held) -> None:
         """Forget ``held`` without answering it (withdrawn, or its channel closed)."""
-        held.channel.beats.pop(held.msg_id, None)
+        if held.channel.beats.get(held.msg_id) is held:
+            del held.channel.beats[held.msg_id]
+            holding, key = self._store.holding, (held.run_id, held.request.node)
+            holding[key] -= 1
+            if not holding[key]:
+                del holding[key]
         beats = self._slots.get(held.slot)
         if beats is not None:
             beats.pop(held, None)

@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,9 @@ class RunStore:
         self._dirty: set[str] = set()
         self.engine = Engine(on_change=self._mark)
         self.closing = False
+        #: The nodes with a keep-alive held right now (run id, node: how many), through
+        #: whatever connection: such a node is alive (see :mod:`._departures`).
+        self.holding: Counter[tuple[str, NodeDesc]] = Counter()
         #: Called with the seconds each journal write took (the server's metrics).
         self.on_write: Callable[[float], None] | None = None
         self._path = None if persist_path is None else Path(persist_path)
