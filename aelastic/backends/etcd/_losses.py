@@ -18,11 +18,13 @@ accounted for looks its name up, so a lookup that read and checked each leave co
 round O(N²): at 1,024 nodes, 422,749 deletion events read and 6,706 checks in one recovery
 that never formed. So the lookup first reads the newest mark's revision (one read: the
 ``l/`` and ``q/`` keys by creation, newest first, one of each), and the history after it,
-where no member left: the drops there are the names, checked once. Only when that window
-holds fewer than asked does it read the history before the mark, at most ``_EVENTS``
-deletions, checked ``_CHECKED`` at a time. Best effort: history compacted away, a member
-that does not answer, or drops among more leaves than the bound leave names out (the lost
-sample and the hosts counted in the job's health miss them; the counts stay exact).
+where no member left: the drops there are the names, checked once (the count of ``p/`` keys
+at the mark, against the read's, says how many deletions that window holds: it ends with
+the last, never waiting for more). Only when that window holds fewer than asked does it
+read the history before the mark, at most ``_EVENTS`` deletions, checked ``_CHECKED`` at a
+time. Best effort: history compacted away, a member that does not answer, or drops among
+more leaves than the bound leave names out (the lost sample and the hosts counted in the
+job's health miss them; the counts stay exact).
 """
 
 from __future__ import annotations
@@ -65,8 +67,13 @@ async def lost_names(
         return []
     later: list[str] = []
     if mark >= start:
-        window = _Window(client, keys, view, count, first=mark + 1, last=None)
-        later = await window.names()
+        # The complete round's p/ keys deleted after the mark (none is added while it stays
+        # complete): the window after it ends at the last of them, with no wait for more.
+        with contextlib.suppress(*_MISSED):
+            gone = await _participants_at(client, keys, mark) - view.participants
+            if gone > 0:
+                window = _Window(client, keys, view, count, first=mark + 1, last=None)
+                later = await window.names(expect=gone)
         if len(later) >= count:
             return [name_of(key) for key in later[:count]]
         window = _Window(client, keys, view, count - len(later), first=start, last=mark)
@@ -88,6 +95,13 @@ async def _newest_mark(client: EtcdClient, k: RunKeys, revision: int) -> int:
     return max(found, default=0)
 
 
+async def _participants_at(client: EtcdClient, k: RunKeys, revision: int) -> int:
+    """How many ``p/`` keys the run had at ``revision``."""
+    ops = [range_op(k.participants, prefix_end(k.participants), count_only=True, revision=revision)]
+    answer = await client.call("/v3/kv/txn", {"success": ops}, "lost names")
+    return int(range_of(answer.get("responses", [{}])[0]).get("count", 0))
+
+
 class _Window:
     """The drops among the deletions from revision ``first`` to ``last`` (``None``: the
     read's revision, past which no deletion is known to come: read until idle). A window up
@@ -107,13 +121,15 @@ class _Window:
         self.kept: list[str] = []  # p/ keys checked: dropped
         self._batch: list[str] = []  # the keys deleted at one revision
 
-    async def names(self) -> list[str]:
+    async def names(self, expect: int | None = None) -> list[str]:
+        """The names (at most ``count``); ``expect``: how many ``p/`` keys the window is
+        known to delete (it ends at the last of them)."""
         k = self._k
         body = {"create_request": {
             "key": b64(k.participants), "range_end": b64(prefix_end(k.finished)),
             "start_revision": self._first, "filters": ["NOPUT"],
         }}  # fmt: skip
-        at, read = 0, 0
+        at, read, deleted = 0, 0, 0
         try:
             async with self._client.stream("/v3/watch", body, timeout=5.0) as messages:
                 async for message in _until(messages, _IDLE):
@@ -129,10 +145,13 @@ class _Window:
                         if revision != at:
                             self._settle()
                             at = revision
+                        key = unb64(kv.get("key")).decode(errors="replace")
+                        deleted += key.startswith(k.participants)
                         if revision != self._view.header_mod:
                             read += 1
-                            self._batch.append(unb64(kv.get("key")).decode(errors="replace"))
+                            self._batch.append(key)
                     ended = ended or at >= self._end or (self._bounded and read >= _EVENTS)
+                    ended = ended or (expect is not None and deleted >= expect)
                     if await self._enough(ended):  # a revision's events come in one message
                         return self.kept[: self._count]
                     if ended:
