@@ -4,11 +4,9 @@ How it works: :class:`NodeRequests` holds what one node knows of its run (its id
 last status, its round) and sends its requests: each is applied by the backend with the
 state machine's semantics and answered with a constant-size reply, whose status it keeps
 (setting ``_news`` when a field that watchers act on changed). Joining is a loop: ask; the
-answer is *finished*, an error, or *wait*: then wait until the run's status changes (the
-backend wakes the waiter), the last call ends, or a keep-alive is due, and ask again. The
-waits race the backend's notification against the clock (:func:`~aelastic.core.race.first_of`),
-so a test's clock drives them. Every transition, every wait (with counts and deadlines) and
-every failed call is published as a typed event (:mod:`aelastic.core.events`) into
+answer is *finished*, an error, or *wait*: then wait (:mod:`._waits`) until the run's status
+changes, the last call ends, or a keep-alive is due, and ask again. Every transition, wait
+and failed call is published as a typed event (:mod:`aelastic.core.events`) into
 :attr:`NodeRequests.hub`; calls into the backend run under :meth:`NodeRequests.reporting`,
 so the backend's own retries reach the same hub with this run, node and round.
 """
@@ -23,7 +21,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,13 +39,13 @@ from ..core.events import (
     reporting,
 )
 from ..core.health import NodeReport
-from ..core.machine import reuse_grace_ms
 from ..core.params import RendezvousSettings, free_port
 from ..core.protocol import RendezvousBackend
-from ..core.race import Signal, first_of, wait_within
+from ..core.race import first_of, wait_within
 from ..core.state import NodeDesc, Op, Outcome, Placement, Reply, Request, Status, Transition
 from ._heartbeat import Heartbeats
 from ._refusals import join_refused, join_unanswered
+from ._waits import IdWait, StatusWaits
 
 __all__ = ["HandlerStats", "NodeRequests"]
 
@@ -80,23 +78,6 @@ class _Round:
     number: int
     rank: int
     world: int
-
-
-async def _settle(task: asyncio.Task[Any]) -> None:
-    """Cancel ``task`` and wait until it is over, even if the caller is cancelled meanwhile
-    (its cancellation is raised then); what ``task`` raised is dropped."""
-    cancelled = False
-    task.cancel()
-    while not task.done():
-        try:
-            await asyncio.wait({task})
-        except asyncio.CancelledError:
-            cancelled = True
-            task.cancel()
-    if not task.cancelled():
-        task.exception()  # retrieved: not logged as never retrieved
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 class NodeRequests:
@@ -138,21 +119,21 @@ class NodeRequests:
         #: for it (``RendezvousClosedError``); a node new to a run waits for its id instead.
         self._took_part = False
         self._closed_it = False
-        self._made_at = clock.monotonic()
         self._removed = False
         #: What this node's joins say of its workers, and the port they offer for the
         #: workers' bootstrap (``None``: a free one is picked at each join).
         self._profile: tuple[str, int] = ("default", 1)
-        self._waited_for_id: str | None = None
+        self._id_wait = IdWait(clock.monotonic())
         self._port: int | None = None
         #: Where this node's workers stand in its last completed round.
         self.placement: Placement | None = None
-        self._news = Signal()
+        #: Where this handler, its backend and an agent driving it publish their events.
+        self.hub = EventHub()
+        self._waits = StatusWaits(backend, clock, self.hub, self.publish)
+        self._news = self._waits.news
         self._heartbeats = Heartbeats(
             self, settings, clock, self._holds, f"aelastic-heartbeat-{self._node}"
         )
-        #: Where this handler, its backend and an agent driving it publish their events.
-        self.hub = EventHub()
         self._released = False
         self._shut_down = False
         self.stats = HandlerStats()
@@ -310,7 +291,7 @@ class NodeRequests:
                 self._rename()
                 continue
             if outcome is not Outcome.WAIT:
-                free_in = self._id_free_in(reply, sent)
+                free_in = self._id_wait.free_in(reply, sent, self._took_part)
                 if free_in is None or clock.monotonic() + free_in > deadline:
                     raise join_refused(self._settings, self._node, reply)
                 self._publish_id_wait(reply, free_in, deadline)
@@ -333,43 +314,8 @@ class NodeRequests:
                 await self._wait_change(reply.status.token, wake)
             expired = clock.monotonic() > deadline
 
-    def _id_free_in(self, reply: Reply, sent: float) -> float | None:
-        """Seconds until the run's id is free for this node's job, when the run refused its
-        join (sent at ``sent``, monotonic) for having ended (closed, or empty with other
-        rules) before this node's handler was made: a node of a new job waits for the id.
-        ``None``: refuse (a node of the ended job, which was in the run or was made while
-        it went on, is told it ended; so is any node while nodes are still in the run, as
-        torch's is)."""
-        ended = reply.outcome in (Outcome.ERROR_CLOSED, Outcome.ERROR_RULES)
-        free_at, rules = reply.reopen_at_ms, reply.run_rules
-        if self._took_part or not ended or free_at is None or rules is None:
-            return None
-        if self._waited_for_id is not None:  # decided at its first refusal: a new job's
-            return max(free_at - reply.status.now_ms, 0) / 1000
-        # Durations only (the backend's clock against this node's): since the run's last
-        # node left, by the backend when it answered, and since this handler was made, when
-        # the join was sent (before the backend answered). Were this node's age taken once
-        # the answer is in, a slow answer (a loaded machine) would make a handler made just
-        # after the run emptied (a job run again at once: in a notebook, milliseconds
-        # later) look older than the emptiness, and refuse it.
-        since_vacated = (reply.status.now_ms - (free_at - reuse_grace_ms(rules))) / 1000
-        if sent - self._made_at >= since_vacated:
-            return None
-        return max(free_at - reply.status.now_ms, 0) / 1000
-
     def _publish_id_wait(self, reply: Reply, free_in: float, deadline: float) -> None:
-        what = "closed" if reply.outcome is Outcome.ERROR_CLOSED else "made with other rules"
-        assert reply.reopen_at_ms is not None
-        if self._waited_for_id is None:
-            log.info(
-                "run '%s' was used by a job that has ended (%s): node %s waits %.0f s for its "
-                "id to be free",
-                self._settings.run_id,
-                what,
-                self._node,
-                free_in,
-            )
-        self._waited_for_id = what
+        what = self._id_wait.waits(reply, free_in, self._settings.run_id, self._node)
         if self.hub.listened:
             self.publish(
                 RendezvousWaiting(
@@ -442,67 +388,12 @@ class NodeRequests:
         self, token: str, within: float, news: bool = False, until: asyncio.Event | None = None
     ) -> None:
         """Until the status's token moves or ``within`` seconds pass (or, with ``news``, this
-        node's own requests bring news; or ``until`` is set)."""
-        if isinstance(self._clock, SystemClock) and until is None:
-            status = await self._wait_or_news(token, within, news)
-        else:
-            status = await self._wait_on_clock(token, within, news, until)
+        node's own requests bring news; or ``until`` is set): :class:`~._waits.StatusWaits`."""
+        status = await self._waits.wait(token, within, news, until)
         if status is not None:
             if not news:
                 self.stats.wakeups += 1
             self._note(status)
-
-    async def _wait_on_clock(
-        self, token: str, within: float, news: bool, until: asyncio.Event | None
-    ) -> Status | None:
-        """The timeout runs on the clock (a test's), the change on the backend."""
-        backend = self._backend
-
-        async def change() -> Status | None:
-            with self.reporting():
-                return await backend.wait_for_change(token, None)
-
-        calls: list[Callable[[], Awaitable[Any]]] = [change, lambda: self._clock.sleep(within)]
-        if news:
-            calls.append(self._news.wait)
-        if until is not None:
-            calls.append(until.wait)
-        index, status = await first_of(*calls)
-        return status if index == 0 else None
-
-    async def _backend_wait(self, token: str, within: float) -> Status | None:
-        if self.hub.listened:
-            with reporting(self.publish):
-                return await self._backend.wait_for_change(token, within)
-        return await self._backend.wait_for_change(token, within)
-
-    async def _wait_or_news(self, token: str, within: float, news: bool) -> Status | None:
-        """The backend's wait (its own timeout), cut short by this node's news (``news``):
-        one task and one future, where :func:`~aelastic.core.race.first_of` would take a
-        task group (this runs at every ``watch()`` of every node)."""
-        if not news:
-            return await self._backend_wait(token, within)
-        loop = asyncio.get_running_loop()
-        change = loop.create_task(self._backend_wait(token, within))
-        woken: asyncio.Future[None] = loop.create_future()  # by the change or the news
-
-        def wake(_: object) -> None:
-            if not woken.done():
-                woken.set_result(None)
-
-        change.add_done_callback(wake)
-        self._news.add(woken)
-        try:
-            await woken
-        except BaseException:
-            await _settle(change)
-            raise
-        finally:
-            self._news.discard(woken)
-        if not change.done():  # news came first
-            await _settle(change)
-            return None
-        return change.result()
 
     async def _leave_quietly(self, at_most: float | None = None) -> None:
         """Leave what a cancelled or failed join joined; never raises, never hangs (one
