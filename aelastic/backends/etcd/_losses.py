@@ -114,7 +114,7 @@ class _Window:
         last: int | None,
     ) -> None:  # fmt: skip
         self._client, self._k, self._view, self._count = client, keys, view, count
-        self._first, self._last = first, last
+        self._first = first
         self._bounded = last is not None
         self._end = view.revision if last is None else last
         self.found: list[str] = []  # p/ keys deleted, not yet checked for a leave

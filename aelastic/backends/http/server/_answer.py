@@ -90,14 +90,11 @@ async def answer(
 async def _held(store: RunStore, run_id: str, request: Request, token: str, hold: float) -> bool:
     """Hold a keep-alive until the status moves from ``token`` (``True``) or ``hold``
     seconds passed, its node counted in :attr:`RunStore.holding` meanwhile."""
-    key = (run_id, request.node)
-    store.holding[key] += 1
+    store.holding.add(run_id, request.node)
     try:
         return await store.engine.wait_status(run_id, token, hold)
     finally:
-        store.holding[key] -= 1
-        if not store.holding[key]:
-            del store.holding[key]
+        store.holding.remove(run_id, request.node)
 
 
 def failure(exc: Exception) -> tuple[int, str] | None:

@@ -107,7 +107,7 @@ class Departures:
         self._timers.pop((run_id, node), None)
         if store.closing or not store.engine.knows(run_id, node):
             return 0
-        if store.holding.get((run_id, node)):
+        if (run_id, node) in store.holding:
             # Its keep-alive is held on another connection: it is alive. (Its client may
             # have sent it again before this server read the old channel's end: then no
             # beat comes during the grace, the one sent is held.)

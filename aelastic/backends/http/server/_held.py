@@ -196,7 +196,7 @@ class HeldBeats:
         if old is not None:  # an id used again while held: the older is withdrawn
             self.drop(old)
         channel.beats[msg_id] = held
-        store.holding[(run_id, request.node)] += 1
+        store.holding.add(run_id, request.node)
         beats = self._slots.get(slot)
         if beats is None:
             beats = self._slots[slot] = {}
@@ -215,10 +215,7 @@ class HeldBeats:
         """Forget ``held`` without answering it (withdrawn, or its channel closed)."""
         if held.channel.beats.get(held.msg_id) is held:
             del held.channel.beats[held.msg_id]
-            holding, key = self._store.holding, (held.run_id, held.request.node)
-            holding[key] -= 1
-            if not holding[key]:
-                del holding[key]
+            self._store.holding.remove(held.run_id, held.request.node)
         beats = self._slots.get(held.slot)
         if beats is not None:
             beats.pop(held, None)

@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from ....core.token import parse
 from ....core.wire import WireError, rules_from_json, rules_to_json
 from ..._engine import Engine, Run, now_ms
 from ..wire import SchemaError, b64decode, b64encode, require_run_id
+from ._holding import Holding
 
 __all__ = ["PersistenceError", "RunLimitError", "RunStore"]
 
@@ -202,7 +202,7 @@ class RunStore:
         self.closing = False
         #: The nodes with a keep-alive held right now (run id, node: how many), through
         #: whatever connection: such a node is alive (see :mod:`._departures`).
-        self.holding: Counter[tuple[str, NodeDesc]] = Counter()
+        self.holding = Holding()
         #: Called with the seconds each journal write took (the server's metrics).
         self.on_write: Callable[[float], None] | None = None
         self._path = None if persist_path is None else Path(persist_path)
