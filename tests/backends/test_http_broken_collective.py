@@ -188,3 +188,24 @@ async def test_a_node_whose_beat_came_again_before_its_channels_end_was_read_sta
             await anyio.sleep(1.2)  # past its grace
             assert (await status(url, run_id)).lost == 0
             tg.cancel_scope.cancel()
+
+
+async def test_a_forged_held_beat_does_not_keep_a_departed_node(run_id: str) -> None:
+    """A keep-alive held for node 2 under another secret (a token holder, not node 2) proves
+    nothing: node 2's channel ends, a member's report loses it at once."""
+    async with (
+        three_members(run_id) as (url, seen, (a, _, _)),
+        aiohttp.ClientSession() as session,
+        session.ws_connect(url + "/v1/channel") as forger,
+    ):
+        token = (await status(url, run_id)).token
+        beat = request_to_json(Request(Op.KEEP_ALIVE, node(2), RULES, secret=FORGED))
+        await forger.send_json(
+            {"id": 20, "run": run_id, "request": beat, "hold": 30, "seen": token}
+        )
+        await anyio.sleep(0.3)
+        seen.channels[2].abort()
+        await anyio.sleep(0.05)
+        doc = await exchange(a, message(11, run_id, Op.KEEP_ALIVE, 0, broken=True))
+        assert doc == {"id": 11, "departed": 1}
+        assert (await status(url, run_id)).lost == 1
